@@ -1,0 +1,83 @@
+"""What every parity check shares: pinned numerics, random HF GPT-2 checkpoints, and the diff report."""
+
+import sys
+
+import numpy as np
+
+# HF GPT-2 sizes (all: vocab 50257, n_positions 1024)
+HF_SIZES = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+}
+
+
+def pin_numerics():
+    """fp32 everywhere: no TF32 in torch, highest matmul precision in JAX (matters on GPU/TPU)."""
+    import jax
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def random_hf_model(seed=0, **config_kwargs):
+    """A transformers GPT2LMHeadModel with *every* tensor random. HF's own init leaves biases at 0 and
+    LayerNorms at 1, which would hide a swapped or missing mapping."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config_kwargs = {"vocab_size": 50257, "n_positions": 1024, **config_kwargs}
+    if config_kwargs["vocab_size"] <= 50256:  # tiny test vocabularies have no <|endoftext|>
+        config_kwargs.setdefault("bos_token_id", None)
+        config_kwargs.setdefault("eos_token_id", None)
+    config = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **config_kwargs)
+    model = GPT2LMHeadModel(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".ln_" in name or name.startswith("transformer.ln_f"):
+                base = 1.0 if name.endswith(".weight") else 0.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def save_random_hf_model(path, seed=0, **config_kwargs):
+    random_hf_model(seed, **config_kwargs).save_pretrained(path)
+    return path
+
+
+def print_table(rows, headers):
+    """rows: lists of cells, printed as an aligned text table."""
+    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else f"{c:.3g}" for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for j, r in enumerate(cells):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def verdict(ok, what):
+    print(f"{what}: {'OK' if ok else 'NOT OK'}")
+    return ok
+
+
+def exit_on_bad_input(main):
+    """Run a CLI's main(); a bad-input exception becomes one line on stderr and exit code 2."""
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def max_abs(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
