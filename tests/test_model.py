@@ -1,0 +1,225 @@
+"""python -m pytest tests/test_model.py -q
+
+The GPT-2 model: logit parity with transformers on random checkpoints, HF export, init, tying, loss,
+tokenizer, and bad input."""
+
+import math
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from helpers import assert_close, tiny_config
+from model import GPT, GPTConfig, cross_entropy, load_hf_model
+from parity.check_logits import check
+from parity.common import save_random_hf_model
+from tokenizer import get_encoding
+
+
+@pytest.mark.parametrize("hf_kwargs, text", [
+    (dict(n_layer=1, n_head=2, n_embd=48, n_positions=24, vocab_size=128), ""),  # n_embd not a multiple of 64
+    (dict(n_layer=3, n_head=4, n_embd=80, n_positions=40, vocab_size=301), ""),
+    (dict(n_layer=2, n_head=2, n_embd=64, n_positions=64, vocab_size=50257), "Hello, I'm a language model,"),
+])
+def test_logit_parity_random_checkpoints(tmp_path, hf_kwargs, text):
+    path = save_random_hf_model(tmp_path / "hf", seed=1, **hf_kwargs)
+    ok, figures = check(str(path), text=text, batch=3)
+    assert ok, figures
+    assert figures["top1"] == 1.0
+    assert figures["max_rel"] < 3e-6
+
+
+def test_bf16_parity_judged_against_fp32(tmp_path):
+    path = save_random_hf_model(tmp_path / "hf", seed=2, n_layer=2, n_head=2, n_embd=64, n_positions=64,
+                                vocab_size=512)
+    ok, figures = check(str(path), dtype="bfloat16", text="", batch=4)
+    assert ok, figures
+    assert figures["jax"]["max_rel"] > 0  # it really ran in bf16
+
+
+def test_parity_detects_a_swapped_mapping(tmp_path, monkeypatch):
+    """With every tensor random, swapping two rows of the weight map must fail the check (a check that
+    cannot fail proves nothing; HF's own init, biases 0, would hide this swap)."""
+    import model as model_module
+
+    path = save_random_hf_model(tmp_path / "hf", seed=3, n_layer=2, n_head=2, n_embd=64, n_positions=32,
+                                vocab_size=128)
+    table = [(hf, ours.replace("ln_1.bias", "LN1").replace("ln_2.bias", "ln_1.bias").replace("LN1", "ln_2.bias"))
+             for hf, ours in model_module.HF_WEIGHT_MAP]
+    monkeypatch.setattr(model_module, "HF_WEIGHT_MAP", table)
+    ok, figures = check(str(path), text="", batch=1)
+    assert not ok and figures["max_rel"] > 1e-3
+
+
+def test_export_round_trip_gives_identical_logits(tmp_path):
+    src = save_random_hf_model(tmp_path / "src", seed=4, n_layer=2, n_head=2, n_embd=64, n_positions=32,
+                               vocab_size=128)
+    GPT.from_pretrained(str(src)).save_pretrained(tmp_path / "exported")
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 128, (2, 32)))
+    with torch.no_grad():
+        a = load_hf_model(str(src))(tokens).logits.numpy()
+        b = load_hf_model(str(tmp_path / "exported"))(tokens).logits.numpy()
+    np.testing.assert_array_equal(a, b)
+
+
+def test_export_of_a_padded_vocab_model_from_scratch(tmp_path):
+    model = GPT(tiny_config(vocab_size=50304), nnx.Rngs(0))
+    model.save_pretrained(tmp_path / "out")
+    back = GPT.from_pretrained(str(tmp_path / "out"))
+    assert back.config.vocab_size == 50304
+    np.testing.assert_array_equal(back.wte.embedding[...], model.wte.embedding[...])
+
+
+def test_init_statistics():
+    config = GPTConfig(block_size=64, vocab_size=512, n_layer=4, n_head=4, n_embd=128)
+    model = GPT(config, nnx.Rngs(0))
+    proj_std = 0.02 / math.sqrt(2 * config.n_layer)
+    for block in model.h:
+        for layer, std in [(block.attn.c_attn, 0.02), (block.mlp.c_fc, 0.02),
+                           (block.attn.c_proj, proj_std), (block.mlp.c_proj, proj_std)]:
+            k = np.asarray(layer.kernel[...])
+            assert abs(k.std() - std) < 0.05 * std and abs(k.mean()) < 0.05 * std
+            assert not np.asarray(layer.bias[...]).any()
+        for ln in (block.ln_1, block.ln_2):
+            assert (np.asarray(ln.scale[...]) == 1).all() and not np.asarray(ln.bias[...]).any()
+            assert ln.epsilon == 1e-5
+    for emb in (model.wte, model.wpe):
+        assert abs(np.asarray(emb.embedding[...]).std() - 0.02) < 0.001
+    assert model.ln_f.epsilon == 1e-5
+
+
+def test_head_is_tied_to_wte_and_its_gradient_gets_both_contributions():
+    model = GPT(tiny_config(), nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    names = {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(params)}
+    assert not any("lm_head" in n for n in names)
+    assert model.num_params(non_embedding=False) == sum(x.size for x in jax.tree.leaves(params))
+
+    idx = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)))
+    grads = nnx.grad(lambda m: m(idx, idx)[1])(model)
+    tied = np.asarray(grads["wte"]["embedding"][...])
+
+    # untie by hand: gradient through the embedding lookup and through the head, separately
+    def loss_untied(w_embed, w_head):
+        x = jnp.take(w_embed, idx, axis=0) + model.wpe(jnp.arange(idx.shape[1]))
+        for block in model.h:
+            x = block(x)
+        return cross_entropy(model.ln_f(x) @ w_head.T, idx)
+
+    w = model.wte.embedding[...]
+    g_embed, g_head = jax.grad(loss_untied, argnums=(0, 1))(w, w)
+    assert np.abs(g_embed).max() > 0 and np.abs(g_head).max() > 0
+    assert_close(tied, g_embed + g_head, atol=1e-7, what="tied wte grad")
+
+
+def test_loss_equals_direct_cross_entropy_with_ignore_index():
+    model = GPT(tiny_config(), nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, 128, (2, 16))
+    targets = rng.integers(0, 128, (2, 16))
+    targets[0, :5] = -1
+    targets[1, -3:] = -1
+    logits, loss = model(jnp.asarray(idx), jnp.asarray(targets))
+    ref = torch.nn.functional.cross_entropy(torch.from_numpy(np.array(logits)).view(-1, 128),
+                                            torch.from_numpy(targets).view(-1), ignore_index=-1)
+    assert_close(loss, ref.item(), rtol=1e-6, what="loss")
+    assert logits.shape == (2, 16, 128) and logits.dtype == jnp.float32
+
+
+def test_padded_vocab_model_from_scratch_trains_a_step():
+    model = GPT(tiny_config(vocab_size=50304), nnx.Rngs(0))
+    idx, targets = jnp.asarray(np.random.default_rng(0).integers(0, 50257, (2, 2, 32)))
+    loss, grads = nnx.value_and_grad(lambda m: m(idx, targets)[1])(model)
+    assert abs(float(loss) - math.log(50304)) < 0.1  # ~uniform at init
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+def test_bf16_compute_keeps_float32_params_and_logits():
+    config = tiny_config(dtype="bfloat16")
+    model = GPT(config, nnx.Rngs(0))
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    idx = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)))
+    logits, loss = model(idx, idx)
+    assert logits.dtype == jnp.float32
+    fp32 = GPT(tiny_config(), nnx.Rngs(0))
+    ref, ref_loss = fp32(idx, idx)
+    diff = np.abs(np.asarray(logits) - np.asarray(ref)).max()
+    assert 0 < diff < 0.05 * np.abs(np.asarray(ref)).max()  # bf16 rounding, not a different function
+    assert abs(float(loss) - float(ref_loss)) < 0.02
+
+
+def test_dropout_uses_the_key_and_eval_is_deterministic():
+    model = GPT(tiny_config(dropout=0.1), nnx.Rngs(0))
+    idx = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)))
+    a, b = model(idx)[0], model(idx)[0]
+    np.testing.assert_array_equal(a, b)
+    k1, k2 = model(idx, key=jax.random.key(1))[0], model(idx, key=jax.random.key(1))[0]
+    np.testing.assert_array_equal(k1, k2)
+    assert np.abs(np.asarray(k1) - np.asarray(a)).max() > 1e-3
+    assert np.abs(np.asarray(model(idx, key=jax.random.key(2))[0]) - np.asarray(k1)).max() > 1e-3
+
+
+def test_num_params_crop_and_mfu():
+    model = GPT(tiny_config(), nnx.Rngs(0))
+    c = model.config
+    assert model.num_params() == model.num_params(False) - c.block_size * c.n_embd
+    model.crop_block_size(16)
+    assert model.config.block_size == 16 and model.wpe.embedding.shape == (16, 64)
+    idx = jnp.zeros((1, 16), jnp.int32)
+    assert model(idx)[0].shape == (1, 16, 128)
+    with pytest.raises(ValueError, match="block_size"):
+        model(jnp.zeros((1, 17), jnp.int32))
+    with pytest.raises(ValueError, match="cannot grow"):
+        model.crop_block_size(64)
+
+    assert model.estimate_mfu(8, 0.1) is None  # CPU: no made-up peak
+
+    class H100:
+        device_kind = "NVIDIA H100 80GB HBM3"
+
+    N, L, H, Q, T = model.num_params(), 2, 2, 32, 16
+    expected = (6 * N + 12 * L * H * Q * T) * T * 8 / 0.1 / (2 * 989e12)
+    assert_close(model.estimate_mfu(8, 0.1, devices=[H100(), H100()]), expected, rtol=1e-12)
+
+
+def test_token_ids_outside_the_vocabulary_are_rejected():
+    model = GPT(tiny_config(), nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 128\)"):
+        model(jnp.asarray([[1, 2, 128]]))
+    with pytest.raises(ValueError, match="token ids must be in"):
+        model(jnp.asarray([[-1, 2]]))
+
+
+def test_loader_errors_are_one_line(tmp_path):
+    with pytest.raises(ValueError, match="unknown model 'gpt3'.*gpt2, gpt2-medium, gpt2-large, gpt2-xl"):
+        GPT.from_pretrained("gpt3")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="needs config.json and model.safetensors"):
+        GPT.from_pretrained(str(tmp_path / "empty"))
+
+
+def test_check_logits_cli(tmp_path):
+    path = save_random_hf_model(tmp_path / "hf", seed=5, n_layer=1, n_head=2, n_embd=32, n_positions=16,
+                                vocab_size=64)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "parity.check_logits", *a], capture_output=True, text=True)
+    ok = run("--model", str(path), "--text", "")
+    assert ok.returncode == 0, ok.stderr
+    assert "fp32 parity" in ok.stdout and "OK" in ok.stdout and "top-1 agree" in ok.stdout
+    bad = run("--model", "gpt3")
+    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown model") and "Traceback" not in bad.stderr
+    long = run("--model", str(path), "--seq-len", "17", "--text", "")
+    assert long.returncode == 2 and "--seq-len" in long.stderr
+
+
+def test_tokenizer_known_ids_and_round_trip():
+    enc = get_encoding()
+    assert enc.encode_ordinary("Hello, I'm a language model,") == [15496, 11, 314, 1101, 257, 3303, 2746, 11]
+    assert enc.eot_token == 50256 and enc.n_vocab == 50257
+    text = "First Citizen:\nBefore we proceed any further, hear me speak. ünïcödé 🤖  tabs\tand  spaces"
+    assert enc.decode(enc.encode_ordinary(text)) == text
+    assert enc.encode("<|endoftext|>", allowed_special="all") == [50256]
