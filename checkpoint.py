@@ -1,0 +1,105 @@
+"""
+Checkpoints, and the one place that resolves `init_from` for train.py, sample.py and hellaswag.py.
+
+On disk (orbax CheckpointManager): out_dir/ckpt/<iter>/{params, opt_state, meta}. `meta` is JSON:
+iter_num, best_val_loss, model_args (GPTConfig), config (the training settings), loader (data position),
+seed. Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-save
+leaves the previous checkpoint loadable.
+"""
+
+import os
+from dataclasses import asdict
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from model import GPT, GPTConfig
+
+CKPT_SUBDIR = "ckpt"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def ckpt_dir(out_dir):
+    return os.path.join(os.path.abspath(out_dir), CKPT_SUBDIR)
+
+
+def manager(out_dir, max_to_keep=3):
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    return ocp.CheckpointManager(ckpt_dir(out_dir), options=options)
+
+
+def save(mngr, iter_num, params, opt_state, meta):
+    """Write one checkpoint (async: the host goes on; `mngr.wait_until_finished()` before exit)."""
+    mngr.save(iter_num, force=True, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params),
+        opt_state=ocp.args.StandardSave(opt_state),
+        meta=ocp.args.JsonSave(meta)))
+
+
+def _reader(path):
+    return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False))
+
+
+def latest_step(out_dir):
+    path = ckpt_dir(out_dir)
+    steps = _reader(path).all_steps() if os.path.isdir(path) else []
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {path}: train first (python train.py ...) or check --out_dir")
+    return max(steps)
+
+
+def _abstract(tree, sharding):
+    """ShapeDtypeStructs with the sharding to restore onto (replicated on the mesh, or one device)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
+    """Read the latest (or `step`) checkpoint: {'meta': dict, 'params': ..., 'opt_state': ...}. `params`
+    and `opt_state` are templates (abstract or concrete) of what to read; None skips that item."""
+    step = latest_step(out_dir) if step is None else step
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    items = {"meta": ocp.args.JsonRestore()}
+    if params is not None:
+        items["params"] = ocp.args.StandardRestore(_abstract(params, sharding))
+    if opt_state is not None:
+        items["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state, sharding))
+    try:
+        restored = _reader(ckpt_dir(out_dir)).restore(step, args=ocp.args.Composite(**items))
+    except Exception as e:  # orbax raises many kinds; the user needs one line
+        msg = (str(e).splitlines() or [type(e).__name__])[0].split(" See full")[0][:200]
+        raise CheckpointError(f"checkpoint {os.path.join(ckpt_dir(out_dir), str(step))} is corrupt or incomplete "
+                              f"({msg}); delete it to resume from an earlier one") from e
+    return {k: restored[k] for k in items}
+
+
+def model_config_from_meta(meta, dtype=None, dropout=None):
+    args = dict(meta["model_args"])
+    if dtype is not None:
+        args["dtype"] = dtype
+    if dropout is not None:
+        args["dropout"] = dropout
+    return GPTConfig(**args)
+
+
+def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0):
+    """A GPT for inference from `init_from`: 'resume' (the latest checkpoint in out_dir), a GPT-2 name
+    (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or an HF directory. Returns (model, training config dict from
+    the checkpoint, or None for HF weights)."""
+    if init_from == "scratch":
+        raise ValueError("init_from='scratch' has no weights to load: use resume, a gpt2* name or an HF directory")
+    if init_from != "resume":
+        return GPT.from_pretrained(init_from, dropout=dropout, dtype=dtype), None
+    meta = restore(out_dir)["meta"]
+    model = nnx.eval_shape(lambda: GPT(model_config_from_meta(meta, dtype, dropout), nnx.Rngs(0)))
+    params = restore(out_dir, params=nnx.state(model))["params"]
+    nnx.update(model, params)
+    return model, meta["config"]
+
+
+def meta_for(model_config: GPTConfig, config: dict, iter_num, best_val_loss, loader_state):
+    return {"iter_num": iter_num, "best_val_loss": best_val_loss, "model_args": asdict(model_config),
+            "config": config, "loader": loader_state, "seed": config.get("seed")}

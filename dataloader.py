@@ -1,0 +1,137 @@
+"""
+The data loaders. Each step reads one *global* batch of token windows, (accum, rows, T) with rows =
+batch_size * device_count, and each process materializes only its own rows. The global batch depends on
+(seed, position) alone, never on how many processes or devices there are, so 1 device, 8 devices and
+2 hosts x 4 devices train on the same tokens.
+
+- BinLoader (nanoGPT): random windows from a memory-mapped uint16 `{split}.bin`.
+- ShardLoader (build-nanogpt): sequential over sorted uint16 `*{split}*.npy` shards.
+Their state (`state_dict()`) goes into the checkpoint so that resume neither skips nor repeats data.
+"""
+
+import glob
+import os
+
+import numpy as np
+
+
+def prepare_hint(data_dir):
+    name = os.path.basename(os.path.normpath(data_dir))
+    if "fineweb" in name:
+        return "python fineweb.py"
+    return f"python {os.path.join(data_dir, 'prepare.py')}"
+
+
+class BinLoader:
+    """nanoGPT's random windows; the windows of step `it` come from a generator seeded with (seed, it)."""
+
+    def __init__(self, path, block_size, rows, seed, row_slice=None):
+        self.data = np.memmap(path, dtype=np.uint16, mode="r")
+        if len(self.data) <= block_size + 1:
+            raise ValueError(f"{path} holds {len(self.data)} tokens: too few for block_size {block_size}")
+        self.block_size, self.rows, self.seed = block_size, rows, seed
+        self.row_slice = row_slice or slice(0, rows)
+        self.step = 0
+
+    def _windows(self, starts):
+        offsets = np.arange(self.block_size + 1)
+        tokens = self.data[starts[..., None] + offsets].astype(np.int32)  # (..., T+1)
+        return tokens[..., :-1], tokens[..., 1:]
+
+    def batch(self, key, accum):
+        """(x, y), each (accum, this process's rows, T) int32, for an arbitrary integer key tuple."""
+        rng = np.random.default_rng([self.seed, *key])
+        starts = rng.integers(0, len(self.data) - self.block_size - 1, (accum, self.rows))
+        return self._windows(starts[:, self.row_slice])
+
+    def next(self, accum):
+        x, y = self.batch((0, self.step), accum)
+        self.step += 1
+        return x, y
+
+    def eval_batches(self, n, tag):
+        """n batches of (rows, T) for estimate_loss; the same for the same tag (the iteration number)."""
+        for k in range(n):
+            x, y = self.batch((1, tag, k), 1)
+            yield x[0], y[0]
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+
+
+class ShardLoader:
+    """build-nanogpt's DataLoaderLite: consecutive windows over the shards in sorted order, wrapping around.
+    Position = (shard, offset) of the global batch; process p reads the rows its devices hold.
+    With shuffle_shards, each epoch visits the shards in an order seeded by (seed, epoch)."""
+
+    def __init__(self, paths, block_size, rows, seed, row_slice=None, shuffle_shards=False):
+        self.paths = sorted(paths)
+        self.block_size, self.rows, self.seed = block_size, rows, seed
+        self.row_slice = row_slice or slice(0, rows)
+        self.shuffle_shards = shuffle_shards
+        self.position = (0, 0, 0)  # (epoch, shard, offset)
+        self._cache = (None, None)
+
+    def _tokens(self, epoch, shard):
+        order = (np.random.default_rng([self.seed, epoch]).permutation(len(self.paths)) if self.shuffle_shards
+                 else range(len(self.paths)))
+        path = self.paths[order[shard]]
+        if self._cache[0] != path:
+            self._cache = (path, np.load(path, mmap_mode="r"))
+        return self._cache[1]
+
+    def _read(self, position, n):
+        """n tokens from position, crossing shard ends (and epochs); returns (tokens, position after)."""
+        epoch, shard, offset = position
+        parts = []
+        while n > 0:
+            tokens = self._tokens(epoch, shard)
+            part = tokens[offset:offset + n]
+            parts.append(part)
+            n, offset = n - len(part), offset + len(part)
+            if offset == len(tokens):
+                shard, offset = shard + 1, 0
+                if shard == len(self.paths):
+                    epoch, shard = epoch + 1, 0
+        return np.concatenate(parts).astype(np.int32), (epoch, shard, offset)
+
+    def next(self, accum):
+        n = accum * self.rows * self.block_size
+        tokens, after = self._read(self.position, n)
+        last, _ = self._read(after, 1)  # the last target is the next batch's first input
+        self.position = after
+        buf = np.concatenate([tokens, last])
+        x = buf[:-1].reshape(accum, self.rows, self.block_size)[:, self.row_slice]
+        y = buf[1:].reshape(accum, self.rows, self.block_size)[:, self.row_slice]
+        return x, y
+
+    def eval_batches(self, n, tag=None):
+        """build-nanogpt's val: the same first n batches every time."""
+        state = self.state_dict()
+        self.position = (0, 0, 0)
+        try:
+            for _ in range(n):
+                x, y = self.next(1)
+                yield x[0], y[0]
+        finally:
+            self.load_state_dict(state)
+
+    def state_dict(self):
+        return dict(zip(("epoch", "shard", "offset"), map(int, self.position)))
+
+    def load_state_dict(self, state):
+        self.position = (int(state["epoch"]), int(state["shard"]), int(state["offset"]))
+
+
+def make_loader(data_dir, split, block_size, rows, seed, row_slice=None, shuffle_shards=False):
+    """The loader for what `data_dir` holds: `{split}.bin` (nanoGPT) or `*{split}*.npy` shards (build-nanogpt)."""
+    bin_path = os.path.join(data_dir, f"{split}.bin")
+    if os.path.exists(bin_path):
+        return BinLoader(bin_path, block_size, rows, seed, row_slice)
+    shards = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.npy")))
+    if shards:
+        return ShardLoader(shards, block_size, rows, seed, row_slice, shuffle_shards and split == "train")
+    raise FileNotFoundError(f"no {split}.bin or *{split}*.npy shards in {data_dir}: run `{prepare_hint(data_dir)}` first")

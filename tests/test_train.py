@@ -1,0 +1,287 @@
+"""python -m pytest tests/test_train.py -q
+
+train.py: configuration contract, schedule and optimizer grouping, exact resume, data-parallel,
+accumulation and multi-process equivalence, preemption, bad input."""
+
+import json
+import math
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import train
+from configurator import ConfigError, configure
+from helpers import assert_close
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4",
+        "--gradient_accumulation_steps=1", "--eval_iters=2", "--eval_interval=1000", "--log_interval=1",
+        "--max_iters=4", "--warmup_iters=2", "--lr_decay_iters=10", "--learning_rate=1e-2", "--dtype=float32",
+        "--dropout=0.0", "--bias=True"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """A small character-level dataset: train.bin, val.bin, meta.pkl (vocab 64)."""
+    d = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    text = np.cumsum(rng.integers(1, 4, 30000)) % 64  # some structure to learn
+    text.astype(np.uint16)[:27000].tofile(d / "train.bin")
+    text.astype(np.uint16)[27000:].tofile(d / "val.bin")
+    with open(d / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 64, "itos": {}, "stoi": {}}, f)
+    return str(d)
+
+
+def settings(dataset, out_dir, *extra):
+    return configure(train.DEFAULTS, TINY + [f"--dataset={dataset}", f"--out_dir={out_dir}", *extra])
+
+
+def run(dataset, out_dir, *extra):
+    return train.Trainer(settings(dataset, out_dir, *extra)).run()
+
+
+def read_log(out_dir, key):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [(r["iter"], r[key]) for r in map(json.loads, f) if key in r]
+
+
+def params_of(trainer):
+    return [np.asarray(x) for x in jax.tree.leaves(trainer.params)]
+
+
+# --- configurator ----------------------------------------------------------------------------------
+
+def test_configurator_contract(tmp_path):
+    defaults = {"batch_size": 12, "learning_rate": 6e-4, "dataset": "openwebtext", "decay_lr": True}
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text("import math\n_helper = 3\nbatch_size = 4 * _helper\ndataset = 'shakespeare_char'\n")
+    c = configure(defaults, [str(cfg), "--learning_rate=1", "--dataset=owt", "--decay_lr=False"])
+    assert c == {"batch_size": 12, "learning_rate": 1.0, "dataset": "owt", "decay_lr": False}
+    assert defaults["dataset"] == "openwebtext"  # no side effect on the defaults
+
+    with pytest.raises(ConfigError, match="unknown config key 'batch_szie'.*did you mean batch_size"):
+        configure(defaults, ["--batch_szie=3"])
+    with pytest.raises(ConfigError, match="batch_size must be int .* got str 'big'"):
+        configure(defaults, ["--batch_size=big"])
+    with pytest.raises(ConfigError, match="decay_lr must be bool"):
+        configure(defaults, ["--decay_lr=1"])
+    with pytest.raises(ConfigError, match="config file not found: nope.py"):
+        configure(defaults, ["nope.py"])
+    with pytest.raises(ConfigError, match="expected --key=value"):
+        configure(defaults, ["--batch_size"])
+    cfg.write_text("bacth_size = 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'bacth_size' in .*cfg.py"):
+        configure(defaults, [str(cfg)])
+
+
+def test_every_shipped_config_is_valid():
+    configs = [os.path.join(REPO, "config", f) for f in os.listdir(os.path.join(REPO, "config")) if f.endswith(".py")]
+    assert len(configs) >= 3
+    for path in configs:
+        configure(train.DEFAULTS, [path])
+
+
+# --- optimizer -------------------------------------------------------------------------------------
+
+def nanogpt_get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
+    """nanoGPT's get_lr, verbatim logic, as the reference."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+def test_get_lr_matches_nanogpt():
+    c = dict(train.DEFAULTS, learning_rate=6e-4, warmup_iters=100, lr_decay_iters=1000, min_lr=6e-5)
+    for it in [0, 1, 50, 99, 100, 101, 550, 999, 1000, 1001, 5000]:
+        ref = nanogpt_get_lr(it, 6e-4, 100, 1000, 6e-5)
+        assert_close(train.get_lr(it, c), ref, rtol=1e-6, what=f"lr at {it}")
+    assert_close(train.get_lr(0, c), 6e-4 / 101, rtol=1e-6)  # warmup start
+    assert_close(train.get_lr(550, c), (6e-4 + 6e-5) / 2, rtol=1e-6)  # mid-cosine
+    assert_close(train.get_lr(2000, dict(c, decay_lr=False)), 6e-4, rtol=1e-7)
+
+
+def test_weight_decay_applies_to_2d_params_only(dataset, tmp_path):
+    t = train.Trainer(settings(dataset, tmp_path))
+    mask = train.decay_mask(t.params)
+    flat = {"/".join(map(str, k)): v for k, v in jax.tree_util.tree_leaves_with_path(mask)}
+    decayed = {k for k, v in flat.items() if v}
+    assert any("wte" in k for k in decayed) and any("wpe" in k for k in decayed)  # embeddings too, as nanoGPT
+    assert all(("kernel" in k) or ("embedding" in k) for k in decayed)
+    assert not any(("bias" in k) or ("scale" in k) for k in decayed)
+    assert len(decayed) == 2 + 4 * 2  # wte, wpe, 4 kernels per block
+
+
+# --- training --------------------------------------------------------------------------------------
+
+def test_loss_goes_down_and_log_is_written(dataset, tmp_path):
+    t = run(dataset, tmp_path, "--max_iters=30", "--eval_interval=15")
+    losses = [loss for _, loss in read_log(tmp_path, "loss")]
+    assert len(losses) == 30 and losses[-1] < losses[0] - 0.5
+    evals = read_log(tmp_path, "val_loss")
+    assert [i for i, _ in evals] == [0, 15, 30]
+    assert t.best_val_loss == min(v for _, v in evals)
+
+
+def test_exact_resume_bit_for_bit(dataset, tmp_path):
+    extra = ["--dropout=0.1", "--eval_interval=3", "--always_save_checkpoint=True"]
+    straight = run(dataset, tmp_path / "a", "--max_iters=6", *extra)
+    run(dataset, tmp_path / "b", "--max_iters=3", *extra)
+    resumed = run(dataset, tmp_path / "b", "--max_iters=6", "--init_from=resume", *extra)
+    assert read_log(tmp_path / "a", "loss") == read_log(tmp_path / "b", "loss")  # appended across the resume
+    for a, b in zip(params_of(straight), params_of(resumed)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_best_val_loss_is_never_overwritten_by_a_worse_value(dataset, tmp_path, monkeypatch):
+    vals = iter([3.0, 2.0, 2.5, 2.7])
+    monkeypatch.setattr(train.Trainer, "estimate_loss", lambda self: {"train": 1.0, "val": next(vals)})
+    t = run(dataset, tmp_path, "--max_iters=3", "--eval_interval=1", "--always_save_checkpoint=True")
+    assert t.best_val_loss == 2.0
+    import checkpoint
+
+    assert checkpoint.restore(tmp_path)["meta"]["best_val_loss"] == 2.0
+
+
+def test_gradient_accumulation_equivalence(dataset, tmp_path):
+    """accum 4 x micro-batch 2 == accum 1 x micro-batch 8: the same tokens, the same update."""
+    a = run(dataset, tmp_path / "a", "--gradient_accumulation_steps=4", "--batch_size=2", "--max_iters=3")
+    b = run(dataset, tmp_path / "b", "--gradient_accumulation_steps=1", "--batch_size=8", "--max_iters=3")
+    for pa, pb in zip(params_of(a), params_of(b)):
+        assert_close(pa, pb, atol=1e-5, what="params")
+    assert_close([l for _, l in read_log(tmp_path / "a", "loss")], [l for _, l in read_log(tmp_path / "b", "loss")],
+                 atol=1e-5, what="losses")
+
+
+def test_eval_only_does_not_train(dataset, tmp_path):
+    t = run(dataset, tmp_path, "--eval_only=True")
+    assert t.iter_num == 0 and read_log(tmp_path, "loss") == [] and len(read_log(tmp_path, "val_loss")) == 1
+
+
+def test_finetune_from_hf_directory(dataset, tmp_path):
+    from parity.common import save_random_hf_model
+
+    path = save_random_hf_model(tmp_path / "hf", n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=64)
+    t = run(dataset, tmp_path / "out", f"--init_from={path}", "--max_iters=2")
+    assert t.model_config.block_size == 16  # cropped to the run's block_size
+    assert t.model_config.n_embd == 32 and t.iter_num == 2
+
+
+# --- several devices and processes (subprocesses with fake CPU devices) ----------------------------
+
+def train_cli(args, devices=1, env=None, **kw):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def test_data_parallel_equivalence_8_devices(dataset, tmp_path):
+    """The same global batch on 1 device vs 8 fake CPU devices: the same params after 3 steps."""
+    common = TINY + [f"--dataset={dataset}", "--max_iters=3", "--eval_interval=3", "--always_save_checkpoint=True"]
+    one = train_cli(common + [f"--out_dir={tmp_path / 'one'}", "--batch_size=8", "--gradient_accumulation_steps=1"])
+    eight = train_cli(common + [f"--out_dir={tmp_path / 'eight'}", "--batch_size=1",
+                                "--gradient_accumulation_steps=8"], devices=8)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert eight.returncode == 0, eight.stderr[-2000:]
+    assert "8 device(s)" in eight.stdout and "tokens per iteration will be: 128" in eight.stdout
+    import checkpoint
+
+    template = train.Trainer(settings(dataset, tmp_path / "t", "--batch_size=8")).params
+    p1 = checkpoint.restore(tmp_path / "one", params=template)["params"]
+    p8 = checkpoint.restore(tmp_path / "eight", params=template)["params"]
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p8)):
+        assert_close(a, b, atol=1e-5, what="params 1 vs 8 devices")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one(dataset, tmp_path):
+    """2 processes x 2 CPU devices (jax.distributed on loopback) vs 1 process x 4 devices: same losses."""
+    common = TINY + [f"--dataset={dataset}", "--max_iters=3", "--batch_size=2", "--gradient_accumulation_steps=4"]
+    single = train_cli(common + [f"--out_dir={tmp_path / 'single'}"], devices=4)
+    assert single.returncode == 0, single.stderr[-2000:]
+    port = free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2"}
+    procs = [subprocess.Popen([sys.executable, "train.py", *common, f"--out_dir={tmp_path / 'multi'}"], cwd=REPO,
+                              env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    assert "4 device(s)" in outs[0][0] and "on 2 process(es)" in outs[0][0]
+    assert_close([l for _, l in read_log(tmp_path / "multi", "loss")],
+                 [l for _, l in read_log(tmp_path / "single", "loss")], atol=1e-5, what="losses")
+
+
+# --- preemption and bad input ----------------------------------------------------------------------
+
+def test_sigterm_saves_a_checkpoint_and_resume_continues(dataset, tmp_path):
+    out = tmp_path / "out"
+    args = TINY + [f"--dataset={dataset}", f"--out_dir={out}", "--max_iters=100000"]
+    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                         stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    for line in p.stdout:
+        if line.startswith("iter 5:") or time.time() > deadline:
+            break
+    p.send_signal(signal.SIGTERM)
+    out_text, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    saved = [l for l in out_text.splitlines() if l.startswith("SIGTERM: checkpoint saved at iter")]
+    assert saved, out_text
+    stopped_at = int(saved[0].split("iter ")[1].split(";")[0])
+    t = train.Trainer(settings(dataset, out, "--init_from=resume", f"--max_iters={stopped_at + 2}"))
+    assert t.iter_num == stopped_at
+    t.run()
+    assert t.iter_num == stopped_at + 2
+    iters = [i for i, _ in read_log(out, "loss")]
+    assert iters == list(range(stopped_at + 2))  # nothing lost, nothing repeated
+
+
+def snapshot(path):
+    return {os.path.join(r, f): os.stat(os.path.join(r, f)).st_mtime_ns for r, _, fs in os.walk(path) for f in fs}
+
+
+def test_bad_input_is_one_line_and_writes_nothing(dataset, tmp_path):
+    def cli(*args):
+        r = train_cli(list(args))
+        return r.returncode, r.stderr.strip()
+
+    code, err = cli("--batch_szie=3")
+    assert code == 2 and err.startswith("error: unknown config key 'batch_szie'") and "\n" not in err
+    code, err = cli("--batch_size=3.5")
+    assert code == 2 and "batch_size must be int" in err
+    code, err = cli("--dataset=nowhere", f"--out_dir={tmp_path / 'x'}")
+    assert code == 2 and "run `python data/nowhere/prepare.py` first" in err and "\n" not in err
+    code, err = cli(*TINY, f"--dataset={dataset}", f"--out_dir={tmp_path / 'none'}", "--init_from=resume")
+    assert code == 2 and err.startswith("error: no checkpoint in") and "\n" not in err
+    assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "none")
+
+    # a corrupt checkpoint: clear error, and nothing in out_dir is touched
+    out = tmp_path / "out"
+    run(dataset, out, "--max_iters=2", "--eval_interval=2")
+    params_dir = os.path.join(out, "ckpt", "2", "params")
+    victim = max((os.path.join(r, f) for r, _, fs in os.walk(params_dir) for f in fs), key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        f.truncate(8)
+    before = snapshot(out)
+    code, err = cli(*TINY, f"--dataset={dataset}", f"--out_dir={out}", "--init_from=resume", "--max_iters=4")
+    assert code == 2 and "is corrupt or incomplete" in err and "\n" not in err, err
+    assert snapshot(out) == before
