@@ -7,7 +7,6 @@ BIN := $(VENV)/bin
 
 $(BIN)/activate: requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt
 	touch $(BIN)/activate
 
@@ -19,6 +18,14 @@ test: venv
 # the slow tests too (golden runs, benchmarks-as-tests)
 test-all: venv
 	$(BIN)/python -m pytest -q -m ""
+
+# the bundled default: nanoGPT's CPU Shakespeare run (char-level baby GPT, 2000 iters), then samples
+shakespeare: venv
+	$(BIN)/python data/shakespeare_char/prepare.py
+	$(BIN)/python train.py config/train_shakespeare_char.py --eval_iters=20 --log_interval=100 \
+		--block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 \
+		--lr_decay_iters=2000 --dropout=0.0
+	$(BIN)/python sample.py --out_dir=out-shakespeare-char --num_samples=3 --max_new_tokens=300
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -55,6 +55,7 @@ DEFAULTS = dict(
     dataset="openwebtext",  # a folder under data/, or a path
     shuffle_shards=False,  # .npy shard datasets: visit the shards in a seeded order each epoch
     gradient_accumulation_steps=5 * 8,  # total micro-batches per step, over all devices
+    total_batch_size=0,  # tokens per step; when > 0, gradient_accumulation_steps is derived from it
     batch_size=12,  # micro-batch size per device
     block_size=1024,
     # model
@@ -170,6 +171,12 @@ class Trainer:
         self.mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P(None, "data", None))
+        if c["total_batch_size"] > 0:  # build-nanogpt: fixed tokens per step, whatever the device count
+            per_step = c["batch_size"] * c["block_size"] * len(devices)
+            if c["total_batch_size"] % per_step:
+                raise ValueError(f"total_batch_size={c['total_batch_size']} is not a multiple of batch_size x "
+                                 f"block_size x devices = {per_step}: change batch_size")
+            c["gradient_accumulation_steps"] = c["total_batch_size"] // per_step * len(devices)
         if c["gradient_accumulation_steps"] % len(devices):
             raise ValueError(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by "
                              f"the number of devices ({len(devices)})")
