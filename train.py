@@ -45,6 +45,8 @@ DEFAULTS = dict(
     eval_only=False,  # if True, script exits right after the first eval
     always_save_checkpoint=True,  # if True, always save a checkpoint after each eval
     checkpoint_interval=0,  # also save every N iterations (0: only at evals)
+    hellaswag_interval=0,  # HellaSwag (val, all devices) every N iterations and at the end; 0 = off
+    hellaswag_path="",  # a local hellaswag_val.jsonl; "" = download it once (online)
     keep_checkpoints=3,  # the last K checkpoints are kept
     init_from="scratch",  # 'scratch' | 'resume' | 'gpt2*' | an HF GPT-2 directory
     # wandb logging
@@ -222,6 +224,7 @@ class Trainer:
             self.loaders["train"].load_state_dict(meta["loader"])
         self.params, self.opt_state, self.graphdef = params, opt_state, graphdef
         self.model = nnx.merge(graphdef, params)  # for num_params / estimate_mfu
+        self.hellaswag_examples = self._load_hellaswag() if c["hellaswag_interval"] > 0 else None
         self.train_step = make_train_step(graphdef, tx, c["grad_clip"])
         self.eval_step = make_eval_step(graphdef)
         self.stop_requested = None
@@ -237,6 +240,32 @@ class Trainer:
         return GPTConfig(block_size=c["block_size"], vocab_size=vocab_size or 50304, n_layer=c["n_layer"],
                          n_head=c["n_head"], n_embd=c["n_embd"], dropout=c["dropout"], bias=c["bias"],
                          dtype=c["dtype"])
+
+    def _load_hellaswag(self):
+        """At start-up, so that a missing file fails now rather than at step 5000."""
+        import hellaswag
+
+        path = self.c["hellaswag_path"]
+        if not path:
+            try:
+                path = hellaswag.download("val")
+            except OSError:
+                raise OSError("could not download HellaSwag (offline?): set --hellaswag_path=FILE.jsonl "
+                              "or --hellaswag_interval=0") from None
+        elif not os.path.isfile(path):
+            raise FileNotFoundError(f"hellaswag_path {path} does not exist")
+        return hellaswag.load_examples(path, max_len=self.model_config.block_size)
+
+    def eval_hellaswag(self):
+        import hellaswag
+
+        model = nnx.merge(self.graphdef, self.params)
+        score = hellaswag.evaluate(model, self.hellaswag_examples, mesh=self.mesh)
+        if self.master:
+            print(f"step {self.iter_num}: hellaswag acc {score.acc:.4f}, acc_norm {score.acc_norm:.4f} "
+                  f"({score.count} examples)")
+        self.log({"iter": self.iter_num, "hellaswag_acc": score.acc, "hellaswag_acc_norm": score.acc_norm,
+                  "hellaswag_count": score.count})
 
     def _process_rows(self, global_shape):
         """The rows of the global micro-batch that live on this process's devices (a contiguous range)."""
@@ -314,6 +343,10 @@ class Trainer:
                 if self.iter_num > 0 and (improved or c["always_save_checkpoint"]):
                     self.save(mngr)
                 t0 = time.time()  # eval time is not step time
+            if self.hellaswag_examples and (self.iter_num % c["hellaswag_interval"] == 0
+                                            or self.iter_num == c["max_iters"]):
+                self.eval_hellaswag()
+                t0 = time.time()
             if c["eval_only"]:
                 break
             if self.iter_num >= c["max_iters"]:

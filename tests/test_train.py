@@ -285,3 +285,33 @@ def test_bad_input_is_one_line_and_writes_nothing(dataset, tmp_path):
     code, err = cli(*TINY, f"--dataset={dataset}", f"--out_dir={out}", "--init_from=resume", "--max_iters=4")
     assert code == 2 and "is corrupt or incomplete" in err and "\n" not in err, err
     assert snapshot(out) == before
+
+
+def test_train_gpt2_config_runs_tiny_on_fixture_shards(tmp_path):
+    """The real config/train_gpt2.py, tiny model overrides, on .npy shards: tokens per step stay fixed."""
+    d = tmp_path / "edu_fineweb10B"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    for name in ["edufineweb_val_000000.npy", "edufineweb_train_000001.npy", "edufineweb_train_000002.npy"]:
+        np.save(d / name, rng.integers(0, 50257, 3000).astype(np.uint16))
+    r = train_cli(["config/train_gpt2.py", f"--dataset={d}", f"--out_dir={tmp_path / 'out'}", "--n_layer=2",
+                   "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--total_batch_size=256",
+                   "--max_iters=3", "--eval_interval=2", "--eval_iters=2", "--hellaswag_interval=0",
+                   "--dtype=float32", "--warmup_iters=1"], devices=2)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "accumulation 2 x micro-batch 4" in r.stdout and "tokens per iteration will be: 256" in r.stdout
+    assert [i for i, _ in read_log(tmp_path / "out", "loss")] == [0, 1, 2]
+    bad = train_cli(["config/train_gpt2.py", f"--dataset={tmp_path / 'edu_fineweb10B_missing'}"])
+    assert bad.returncode == 2 and "python fineweb.py" in bad.stderr
+
+
+def test_hellaswag_in_the_training_loop(dataset, tmp_path):
+    fixture = os.path.join(REPO, "tests", "fixtures", "hellaswag_small.jsonl")
+    extra = ["--vocab_size=50304", "--block_size=64", "--max_iters=2", "--hellaswag_interval=2"]
+    with pytest.raises(FileNotFoundError, match="hellaswag_path nowhere.jsonl does not exist"):
+        train.Trainer(settings(dataset, tmp_path / "x", *extra, "--hellaswag_path=nowhere.jsonl"))
+    assert not os.path.exists(tmp_path / "x")
+    run(dataset, tmp_path, *extra, f"--hellaswag_path={fixture}")
+    scores = read_log(tmp_path, "hellaswag_acc_norm")
+    assert [i for i, _ in scores] == [0, 2] and all(0 <= s <= 1 for _, s in scores)
+    assert [c for _, c in read_log(tmp_path, "hellaswag_count")] == [20, 20]
