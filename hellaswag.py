@@ -1,0 +1,472 @@
+"""
+HellaSwag, completion style (build-nanogpt's scoring): each of the 4 endings is scored by the model's loss on
+its tokens given the context; acc takes the lowest summed loss, acc_norm the lowest mean loss per token.
+
+    python hellaswag.py --init_from=gpt2                     # val split, downloaded once to data/hellaswag/
+    python hellaswag.py --init_from=gpt2 --backend torch     # the reference: transformers' GPT2LMHeadModel
+    python hellaswag.py --init_from=resume --out_dir=out     # our own checkpoint
+    python hellaswag.py --init_from=DIR --path tests/fixtures/hellaswag_small.jsonl --out preds.jsonl
+
+Reference numbers on the 10,042 val examples (build-nanogpt, this scoring): gpt2 acc 0.2859 acc_norm 0.2955,
+gpt2-xl acc 0.3842 acc_norm 0.4893. (EleutherAI's harness scores multiple-choice style: other numbers.)
+
+From train.py: examples = load_examples(path, max_len=block_size) once, then
+evaluate(model, examples, mesh) -> Score(acc, acc_norm, count, results) at each eval.
+Exit code: 0 scored, 2 bad input.
+"""
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
+CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
+GPT2_VOCAB = 50257  # the tokens of GPT-2's BPE; a model must have at least these
+PAD = 0  # right padding: causal attention keeps it out of every real position, and it is never scored
+# padded shapes, one compilation each: tokens per row (4 per octave: at most 25% padding) and ending
+# tokens per row (2 per octave; they only size the logits)
+LENGTH_BUCKETS = tuple(b * m for b in (8, 16, 32, 64, 128, 256, 512) for m in (4, 5, 6, 7))  # 32 .. 3584
+ENDING_BUCKETS = tuple(b * m for b in (8, 16, 32, 64, 128, 256, 512, 1024) for m in (2, 3))  # 16 .. 3072
+
+
+# ---------------------------------------------------------------------------------------------------
+# data: the official jsonl, checked line by line, rendered to tokens
+
+
+def download(split="val", cache_dir=CACHE_DIR):
+    """The official jsonl for `split`, downloaded once to cache_dir (atomically); returns its path."""
+    from tqdm import tqdm
+
+    path = os.path.join(cache_dir, f"hellaswag_{split}.jsonl")
+    if os.path.exists(path):
+        return path
+    os.makedirs(cache_dir, exist_ok=True)
+    url = URL.format(split=split)
+    tmp = path + ".part"
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp, open(tmp, "wb") as f:
+            total = int(resp.headers.get("content-length") or 0) or None
+            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {os.path.basename(path)}") as bar:
+                while chunk := resp.read(1 << 20):
+                    bar.update(f.write(chunk))
+    except (urllib.error.URLError, TimeoutError, OSError) as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        reason = getattr(e, "reason", e)
+        raise OSError(f"could not download {url} ({reason}); offline? pass a local copy with --path FILE.jsonl") from e
+    os.replace(tmp, path)
+    return path
+
+
+def read_examples(path, limit=None):
+    """The examples of a HellaSwag jsonl as dicts, each checked (4 string endings, integer label 0..3, given
+    as int or str) and given its 1-based '_line'. Errors name the file and line."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such HellaSwag file: {path}")
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(examples) >= limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                ex = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            examples.append(check_example(ex, where) | {"_line": lineno})
+    if not examples:
+        raise ValueError(f"{path}: no examples")
+    return examples
+
+
+def check_example(ex, where="example"):
+    """A copy of `ex` with its label as an int; ValueError (naming `where`) for anything not HellaSwag."""
+    if not isinstance(ex, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(ex).__name__}")
+    if not isinstance(ex.get("ctx"), str):
+        raise ValueError(f"{where}: 'ctx' must be a string")
+    endings = ex.get("endings")
+    if not isinstance(endings, list) or not all(isinstance(e, str) for e in endings):
+        raise ValueError(f"{where}: 'endings' must be a list of 4 strings")
+    if len(endings) != 4:
+        raise ValueError(f"{where}: expected 4 endings, got {len(endings)}")
+    label = ex.get("label")
+    if label is None or label == "":
+        raise ValueError(f"{where}: no label (HellaSwag's test split is unlabeled)")
+    if isinstance(label, str) and label.strip().isdigit():
+        label = int(label)
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < 4:
+        raise ValueError(f"{where}: label must be 0, 1, 2 or 3 (int or str), got {ex['label']!r}")
+    return {**ex, "label": label}
+
+
+@dataclass
+class Rendered:
+    """One example as tokens: row i of the eval is ctx + endings[i], and only endings[i] is scored."""
+    ctx: list  # context tokens (left-truncated when the example is longer than the model's context)
+    endings: list  # 4 lists of ending tokens, each encoded with a leading space
+    label: int
+    line: int = 0  # 1-based line in the jsonl, 0 if not from a file
+    ind: int | None = None  # the dataset's own id
+    truncated: int = 0  # context tokens dropped from the left to fit max_len
+
+
+def render_example(ex, max_len=None, where="example"):
+    """build-nanogpt's rendering: the context's tokens, then each ending with a space prefixed (GPT-2's BPE
+    attaches the space to the following word). With max_len (the model's block_size), a row that would be
+    longer loses context tokens from the left; the endings are always scored whole."""
+    from tokenizer import get_encoding
+
+    ex = check_example(ex, where)
+    enc = get_encoding()
+    ctx = enc.encode_ordinary(ex["ctx"])  # no special tokens in HellaSwag; build-nanogpt's encode() gives the same
+    endings = [enc.encode_ordinary(" " + e) for e in ex["endings"]]
+    if not ctx:
+        raise ValueError(f"{where}: empty context: the first ending token would have nothing to be predicted from")
+    longest = max(len(e) for e in endings)
+    truncated = 0
+    if max_len is not None and len(ctx) + longest > max_len:
+        if longest >= max_len:
+            raise ValueError(f"{where}: an ending of {longest} tokens leaves no room for context in the "
+                             f"model's {max_len}-token window")
+        truncated = len(ctx) + longest - max_len
+        ctx = ctx[truncated:]
+    return Rendered(ctx, endings, ex["label"], ex.get("_line", 0), ex.get("ind"), truncated)
+
+
+def load_examples(path, max_len=None, limit=None):
+    """read_examples + render_example: what train.py loads once and hands to evaluate() at every eval."""
+    return [render_example(ex, max_len, f"{path}:{ex['_line']}") for ex in read_examples(path, limit)]
+
+
+def render_rows(r: Rendered):
+    """build-nanogpt's (4, L) tokens and mask for one example: each row right-padded with PAD to the
+    longest of the 4; mask 1 on the ending's tokens. The torch backend and the tests use this."""
+    rows = [r.ctx + e for e in r.endings]
+    L = max(len(row) for row in rows)
+    tokens = np.full((4, L), PAD, np.int64)
+    mask = np.zeros((4, L), np.int64)
+    for i, (row, e) in enumerate(zip(rows, r.endings)):
+        tokens[i, : len(row)] = row
+        mask[i, len(r.ctx): len(row)] = 1
+    return tokens, mask
+
+
+# ---------------------------------------------------------------------------------------------------
+# results
+
+
+class ExampleResult(NamedTuple):
+    line: int
+    ind: int | None
+    label: int
+    sum_losses: list  # 4 floats: summed cross-entropy over each ending's tokens
+    mean_losses: list  # 4 floats: the same divided by the ending's token count
+    pred: int  # argmin of sum_losses
+    pred_norm: int  # argmin of mean_losses
+
+    def to_json(self):
+        return json.dumps({"line": self.line, "ind": self.ind, "label": self.label, "pred": self.pred,
+                           "pred_norm": self.pred_norm, "sum_losses": self.sum_losses,
+                           "mean_losses": self.mean_losses})
+
+
+class Score(NamedTuple):
+    acc: float  # fraction where the lowest summed loss is the label
+    acc_norm: float  # fraction where the lowest mean loss is the label
+    count: int
+    results: list  # ExampleResult per example, in the input order
+
+
+def make_result(r: Rendered, sum_losses, mean_losses):
+    sum_losses, mean_losses = [float(x) for x in sum_losses], [float(x) for x in mean_losses]
+    # ties go to the lower index, as torch's and numpy's argmin
+    return ExampleResult(r.line, r.ind, r.label, sum_losses, mean_losses,
+                         int(np.argmin(sum_losses)), int(np.argmin(mean_losses)))
+
+
+def summarize(results):
+    n = len(results)
+    return Score(sum(x.pred == x.label for x in results) / n, sum(x.pred_norm == x.label for x in results) / n,
+                 n, results)
+
+
+# ---------------------------------------------------------------------------------------------------
+# JAX: batches of examples of similar length, padded to a few bucket shapes, sharded over a 'data' mesh
+
+
+def bucket(n, buckets, cap):
+    return min(next((b for b in buckets if b >= n), cap), cap)
+
+
+class Batch(NamedTuple):
+    """Host arrays for R = 4 * examples rows (numpy). Row r predicts its ending's j-th token from position
+    pos[r, j]; only entries with valid set are scored, so padding (tokens beyond a row's end, rows of
+    filler examples, j beyond an ending's length) never reaches a loss."""
+    tokens: np.ndarray  # (R, L) int32, right-padded with PAD
+    pos: np.ndarray  # (R, E) int32 positions whose logits predict the ending tokens
+    targets: np.ndarray  # (R, E) int32 the ending tokens
+    valid: np.ndarray  # (R, E) bool
+
+
+def make_batch(examples, n_examples, L, E):
+    """Pack `examples` (at most n_examples) into a Batch of n_examples * 4 rows; filler rows are all PAD."""
+    R = 4 * n_examples
+    tokens = np.full((R, L), PAD, np.int32)
+    pos = np.zeros((R, E), np.int32)
+    targets = np.zeros((R, E), np.int32)
+    valid = np.zeros((R, E), bool)
+    for i, r in enumerate(examples):
+        s = len(r.ctx)
+        for j, end in enumerate(r.endings):
+            row, n = 4 * i + j, len(end)
+            tokens[row, :s] = r.ctx
+            tokens[row, s: s + n] = end
+            pos[row, :n] = np.arange(s - 1, s - 1 + n)  # the logits at t predict token t + 1
+            targets[row, :n] = end
+            valid[row, :n] = True
+    return Batch(tokens, pos, targets, valid)
+
+
+def plan_batches(examples, batch_size, block_size, n_data=1):
+    """[(L, E, n, [example indices])]: the examples sorted by padded length, then cut into batches of
+    n = batch_size * n_data examples (batch_size per device), each padded to L tokens per row and E ending
+    tokens; the last batch gets the next power of two per device instead (few shapes, little padding)."""
+    def shape(r):
+        longest = max(len(e) for e in r.endings)
+        return bucket(len(r.ctx) + longest, LENGTH_BUCKETS, block_size), longest
+
+    order = sorted(range(len(examples)), key=lambda i: shape(examples[i]))
+    plan = []
+    for k in range(0, len(order), batch_size * n_data):
+        chunk = order[k: k + batch_size * n_data]
+        L, longest = max(shape(examples[i]) for i in chunk)
+        per_device = min(batch_size, 1 << (-(-len(chunk) // n_data) - 1).bit_length())
+        plan.append((L, bucket(longest, ENDING_BUCKETS, L), per_device * n_data, chunk))
+    return plan
+
+
+def ending_losses(model, tokens, pos, targets, valid):
+    """Summed cross-entropy of each row's ending tokens: (R,) float32. Logits are computed only at the
+    positions that predict ending tokens (R, E, vocab), not over the whole (R, L, vocab)."""
+    import jax
+    import jax.numpy as jnp
+
+    _, x = model.hidden_states(tokens)  # (R, L, C), after ln_f
+    x = jnp.take_along_axis(x, pos[..., None], axis=1)  # (R, E, C)
+    logits = model.logits(x)  # (R, E, vocab) float32
+    logz = jax.nn.logsumexp(logits, axis=-1)  # (R, E)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (R, E)
+    return jnp.sum(jnp.where(valid, logz - target_logit, 0.0), axis=-1)  # (R,)
+
+
+@functools.cache
+def _jitted_ending_losses(mesh):
+    """ending_losses compiled for `mesh`, once per batch shape; the (R,) result replicated, so every
+    process can read it."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    return nnx.jit(ending_losses, out_shardings=NamedSharding(mesh, P()))
+
+
+def make_mesh(devices=None):
+    """A mesh with a 'data' axis for the scorer: over `devices` (a list; default all), or the devices of a
+    given Mesh with its axis names. Axes are Auto (the compiler propagates shardings): under jax.make_mesh's
+    default Explicit axes, the embedding gather of a 'data'-sharded batch does not type-check."""
+    import jax
+    from jax.sharding import AxisType, Mesh
+
+    if isinstance(devices, Mesh):
+        return Mesh(devices.devices, devices.axis_names, axis_types=(AxisType.Auto,) * len(devices.axis_names))
+    return Mesh(np.array(jax.devices() if devices is None else list(devices)), ("data",))
+
+
+def put_batch(batch: Batch, mesh):
+    """The batch on the mesh, rows split over 'data'. Every process holds the whole batch and hands over the
+    rows of its own devices (so this works across hosts too)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    sharding = NamedSharding(mesh, P("data"))
+    return tuple(jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index]) for a in batch)
+
+
+def evaluate(model, examples, mesh=None, batch_size=8, progress=False):
+    """Score rendered examples with an nnx GPT, data parallel over `mesh` (a Mesh with a 'data' axis, a list
+    of devices, or None for all devices): batch_size examples (4 rows each) per device per batch, parameters
+    replicated (the caller's model is left as it is). Returns Score(acc, acc_norm, count, results), results
+    in the order of `examples`."""
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from tqdm import tqdm
+
+    if not examples:
+        raise ValueError("no examples to score")
+    c = model.config
+    if c.vocab_size < GPT2_VOCAB:
+        raise ValueError(f"the model's vocab_size {c.vocab_size} does not cover GPT-2's {GPT2_VOCAB} BPE tokens")
+    longest = max(len(r.ctx) + max(len(e) for e in r.endings) for r in examples)
+    if longest > c.block_size:
+        raise ValueError(f"an example of {longest} tokens exceeds block_size {c.block_size}: "
+                         "render with max_len=block_size")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    mesh = make_mesh(mesh)
+    graphdef, state = nnx.split(model)
+    model = nnx.merge(graphdef, jax.device_put(state, NamedSharding(mesh, P())))  # replicated; no-op if already
+    score = _jitted_ending_losses(mesh)
+
+    sums = np.zeros((len(examples), 4), np.float64)
+    plan = plan_batches(examples, batch_size, c.block_size, mesh.shape["data"])
+    with tqdm(total=len(examples), unit="ex", desc="hellaswag", disable=not progress) as bar:
+        pending = None  # batch k + 1 is dispatched before batch k is read back: packing overlaps compute
+        for item in plan + [None]:
+            launched = None
+            if item is not None:
+                L, E, n, idx = item
+                batch = make_batch([examples[i] for i in idx], n, L, E)
+                launched = idx, score(model, *put_batch(batch, mesh))
+            if pending is not None:
+                idx, out = pending
+                sums[idx] = np.asarray(out).reshape(-1, 4)[: len(idx)]
+                bar.update(len(idx))
+            pending = launched
+    results = []
+    for r, s in zip(examples, sums):
+        n = np.array([len(e) for e in r.endings])
+        results.append(make_result(r, s, s / n))
+    return summarize(results)
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch: the reference, build-nanogpt's loop over examples with transformers' GPT2LMHeadModel
+
+
+def evaluate_torch(hf_model, examples, progress=False):
+    """Score rendered examples with a transformers GPT2LMHeadModel, one example (4 rows) at a time, the
+    losses computed as build-nanogpt computes them. Returns Score like evaluate()."""
+    import torch
+    from torch.nn import functional as F
+    from tqdm import tqdm
+
+    if not examples:
+        raise ValueError("no examples to score")
+    c = hf_model.config
+    if c.vocab_size < GPT2_VOCAB:
+        raise ValueError(f"the model's vocab_size {c.vocab_size} does not cover GPT-2's {GPT2_VOCAB} BPE tokens")
+    results = []
+    for r in tqdm(examples, unit="ex", desc="hellaswag (torch)", disable=not progress):
+        tokens, mask = (torch.from_numpy(a) for a in render_rows(r))  # (4, L) each
+        with torch.no_grad():
+            logits = hf_model(tokens).logits  # (4, L, vocab)
+        # the logits at t predict token t + 1; the shifted mask picks the ending's tokens as targets
+        losses = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+        shift_mask = mask[:, 1:]
+        sum_loss = (losses.view(4, -1) * shift_mask).sum(dim=1)  # (4,)
+        mean_loss = sum_loss / shift_mask.sum(dim=1)
+        results.append(make_result(r, sum_loss.tolist(), mean_loss.tolist()))
+    return summarize(results)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the command line
+
+
+def load_torch_model(init_from, out_dir):
+    """GPT2LMHeadModel for the torch backend: a hub name or HF directory directly; our own checkpoint
+    (resume) through an HF export to a temporary directory."""
+    from model import load_hf_model
+
+    if init_from != "resume":
+        return load_hf_model(init_from)
+    import tempfile
+
+    from checkpoint import load_model
+
+    model, _ = load_model("resume", out_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        return load_hf_model(tmp)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--init_from", default="gpt2", help="resume (from --out_dir) | gpt2* | an HF GPT-2 directory")
+    p.add_argument("--out_dir", default="out", help="checkpoint directory for --init_from=resume")
+    p.add_argument("--split", default="val", choices=["train", "val", "test"], help="which file to download")
+    p.add_argument("--path", default=None, help="a local HellaSwag jsonl (no download)")
+    p.add_argument("--cache_dir", default=CACHE_DIR, help="where downloads go")
+    p.add_argument("--limit", type=int, default=None, help="score only the first N examples")
+    p.add_argument("--backend", default="jax", choices=["jax", "torch"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="jax compute dtype")
+    p.add_argument("--batch_size", type=int, default=8, help="jax: examples per device per batch")
+    p.add_argument("--out", default=None, help="write per-example losses and predictions to this jsonl")
+    args = p.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.backend == "torch" and args.dtype != "float32":
+        raise ValueError("--dtype is for the jax backend; the torch reference runs in float32")
+
+    path = args.path or download(args.split, args.cache_dir)
+    raw = read_examples(path, args.limit)  # bad data fails here, before a model is loaded
+    t0 = time.time()
+    if args.backend == "jax":
+        import jax
+
+        from checkpoint import load_model
+
+        model, _ = load_model(args.init_from, args.out_dir, args.dtype)
+        block_size, n_params = model.config.block_size, model.num_params() / 1e6
+        where = f"jax {args.dtype} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
+    else:
+        import torch
+
+        hf_model = load_torch_model(args.init_from, args.out_dir)
+        block_size = hf_model.config.n_positions
+        # as GPT.num_params(): the tied head counted once, position embeddings not counted
+        n_params = (sum(t.numel() for t in hf_model.parameters()) - hf_model.transformer.wpe.weight.numel()) / 1e6
+        where = f"torch float32 on cpu, {torch.get_num_threads()} threads"
+    examples = [render_example(ex, block_size, f"{path}:{ex['_line']}") for ex in raw]
+    truncated = sum(r.truncated > 0 for r in examples)
+    print(f"model {args.init_from}: {n_params:.2f}M params, block_size {block_size}, "
+          f"loaded in {time.time() - t0:.1f}s; "
+          f"{len(examples)} examples from {path}" + (f", {truncated} with context cut to fit" if truncated else "")
+          + f"; backend {where}")
+
+    t0 = time.time()
+    if args.backend == "jax":
+        # fp32 matmuls in full fp32 on GPU/TPU too (their default is TF32 / bf16 passes), as the torch reference
+        precision = jax.default_matmul_precision("highest") if args.dtype == "float32" else contextlib.nullcontext()
+        with precision:
+            score = evaluate(model, examples, batch_size=args.batch_size, progress=True)
+    else:
+        score = evaluate_torch(hf_model, examples, progress=True)
+    dt = time.time() - t0
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(r.to_json() + "\n" for r in score.results)
+    print(f"hellaswag: acc {score.acc:.4f} acc_norm {score.acc_norm:.4f} count {score.count} "
+          f"({dt:.1f}s, {score.count / dt:.1f} examples/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    from parity.common import exit_on_bad_input
+
+    exit_on_bad_input(main)

@@ -1,0 +1,331 @@
+"""python -m pytest tests/test_hellaswag.py -q
+
+HellaSwag: the jsonl reader and its errors, build-nanogpt's rendering, the batched JAX scorer against a numpy
+computation from full logits and against the torch reference (transformers' GPT2LMHeadModel) on a random HF
+checkpoint, 8 fake devices against 1, and the CLI end to end.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hellaswag
+from helpers import assert_close
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "fixtures" / "hellaswag_small.jsonl"
+TINY = dict(n_layer=2, n_head=2, n_embd=64, n_positions=128)  # vocab 50257: real BPE tokens
+LOSS_RTOL = 1e-5  # fp32, relative, per ending loss (the issue's bar)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from parity.common import save_random_hf_model
+
+    return str(save_random_hf_model(tmp_path_factory.mktemp("hf") / "tiny", seed=0, **TINY))
+
+
+@pytest.fixture(scope="module")
+def model(hf_dir):
+    from model import GPT
+
+    return GPT.from_pretrained(hf_dir)
+
+
+@pytest.fixture(scope="module")
+def examples():
+    return hellaswag.load_examples(str(FIXTURE), max_len=TINY["n_positions"])
+
+
+@pytest.fixture(scope="module")
+def jax_score(model, examples):
+    # 3 batches of 8, 8 and 4 examples: the scorer's batching, bucketing and reordering all take part
+    return hellaswag.evaluate(model, examples, batch_size=8)
+
+
+def losses(score):
+    return np.array([r.sum_losses + r.mean_losses for r in score.results])  # (N, 8)
+
+
+# ---------------------------------------------------------------------------------------------------
+# reading and rendering
+
+
+def test_fixture_is_the_real_format():
+    raw = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
+    assert len(raw) == 20
+    keys = {"ind", "activity_label", "ctx_a", "ctx_b", "ctx", "split", "split_type", "label", "endings", "source_id"}
+    assert all(set(ex) == keys for ex in raw)
+    assert {type(ex["label"]) for ex in raw} == {int, str}  # both spellings of a label occur
+    assert any(e[0] in ",.'-(" for ex in raw for e in ex["endings"])  # endings starting with punctuation
+    exs = hellaswag.read_examples(str(FIXTURE))
+    assert [ex["label"] for ex in exs] == [int(ex["label"]) for ex in raw]
+    assert all(isinstance(ex["label"], int) for ex in exs)
+    assert [ex["_line"] for ex in exs] == list(range(1, 21))
+    assert len(hellaswag.read_examples(str(FIXTURE), limit=5)) == 5
+
+
+def test_rendering_matches_build_nanogpt(examples):
+    from tokenizer import get_encoding
+
+    enc = get_encoding()
+    raw = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
+    for ex, r in zip(raw, examples):
+        assert r.ctx == enc.encode(ex["ctx"]) and r.truncated == 0
+        assert r.endings == [enc.encode(" " + e) for e in ex["endings"]]
+        # the space belongs to the ending's first token, punctuation included
+        assert all(enc.decode(e[:1])[0] == " " for e in r.endings)
+        tokens, mask = hellaswag.render_rows(r)
+        assert tokens.shape == mask.shape == (4, len(r.ctx) + max(len(e) for e in r.endings))
+        for i, e in enumerate(r.endings):
+            n = len(r.ctx) + len(e)
+            assert tokens[i, :n].tolist() == r.ctx + e
+            assert mask[i].tolist() == [0] * len(r.ctx) + [1] * len(e) + [0] * (tokens.shape[1] - n)
+            assert (tokens[i, n:] == hellaswag.PAD).all()
+    long = max(examples, key=lambda r: len(r.ctx))
+    assert len(long.ctx) > 3 * np.median([len(r.ctx) for r in examples])  # the fixture's long context
+
+
+def test_long_context_is_cut_from_the_left():
+    ex = hellaswag.read_examples(str(FIXTURE))[10]  # the long WikiHow context
+    full = hellaswag.render_example(ex)
+    cut = hellaswag.render_example(ex, max_len=64)
+    longest = max(len(e) for e in full.endings)
+    assert cut.endings == full.endings  # endings are scored whole
+    assert cut.truncated == len(full.ctx) + longest - 64 > 0
+    assert cut.ctx == full.ctx[cut.truncated:] and len(cut.ctx) + longest == 64
+    with pytest.raises(ValueError, match="no room for context"):
+        hellaswag.render_example(ex, max_len=longest)
+
+
+def test_batches_score_only_ending_tokens(examples):
+    plan = hellaswag.plan_batches(examples, batch_size=8, block_size=128)
+    assert sorted(i for *_, idx in plan for i in idx) == list(range(len(examples)))
+    for L, E, n, idx in plan:
+        assert len(idx) <= n and L in hellaswag.LENGTH_BUCKETS and E in hellaswag.ENDING_BUCKETS
+        b = hellaswag.make_batch([examples[i] for i in idx], n, L, E)
+        assert b.tokens.shape == (4 * n, L) and b.pos.shape == b.targets.shape == b.valid.shape == (4 * n, E)
+        for k, i in enumerate(idx):
+            r = examples[i]
+            for j, e in enumerate(r.endings):
+                row = 4 * k + j
+                assert b.valid[row].sum() == len(e) and b.valid[row, : len(e)].all()
+                assert b.targets[row, : len(e)].tolist() == e
+                # each target is the token right after the position that predicts it
+                assert b.tokens[row, b.pos[row, : len(e)] + 1].tolist() == e
+                assert b.pos[row, 0] == len(r.ctx) - 1
+        assert not b.valid[4 * len(idx):].any()  # filler rows are never scored
+
+
+def test_padding_never_changes_a_loss(model, examples):
+    """The same batch with random ids in every padded slot (after each row's end, and in filler rows)."""
+    import jax
+
+    mesh = hellaswag.make_mesh(jax.devices()[:1])
+    L, E, n, idx = hellaswag.plan_batches(examples, 8, 128)[-1]  # jax_score's last batch shape: no recompile
+    idx = idx[: n - 1]  # and one filler example
+    b = hellaswag.make_batch([examples[i] for i in idx], n, L, E)
+    real = np.zeros_like(b.tokens, bool)
+    for k, i in enumerate(idx):
+        for j, e in enumerate(examples[i].endings):
+            real[4 * k + j, : len(examples[i].ctx) + len(e)] = True
+    noisy = np.where(real, b.tokens, np.random.default_rng(0).integers(0, 50257, b.tokens.shape)).astype(np.int32)
+    assert (noisy != b.tokens).any()
+    score = hellaswag._jitted_ending_losses(mesh)
+    clean = np.asarray(score(model, *hellaswag.put_batch(b, mesh)))
+    dirty = np.asarray(score(model, *hellaswag.put_batch(b._replace(tokens=noisy), mesh)))
+    assert np.array_equal(clean, dirty)  # bitwise: right padding is causally invisible, and masked
+    assert (clean[: 4 * len(idx)] > 0).all() and (clean[4 * len(idx):] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the scorer
+
+
+def test_scorer_matches_numpy_from_full_logits(model, examples, jax_score):
+    """Full logits (B, T, vocab) from the model's plain forward, then build-nanogpt's masked cross-entropy in
+    float64 numpy over each row's real tokens."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    forward = nnx.jit(lambda model, idx: model(idx)[0])  # one shape for all: rows right-padded to block_size
+    assert jax_score.count == len(examples) == 20
+    for r, res in zip(examples, jax_score.results):
+        tokens, mask = hellaswag.render_rows(r)
+        padded = np.zeros((4, TINY["n_positions"]), np.int32)
+        padded[:, : tokens.shape[1]] = tokens
+        logits = np.asarray(forward(model, jnp.asarray(padded)), np.float64)  # (4, 128, vocab)
+        want_sum, want_mean = [], []
+        for row, m, z, e in zip(tokens, mask, logits, r.endings):
+            n = len(r.ctx) + len(e)
+            logp = z[: n - 1] - z[: n - 1].max(-1, keepdims=True)  # position t predicts token t + 1
+            logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+            nll = -logp[np.arange(n - 1), row[1:n]]
+            want_sum.append(float((nll * m[1:n]).sum()))
+            want_mean.append(want_sum[-1] / m[1:n].sum())
+        assert_close(res.sum_losses, want_sum, rtol=LOSS_RTOL, what=f"line {r.line} summed losses")
+        assert_close(res.mean_losses, want_mean, rtol=LOSS_RTOL, what=f"line {r.line} mean losses")
+        assert res.pred == int(np.argmin(want_sum)) and res.pred_norm == int(np.argmin(want_mean))
+        assert res.label == r.label and res.line == r.line
+    assert jax_score.acc == np.mean([x.pred == x.label for x in jax_score.results])
+    assert jax_score.acc_norm == np.mean([x.pred_norm == x.label for x in jax_score.results])
+
+
+def test_jax_matches_torch_reference(hf_dir, examples, jax_score):
+    from model import load_hf_model
+
+    ref = hellaswag.evaluate_torch(load_hf_model(hf_dir), examples)
+    assert [(x.pred, x.pred_norm) for x in jax_score.results] == [(x.pred, x.pred_norm) for x in ref.results]
+    assert (jax_score.acc, jax_score.acc_norm, jax_score.count) == (ref.acc, ref.acc_norm, ref.count)
+    assert_close(losses(jax_score), losses(ref), rtol=LOSS_RTOL, what="jax vs torch losses")
+
+
+def test_scorer_refuses_what_it_cannot_score(model, examples):
+    ex = hellaswag.read_examples(str(FIXTURE))[10]
+    with pytest.raises(ValueError, match="exceeds block_size 128"):
+        hellaswag.evaluate(model, [hellaswag.render_example(ex | {"ctx": ex["ctx"] * 2})])
+    with pytest.raises(ValueError, match="no examples"):
+        hellaswag.evaluate(model, [])
+
+
+# 8 fake CPU devices in a fresh process (the device count is fixed when jax starts); weights travel as .npz
+MULTI_DEVICE = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    from flax import nnx
+    import hellaswag
+    from model import GPT, GPTConfig, load_state_dict
+
+    weights, out = sys.argv[1], sys.argv[2]
+    config = GPTConfig(**json.load(open(weights + ".json")))
+    model = nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0)))
+    load_state_dict(model, dict(np.load(weights)))
+    examples = hellaswag.load_examples(sys.argv[3], max_len=config.block_size)
+    mesh = jax.make_mesh((8,), ("data",))  # as train.py would make it (Explicit axes by default)
+    L, E, n, idx = hellaswag.plan_batches(examples, 1, config.block_size, mesh.shape["data"])[0]
+    tokens = hellaswag.put_batch(hellaswag.make_batch([examples[i] for i in idx], n, L, E), mesh)[0]
+    score = hellaswag.evaluate(model, examples, mesh, batch_size=1)  # 1 example (4 rows) per device
+    np.save(out, np.array([r.sum_losses + r.mean_losses for r in score.results]))
+    print(json.dumps({"devices": jax.device_count(), "rows": tokens.shape[0],
+                      "rows_per_shard": tokens.sharding.shard_shape(tokens.shape)[0],
+                      "shards": len(tokens.addressable_shards)}))
+""")
+
+
+def test_eight_devices_give_the_same_losses(model, jax_score, tmp_path):
+    from dataclasses import asdict
+
+    from model import state_dict
+
+    weights = tmp_path / "w.npz"
+    np.savez(weights, **state_dict(model))
+    (tmp_path / "w.npz.json").write_text(json.dumps(asdict(model.config)))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", MULTI_DEVICE, str(weights), str(tmp_path / "out.npy"), str(FIXTURE)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info == {"devices": 8, "rows": 32, "rows_per_shard": 4, "shards": 8}
+    # the same 8-example batches as jax_score (batch_size 8 on 1 device), now split over 8 devices
+    assert_close(np.load(tmp_path / "out.npy"), losses(jax_score), rtol=1e-6, what="8 devices vs 1")
+
+
+# ---------------------------------------------------------------------------------------------------
+# bad input: one clear error naming the place
+
+
+def write_lines(tmp_path, lines):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+GOOD = FIXTURE.read_text().splitlines()[0]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"ctx": "A man", "endings": [', r"bad\.jsonl:3: not valid JSON"),
+    (json.dumps(json.loads(GOOD) | {"endings": ["a", "b", "c"]}), r"bad\.jsonl:3: expected 4 endings, got 3"),
+    (json.dumps(json.loads(GOOD) | {"label": 4}), r"bad\.jsonl:3: label must be 0, 1, 2 or 3 .* got 4"),
+    (json.dumps(json.loads(GOOD) | {"label": "-1"}), r"bad\.jsonl:3: label must be 0, 1, 2 or 3 .* got '-1'"),
+    (json.dumps({k: v for k, v in json.loads(GOOD).items() if k != "label"}), r"bad\.jsonl:3: no label"),
+    (json.dumps(json.loads(GOOD) | {"endings": "one ending"}), r"bad\.jsonl:3: 'endings' must be a list"),
+])
+def test_bad_lines_name_their_line(tmp_path, line, message):
+    path = write_lines(tmp_path, [GOOD, GOOD, line, GOOD])
+    with pytest.raises(ValueError, match=message):
+        hellaswag.read_examples(path)
+
+
+def test_missing_file():
+    with pytest.raises(FileNotFoundError, match="no such HellaSwag file: nowhere.jsonl"):
+        hellaswag.read_examples("nowhere.jsonl")
+
+
+def test_cli_bad_input_is_one_line_and_exit_code_2(tmp_path):
+    bad = write_lines(tmp_path, [GOOD, '{"ctx": "A man", "endings": ['])
+    for args, message in [(["--path", bad], f"error: {bad}:2: not valid JSON"),
+                          (["--path", str(tmp_path / "missing.jsonl")], "error: no such HellaSwag file"),
+                          (["--path", str(FIXTURE), "--limit", "0"], "error: --limit must be >= 1")]:
+        proc = subprocess.run([sys.executable, "hellaswag.py", *args], capture_output=True, text=True, cwd=ROOT,
+                              timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().startswith(message) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_download_caches_and_fails_clearly_offline(tmp_path, monkeypatch):
+    monkeypatch.setattr(hellaswag, "URL", FIXTURE.as_uri() + "#{split}")  # urllib drops the #fragment
+    path = hellaswag.download("val", str(tmp_path / "cache"))
+    assert path == str(tmp_path / "cache" / "hellaswag_val.jsonl")
+    assert Path(path).read_bytes() == FIXTURE.read_bytes() and os.listdir(tmp_path / "cache") == ["hellaswag_val.jsonl"]
+    monkeypatch.setattr(hellaswag, "URL", "http://127.0.0.1:9/hellaswag_{split}.jsonl")  # nothing listens there
+    assert hellaswag.download("val", str(tmp_path / "cache")) == path  # cached: no network needed
+    with pytest.raises(OSError, match=r"could not download http://127\.0\.0\.1:9/hellaswag_train\.jsonl .*--path"):
+        hellaswag.download("train", str(tmp_path / "cache"))
+    assert os.listdir(tmp_path / "cache") == ["hellaswag_val.jsonl"]  # no partial file left behind
+
+
+# ---------------------------------------------------------------------------------------------------
+# the command line, end to end (the issue's "done when")
+
+
+@pytest.fixture(scope="module")
+def resume_dir(model, tmp_path_factory):
+    """out_dir with a checkpoint of the same weights, as train.py leaves it."""
+    import jax
+    from flax import nnx
+
+    import checkpoint
+
+    out = tmp_path_factory.mktemp("run") / "out"
+    mngr = checkpoint.manager(out)
+    checkpoint.save(mngr, 10, nnx.state(model, nnx.Param), {"count": jax.numpy.zeros((), "int32")},
+                    checkpoint.meta_for(model.config, {}, 10, 2.0, {}))
+    mngr.wait_until_finished()
+    mngr.close()
+    return str(out)
+
+
+@pytest.mark.parametrize("source", ["hf_dir", "resume"])
+def test_cli_jax_matches_cli_torch(source, hf_dir, resume_dir, jax_score, tmp_path, capsys):
+    init = [f"--init_from={hf_dir}"] if source == "hf_dir" else ["--init_from=resume", f"--out_dir={resume_dir}"]
+    final = {}
+    for backend in ("jax", "torch"):  # torch with resume: through an HF export of the checkpoint
+        out = tmp_path / f"{backend}.jsonl"
+        assert hellaswag.main(["--path", str(FIXTURE), *init, "--backend", backend, "--out", str(out)]) == 0
+        final[backend] = capsys.readouterr().out.strip().splitlines()[-1]
+        preds = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(preds) == 20 and set(preds[0]) == {"line", "ind", "label", "pred", "pred_norm", "sum_losses",
+                                                      "mean_losses"}
+        assert [(p["pred"], p["pred_norm"]) for p in preds] == [(r.pred, r.pred_norm) for r in jax_score.results]
+        assert_close([p["sum_losses"] + p["mean_losses"] for p in preds], losses(jax_score), rtol=LOSS_RTOL,
+                     what=f"{backend} CLI losses")
+    summary = f"hellaswag: acc {jax_score.acc:.4f} acc_norm {jax_score.acc_norm:.4f} count 20 "
+    assert final["jax"].startswith(summary) and final["torch"].startswith(summary), final
