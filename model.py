@@ -5,6 +5,7 @@ References:
 2) huggingface/transformers GPT2LMHeadModel (the parity reference), and karpathy/nanoGPT's model.py.
 """
 
+import functools
 import json
 import math
 import os
@@ -71,11 +72,15 @@ class CausalSelfAttention(nnx.Module):
         # residual projection: GPT-2's scaled init, 0.02/sqrt(2 * n_layer)
         self.c_proj = linear(config.n_embd, config.n_embd, config, rngs, std=0.02 / math.sqrt(2 * config.n_layer))
 
+    def qkv(self, x):
+        B, T, C = x.shape
+        q, k, v = jnp.split(self.c_attn(x), 3, axis=-1)  # (B, T, C) each
+        return (a.reshape(B, T, self.n_head, C // self.n_head) for a in (q, k, v))  # (B, T, nh, hs)
+
     def __call__(self, x, key=None):
         B, T, C = x.shape
         hs = C // self.n_head
-        q, k, v = jnp.split(self.c_attn(x), 3, axis=-1)  # (B, T, C) each
-        q, k, v = (a.reshape(B, T, self.n_head, hs) for a in (q, k, v))  # (B, T, nh, hs)
+        q, k, v = self.qkv(x)  # (B, T, nh, hs)
         if key is None or self.dropout == 0.0:
             # XLA (or cuDNN flash attention on GPU); scale 1/sqrt(hs), scores and softmax in float32
             y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, nh, hs)
@@ -89,6 +94,21 @@ class CausalSelfAttention(nnx.Module):
         y = self.c_proj(y.reshape(B, T, C))
         return dropout(y, self.dropout, key)
 
+    def decode(self, x, kv, pos):
+        """x (B, T, C) at positions pos..pos+T-1, kv this layer's cache (k, v), each (B * nh, S, hs):
+        write the new keys and values in at pos, attend to every cached position <= the query's."""
+        B, T, C = x.shape
+        hs = C // self.n_head
+        q, k, v = (a.transpose(0, 2, 1, 3).reshape(B * self.n_head, T, hs) for a in self.qkv(x))  # (B*nh, T, hs)
+        k, v = (jax.lax.dynamic_update_slice_in_dim(c, a.astype(c.dtype), pos, axis=1) for c, a in zip(kv, (k, v)))
+        # dot_product_attention's math, spelled out: with its (B, S, nh, hs) layout XLA:CPU copied the
+        # whole cache every step (2x slower at batch 8); in this layout the cache feeds the dots as it is
+        att = jnp.einsum("zqd,zkd->zqk", q, k, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(hs))
+        mask = jnp.arange(k.shape[1])[None, :] <= pos + jnp.arange(T)[:, None]  # (T, S): causal, absolute positions
+        att = jax.nn.softmax(jnp.where(mask, att, -jnp.inf), axis=-1).astype(v.dtype)  # (B*nh, T, S), float32 softmax
+        y = jnp.einsum("zqk,zkd->zqd", att, v).reshape(B, self.n_head, T, hs).transpose(0, 2, 1, 3)  # (B, T, nh, hs)
+        return self.c_proj(y.reshape(B, T, C)), (k, v)
+
 
 class MLP(nnx.Module):
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
@@ -98,8 +118,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x, key=None):
         # GPT-2's gelu is the tanh approximation (HF "gelu_new"); nanoGPT's exact erf GELU is not GPT-2
-        x = jax.nn.gelu(self.c_fc(x), approximate=True)
-        return dropout(self.c_proj(x), self.dropout, key)
+        B, T, C = x.shape
+        # 2-D matmuls: XLA:CPU fuses the GELU into a (B, T, C) matmul badly (4x slower); free elsewhere
+        h = jax.nn.gelu(self.c_fc(x.reshape(B * T, C)), approximate=True)  # (B*T, 4C)
+        return dropout(self.c_proj(h), self.dropout, key).reshape(B, T, C)
 
 
 class Block(nnx.Module):
@@ -115,6 +137,11 @@ class Block(nnx.Module):
         x = x + self.attn(self.ln_1(x), k_attn).astype(x.dtype)
         x = x + self.mlp(self.ln_2(x), k_mlp).astype(x.dtype)
         return x
+
+    def decode(self, x, kv, pos):
+        y, kv = self.attn.decode(self.ln_1(x), kv, pos)
+        x = x + y.astype(x.dtype)
+        return x + self.mlp(self.ln_2(x)).astype(x.dtype), kv
 
 
 class GPT(nnx.Module):
@@ -153,6 +180,57 @@ class GPT(nnx.Module):
         if targets is None:
             return logits, None
         return logits, cross_entropy(logits, targets)
+
+    def decode(self, idx, cache, pos):
+        """Forward token ids idx (B, T) at positions pos..pos+T-1 through the KV cache (one (k, v) per
+        layer, see init_cache) -> (ln_f output (B, T, C), the cache with their keys and values written in)."""
+        T = idx.shape[1]
+        # positions past block_size only occur in the padding rows of a prefill chunk: clamp them (an
+        # out-of-range take would give NaNs, and NaN * 0 attention weight is still NaN)
+        x = self.wte(idx) + self.wpe(jnp.minimum(pos + jnp.arange(T), self.config.block_size - 1))  # (B, T, C)
+        new_cache = []
+        for block, kv in zip(self.h, cache):
+            x, kv = block.decode(x, kv, pos)
+            new_cache.append(kv)
+        return self.ln_f(x), new_cache
+
+    def init_cache(self, batch_size, length):
+        """[(k, v)] * n_layer, zeros of shape (B * nh, S, hs) in the compute dtype."""
+        c = self.config
+        shape = (batch_size * c.n_head, length, c.n_embd // c.n_head)
+        return [(jnp.zeros(shape, c.compute_dtype), jnp.zeros(shape, c.compute_dtype)) for _ in range(c.n_layer)]
+
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, *, key=None,
+                 use_cache=True, vocab_limit=None, on_token=None, return_logits=False):
+        """Take a conditioning sequence of indices idx (B, T) and complete it max_new_tokens times, feeding
+        the predictions back in -> (B, T + max_new_tokens) numpy int32. As nanoGPT: logits / temperature,
+        then top_k, then (ours) top_p; once the sequence outgrows block_size the model conditions on its
+        last block_size tokens. temperature 0 is greedy (argmax, no key needed); otherwise `key` drives
+        the sampling: same key, same tokens, cache or not. The prompt is prefilled into a KV cache once,
+        then one token per step; use_cache=False runs the full forward every step instead (the reference).
+        vocab_limit: sample only ids below it (a padded vocabulary's extra ids decode to nothing).
+        on_token(ids (B,)) is called on the host as each step's tokens come (streaming).
+        return_logits: also return each step's raw logits (B, max_new_tokens, vocab), float32."""
+        idx = np.asarray(idx)
+        V = self.config.vocab_size
+        if idx.ndim != 2 or idx.shape[1] < 1 or not np.issubdtype(idx.dtype, np.integer):
+            raise ValueError(f"expected prompt token ids of shape (batch, time >= 1), got {idx.dtype} {idx.shape}")
+        if idx.min() < 0 or idx.max() >= V:
+            raise ValueError(f"prompt token ids must be in [0, {V}), got min {idx.min()}, max {idx.max()}")
+        if not (isinstance(max_new_tokens, int) and max_new_tokens > 0):
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        check_sampling(temperature, top_k, top_p)
+        if key is None and temperature > 0:
+            raise ValueError("sampling (temperature > 0) needs a PRNG key: key=jax.random.key(seed)")
+        if vocab_limit is not None and not 0 < vocab_limit <= V:
+            raise ValueError(f"vocab_limit must be in [1, {V}], got {vocab_limit}")
+        B, T = idx.shape
+        buf = np.zeros((B, T + max_new_tokens), np.int32)  # prompt, then the tokens as they are sampled
+        buf[:, :T] = idx
+        sampling = (float(temperature), top_k, None if top_p in (None, 1.0) else float(top_p), vocab_limit)
+        out, logits = _generate(self, jnp.asarray(buf), jnp.int32(T), jax.random.key(0) if key is None else key,
+                                sampling=sampling, use_cache=use_cache, on_token=on_token, return_logits=return_logits)
+        return (np.asarray(out), np.asarray(logits[:, :max_new_tokens])) if return_logits else np.asarray(out)
 
     def num_params(self, non_embedding=True):
         """Parameter count. As nanoGPT, non_embedding subtracts the position embeddings only: the token
@@ -215,7 +293,8 @@ def check_tokens(idx, config: GPTConfig):
     if not jnp.issubdtype(idx.dtype, jnp.integer):
         raise ValueError(f"token ids must be integers, got {idx.dtype}")
     if not isinstance(idx, jax.core.Tracer) and idx.size:  # values are only known outside jit
-        lo, hi = int(idx.min()), int(idx.max())
+        values = np.asarray(idx)  # numpy, so that a concrete array closed over by a jit stays concrete
+        lo, hi = int(values.min()), int(values.max())
         if lo < 0 or hi >= config.vocab_size:
             raise ValueError(f"token ids must be in [0, {config.vocab_size}), got min {lo}, max {hi}")
 
@@ -227,6 +306,101 @@ def cross_entropy(logits, targets):
     logz = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, jnp.where(valid, targets, 0)[..., None], axis=-1)[..., 0]
     return jnp.sum(jnp.where(valid, logz - target_logit, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Generation. One jit per (batch size, total length) and sampling settings: the prompt length is traced,
+# the loop runs inside the jit, so neither a new prompt nor a new token recompiles anything.
+PREFILL_CHUNK = 64  # prompt tokens per prefill step: prompts of any length share one compiled prefill
+
+
+def check_sampling(temperature, top_k, top_p):
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None and not (isinstance(top_k, int) and top_k > 0):
+        raise ValueError(f"top_k must be a positive integer (or None for no top-k), got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 keeps everything), got {top_p}")
+
+
+def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
+    """(B, V) logits -> logits / temperature with the tokens top_k and top_p remove set to -inf.
+    top_k keeps the k largest (and ties with the k-th, as nanoGPT's torch.topk test); top_p then keeps
+    the smallest set of most likely tokens whose probability reaches top_p: a token stays when the mass
+    of the tokens more likely than it is < top_p (HF's TopPLogitsWarper rule)."""
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # (B, 1)
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p is not None and top_p < 1.0:
+        desc = -jnp.sort(-logits, axis=-1)  # (B, V), most likely first
+        probs = jax.nn.softmax(desc, axis=-1)
+        n_keep = jnp.sum(jnp.cumsum(probs, axis=-1) - probs < top_p, axis=-1, keepdims=True)  # (B, 1), >= 1
+        cutoff = jnp.take_along_axis(desc, n_keep - 1, axis=-1)  # (B, 1)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return logits
+
+
+@functools.partial(nnx.jit, static_argnames=("sampling", "use_cache", "on_token", "return_logits"))
+def _generate(model, buf, prompt_len, key, *, sampling, use_cache, on_token, return_logits):
+    """buf (B, L): the prompt in buf[:, :prompt_len]; fills buf[:, prompt_len:]. See GPT.generate."""
+    temperature, top_k, top_p, vocab_limit = sampling
+    bs = model.config.block_size
+    B, L = buf.shape
+    W = min(L, bs)  # the longest context the model ever sees
+
+    def logits_full(buf, n):
+        """nanoGPT's step: forward the last <= block_size tokens before position n, keep the last logits."""
+        start = jnp.maximum(n - W, 0)
+        _, x = model.hidden_states(jax.lax.dynamic_slice_in_dim(buf, start, W, axis=1))  # (B, W, C)
+        # past n sit padding or not-yet-sampled tokens: causal attention keeps them out of position n-1
+        return model.logits(jax.lax.dynamic_index_in_dim(x, n - 1 - start, axis=1, keepdims=False))  # (B, V)
+
+    def logits_cached(buf, cache, n):
+        """feed token n-1 at position n-1 through the cache, which holds positions 0..n-2."""
+        x, cache = model.decode(jax.lax.dynamic_slice_in_dim(buf, n - 1, 1, axis=1), cache, n - 1)
+        return model.logits(x[:, 0]), cache  # (B, V)
+
+    cache = None
+    if use_cache:
+        # prefill every prompt token but the last (the first step feeds that one), in fixed-size chunks;
+        # the cache is a whole number of chunks long so no chunk's write is clipped
+        C = min(PREFILL_CHUNK, W)
+        S = -(-W // C) * C
+        cache = model.init_cache(B, S)
+        prompt = jnp.pad(buf[:, :W], ((0, 0), (0, S - W)))  # (B, S)
+        n_prefill = jnp.where(prompt_len <= bs, prompt_len - 1, 0)  # a prompt longer than block_size never uses it
+
+        def prefill(j, cache):
+            return model.decode(jax.lax.dynamic_slice_in_dim(prompt, j * C, C, axis=1), cache, j * C)[1]
+        cache = jax.lax.fori_loop(0, (n_prefill + C - 1) // C, prefill, cache)
+
+    V = model.config.vocab_size if vocab_limit is None else vocab_limit
+    all_logits = jnp.zeros((B, L if return_logits else 0, model.config.vocab_size), jnp.float32)
+
+    def step(i, carry):
+        buf, cache, all_logits = carry
+        n = prompt_len + i  # the position this step samples
+        if not use_cache:
+            logits = logits_full(buf, n)
+        elif L <= bs:
+            logits, cache = logits_cached(buf, cache, n)
+        else:  # the cache serves until the sequence outgrows block_size; then the window slides, positions shift
+            logits, cache = jax.lax.cond(n <= bs, logits_cached, lambda b, c, n: (logits_full(b, n), c), buf, cache, n)
+        if return_logits:
+            all_logits = jax.lax.dynamic_update_slice_in_dim(all_logits, logits[:, None], i, axis=1)
+        logits = logits[:, :V]
+        if temperature == 0:
+            tok = jnp.argmax(logits, axis=-1)  # (B,)
+        else:
+            tok = jax.random.categorical(jax.random.fold_in(key, i), filter_logits(logits, temperature, top_k, top_p))
+        tok = tok.astype(buf.dtype)
+        if on_token is not None:
+            jax.debug.callback(on_token, tok, ordered=True)
+        return jax.lax.dynamic_update_slice_in_dim(buf, tok[:, None], n, axis=1), cache, all_logits
+
+    buf, _, all_logits = jax.lax.fori_loop(0, L - prompt_len, step, (buf, cache, all_logits))
+    return buf, all_logits  # all_logits (B, L, vocab): step i's in row i
 
 
 # bf16 dense peak FLOP/s per device, by substrings of jax's device_kind (first match wins)

@@ -1,0 +1,137 @@
+"""
+Sampling speed, side by side in one run: our KV-cache generate, transformers' generate, our no-cache path.
+
+    python bench_sample.py                                   # gpt2-shaped random weights, batch 1 and 8, 500 tokens
+    python bench_sample.py --size gpt2-medium --batch 1 --new-tokens 100
+
+Greedy decoding in float32 from an 8-token prompt, on whatever JAX and torch run on (CPU here). Compile
+time is reported apart from speed: ours is the time the first call spends tracing and compiling (JAX's
+compile events), and its tokens/s is the rest of that call. transformers gets a warm-up that also picks
+its faster torch thread count (1 or all cores; shown in brackets).
+Our no-cache path forwards the same fixed window of min(prompt + new, block_size) tokens every step, so
+its tokens/s is timed over its last --nocache-steps steps at the full length and holds for every step.
+"""
+
+import argparse
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from parity.common import HF_SIZES, exit_on_bad_input, print_table, random_hf_model
+
+PROMPT = "Hello, I'm a language model,"  # 8 GPT-2 tokens
+
+
+class CompileTimer:
+    """Seconds JAX spends tracing, lowering and compiling, from its monitoring events."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        import jax
+
+        self.total = 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._record)
+
+    def _record(self, event, duration, **kwargs):
+        if event in self.EVENTS:
+            self.total += duration
+
+
+def time_ours(model, idx, new_tokens, timer, use_cache=True):
+    """(compile s, run s, tokens) of one generate call."""
+    before, t0 = timer.total, time.perf_counter()
+    out = model.generate(idx, new_tokens, temperature=0, use_cache=use_cache)
+    wall = time.perf_counter() - t0
+    compile_s = timer.total - before
+    return compile_s, wall - compile_s, out
+
+
+def time_hf(hf_model, idx, new_tokens, probe_tokens=16):
+    """(threads, warm-up s, run s, tokens) of transformers' greedy generate. The warm-up also tries torch
+    on 1 thread and on all of them, and keeps the faster: on a busy machine torch's default (all
+    threads) can be several times slower than 1 thread."""
+    import torch
+
+    x = torch.from_numpy(idx.astype(np.int64))
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=False, min_new_tokens=0)
+    t_warm, probes = time.perf_counter(), {}
+    with torch.no_grad():
+        hf_model.generate(x, max_new_tokens=4, **kw)
+        for threads in sorted({1, os.cpu_count()}):
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            hf_model.generate(x, max_new_tokens=probe_tokens, **kw)
+            probes[threads] = time.perf_counter() - t0
+        threads = min(probes, key=probes.get)
+        torch.set_num_threads(threads)
+        warmup = time.perf_counter() - t_warm
+        t0 = time.perf_counter()
+        out = hf_model.generate(x, max_new_tokens=new_tokens, **kw).numpy()
+    return threads, warmup, time.perf_counter() - t0, out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="gpt2", choices=list(HF_SIZES), help="architecture; weights are random")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--new-tokens", type=int, default=500)
+    p.add_argument("--nocache-steps", type=int, default=1, help="steps timed on the no-cache path")
+    args = p.parse_args(argv)
+    if args.new_tokens < 1 or min(args.batch) < 1 or args.nocache_steps < 1:
+        raise ValueError("--new-tokens, --batch and --nocache-steps must be >= 1")
+    if args.nocache_steps > args.new_tokens:
+        raise ValueError(f"--nocache-steps ({args.nocache_steps}) cannot exceed --new-tokens ({args.new_tokens})")
+
+    import jax
+    import torch
+    import transformers
+    from transformers import GPT2LMHeadModel
+
+    from model import GPT
+    from tokenizer import get_encoding
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    timer = CompileTimer()
+    with tempfile.TemporaryDirectory() as tmp:
+        random_hf_model(0, **HF_SIZES[args.size]).save_pretrained(tmp)
+        model = GPT.from_pretrained(tmp)
+        hf_model = GPT2LMHeadModel.from_pretrained(tmp, dtype=torch.float32).eval()  # default attention (sdpa)
+    hf_model.generation_config.eos_token_id = None  # decode every token, as ours
+    hf_model.generation_config.pad_token_id = 0
+    prompt = get_encoding().encode(PROMPT)
+    T, N = len(prompt), args.new_tokens
+    if T + N > model.config.block_size:
+        raise ValueError(f"prompt + new tokens = {T + N} > block_size {model.config.block_size}: HF would stop")
+    print(f"{args.size}-shaped, random weights, {model.num_params() / 1e6:.1f}M params; float32; greedy; "
+          f"{T}-token prompt + {N} new tokens; jax {jax.__version__} on {jax.devices()[0].device_kind} "
+          f"({os.cpu_count()} cores); torch {torch.__version__}, transformers {transformers.__version__}")
+
+    rows = []
+    for B in args.batch:
+        idx = np.tile(np.array(prompt, np.int32), (B, 1))
+        compile_s, run_s, ours = time_ours(model, idx, N, timer)
+        threads, warmup_s, hf_s, theirs = time_hf(hf_model, idx, N)
+        # no cache: the same (B, T + N) compiled loop, run for its last k steps only
+        k = args.nocache_steps
+        long_prompt = np.tile(np.resize(np.array(prompt, np.int32), T + N - k), (B, 1))
+        nc_compile_s, nc_s, _ = time_ours(model, long_prompt, k, timer, use_cache=False)
+        ours_tps, hf_tps, nc_tps = B * N / run_s, B * N / hf_s, B * k / nc_s
+        rows.append([str(B), compile_s, ours_tps, warmup_s, f"{hf_tps:.3g} ({threads})", nc_compile_s, nc_tps,
+                     f"{ours_tps / hf_tps:.2f}x", f"{ours_tps / nc_tps:.1f}x",
+                     "yes" if np.array_equal(ours, theirs) else "NO"])
+        print(f"batch {B}: ours {run_s:.1f}s (+{compile_s:.1f}s compile), transformers {hf_s:.1f}s, "
+              f"no-cache {nc_s:.1f}s for {k} steps", flush=True)
+    print()
+    print_table(rows, ["batch", "ours compile s", "ours tok/s", "HF warm-up s", "HF tok/s (threads)",
+                       "no-cache compile s", "no-cache tok/s", "ours / HF", "ours / no-cache", "same tokens"])
+    return 0
+
+
+if __name__ == "__main__":
+    exit_on_bad_input(main)

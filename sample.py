@@ -1,0 +1,177 @@
+"""
+Sample from a trained model: nanoGPT's sample.py, decoding all samples together from a KV cache.
+
+    python sample.py --init_from=resume --out_dir=out-shakespeare-char    # our checkpoint (char-level: meta.pkl)
+    python sample.py --init_from=gpt2-xl --start="What is the answer to life, the universe, and everything?" \\
+        --num_samples=5 --max_new_tokens=100
+    python sample.py --init_from=DIR --start=FILE:prompt.txt --temperature=0     # an HF GPT-2 directory, greedy
+    python sample.py --init_from=gpt2 --num_samples=1 --stream                    # tokens printed as they come
+
+Settings as nanoGPT: an optional config file, then --key=value (configurator.py); --stream is --stream=True.
+Samples go to stdout, each followed by a line of dashes; the start-up summary and timing go to stderr.
+"""
+
+import codecs
+import os
+import pickle
+import sys
+import time
+
+import jax
+import numpy as np
+
+from checkpoint import load_model
+from configurator import configure
+from tokenizer import get_encoding
+
+defaults = dict(
+    init_from="resume",  # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, or an HF directory
+    out_dir="out",  # ignored unless init_from is 'resume'
+    start="\n",  # or "<|endoftext|>" or etc. Can also specify a file, use as: "FILE:prompt.txt"
+    num_samples=10,  # number of samples to draw, decoded together as one batch
+    max_new_tokens=500,  # number of tokens generated in each sample
+    temperature=0.8,  # 1.0 = no change, < 1.0 = less random, > 1.0 = more random; 0 = greedy (argmax)
+    top_k=200,  # retain only the top_k most likely tokens, clamp others to have 0 probability (None: all)
+    top_p=1.0,  # then the smallest set of most likely tokens holding top_p of the probability (1.0: all)
+    seed=1337,
+    dtype="float32" if jax.default_backend() == "cpu" else "bfloat16",  # 'float32' | 'bfloat16'
+    stream=False,  # print tokens as they come (num_samples=1)
+)
+SEPARATOR = "---------------"
+
+
+def check_settings(cfg):
+    """Every bad setting fails here, with one line, before a model is loaded."""
+    for key in ("num_samples", "max_new_tokens"):
+        if not cfg[key] >= 1:
+            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
+    if not cfg["temperature"] >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {cfg['temperature']}")
+    if cfg["top_k"] is not None and not (isinstance(cfg["top_k"], int) and cfg["top_k"] >= 1):
+        raise ValueError(f"top_k must be an integer >= 1 (or None for no top-k), got {cfg['top_k']}")
+    if not 0 < cfg["top_p"] <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1.0 keeps every token), got {cfg['top_p']}")
+    if cfg["dtype"] not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {cfg['dtype']!r}")
+    if cfg["stream"] and cfg["num_samples"] != 1:
+        raise ValueError(f"--stream prints one sample as it comes: set --num_samples=1 (got {cfg['num_samples']})")
+
+
+def read_start(start):
+    """The prompt text: a string, or a file's contents with FILE:path. Empty means nanoGPT's default, "\\n"."""
+    if start.startswith("FILE:"):
+        path = start[len("FILE:"):]
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"start file not found: {path}")
+        with open(path, encoding="utf-8") as f:
+            start = f.read()
+    return start or "\n"
+
+
+class CharCodec:
+    """A character-level dataset's meta.pkl (stoi/itos), as nanoGPT's shakespeare_char writes it."""
+
+    def __init__(self, meta_path):
+        with open(meta_path, "rb") as f:
+            meta = pickle.load(f)
+        self.path, self.stoi, self.itos = meta_path, meta["stoi"], meta["itos"]
+        self.n_vocab = len(self.itos)
+
+    def encode(self, s):
+        unknown = sorted(set(s) - self.stoi.keys())
+        if unknown:
+            raise ValueError(f"start has characters outside the vocabulary of {self.path}: "
+                             f"{''.join(unknown)!r} (the model only knows {''.join(sorted(self.stoi))!r})")
+        return [self.stoi[c] for c in s]
+
+    def decode(self, ids):
+        return "".join(self.itos[i] for i in ids)
+
+    def stream_decoder(self):
+        return lambda i: "" if i is None else self.itos[i]
+
+
+class BPECodec:
+    """GPT-2's BPE (tokenizer.py)."""
+
+    def __init__(self):
+        self.enc = get_encoding()
+        self.n_vocab = self.enc.n_vocab
+
+    def encode(self, s):
+        return self.enc.encode(s, allowed_special={"<|endoftext|>"})
+
+    def decode(self, ids):
+        return self.enc.decode(ids)
+
+    def stream_decoder(self):
+        """token id -> the text it completes (a character split across tokens waits for its last byte);
+        None -> what is left over, so that the streamed text is exactly decode() of the tokens."""
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # as tiktoken's decode: errors="replace"
+        return lambda i: utf8.decode(b"" if i is None else self.enc.decode_single_token_bytes(i), final=i is None)
+
+
+def get_codec(train_config):
+    """As nanoGPT: a checkpoint trained on a dataset with a meta.pkl is character-level; else GPT-2 BPE.
+    The dataset is a folder under data/ (nanoGPT) or a path."""
+    if train_config and train_config.get("dataset"):
+        dataset = train_config["dataset"]
+        meta_path = next((p for p in (os.path.join("data", dataset, "meta.pkl"), os.path.join(dataset, "meta.pkl"))
+                          if os.path.exists(p)), None)
+        if meta_path:
+            print(f"Loading meta from {meta_path}...", file=sys.stderr)
+            try:
+                return CharCodec(meta_path)
+            except (pickle.UnpicklingError, EOFError, KeyError, TypeError) as e:
+                raise ValueError(f"{meta_path} is not a character-level meta.pkl ({type(e).__name__}: {e})") from e
+    return BPECodec()
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = configure(defaults, ["--stream=True" if a == "--stream" else a for a in argv])
+    check_settings(cfg)
+    start = read_start(cfg["start"])
+
+    t0 = time.time()
+    model, train_config = load_model(cfg["init_from"], cfg["out_dir"], cfg["dtype"])
+    codec = get_codec(train_config)
+    start_ids = codec.encode(start)
+    c = model.config
+    if max(start_ids) >= c.vocab_size:
+        raise ValueError(f"start encodes to token id {max(start_ids)}, outside the model's vocabulary "
+                         f"(vocab_size {c.vocab_size})")
+    print(f"model {cfg['init_from']}: {model.num_params() / 1e6:.2f}M params, block_size {c.block_size}, "
+          f"{cfg['dtype']} on {jax.devices()[0].platform} (loaded in {time.time() - t0:.1f}s); "
+          f"{cfg['num_samples']} sample(s) x {cfg['max_new_tokens']} tokens from a {len(start_ids)}-token start",
+          file=sys.stderr)
+
+    on_token = None
+    if cfg["stream"]:
+        print(codec.decode(start_ids), end="", flush=True)
+        decode_one = codec.stream_decoder()
+        on_token = lambda ids: print(decode_one(int(ids[0])), end="", flush=True)  # noqa: E731
+
+    t0 = time.time()
+    x = np.tile(np.array(start_ids, np.int32), (cfg["num_samples"], 1))  # (num_samples, T)
+    y = model.generate(x, cfg["max_new_tokens"], cfg["temperature"], cfg["top_k"], cfg["top_p"],
+                       key=jax.random.key(cfg["seed"]), on_token=on_token,
+                       # a vocabulary padded past the codec's (50257 -> 50304) has ids that decode to nothing
+                       vocab_limit=codec.n_vocab if codec.n_vocab < c.vocab_size else None)
+    dt = time.time() - t0
+    if cfg["stream"]:
+        jax.effects_barrier()  # every token's callback has run
+        print(decode_one(None))
+        print(SEPARATOR)
+    else:
+        for row in y:
+            print(codec.decode(row.tolist()))
+            print(SEPARATOR)
+    print(f"{y.shape[0] * cfg['max_new_tokens']} tokens in {dt:.1f}s, compilation included", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    from parity.common import exit_on_bad_input
+
+    exit_on_bad_input(main)
