@@ -8,6 +8,7 @@ leaves the previous checkpoint loadable.
 """
 
 import os
+from contextlib import closing
 from dataclasses import asdict
 
 import jax
@@ -46,7 +47,10 @@ def _reader(path):
 
 def latest_step(out_dir):
     path = ckpt_dir(out_dir)
-    steps = _reader(path).all_steps() if os.path.isdir(path) else []
+    steps = []
+    if os.path.isdir(path):
+        with closing(_reader(path)) as mngr:
+            steps = mngr.all_steps()
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {path}: train first (python train.py ...) or check --out_dir")
     return max(steps)
@@ -68,7 +72,8 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
     if opt_state is not None:
         items["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state, sharding))
     try:
-        restored = _reader(ckpt_dir(out_dir)).restore(step, args=ocp.args.Composite(**items))
+        with closing(_reader(ckpt_dir(out_dir))) as mngr:
+            restored = mngr.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax raises many kinds; the user needs one line
         msg = (str(e).splitlines() or [type(e).__name__])[0].split(" See full")[0][:200]
         raise CheckpointError(f"checkpoint {os.path.join(ckpt_dir(out_dir), str(step))} is corrupt or incomplete "
