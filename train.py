@@ -342,11 +342,11 @@ class Trainer:
                 self.best_val_loss = min(self.best_val_loss, losses["val"])
                 if self.iter_num > 0 and (improved or c["always_save_checkpoint"]):
                     self.save(mngr)
-                t0 = time.time()  # eval time is not step time
+                t0, last_log_iter = time.time(), self.iter_num  # eval time is not step time
             if self.hellaswag_examples and (self.iter_num % c["hellaswag_interval"] == 0
                                             or self.iter_num == c["max_iters"]):
                 self.eval_hellaswag()
-                t0 = time.time()
+                t0, last_log_iter = time.time(), self.iter_num
             if c["eval_only"]:
                 break
             if self.iter_num >= c["max_iters"]:
