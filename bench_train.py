@@ -1,15 +1,19 @@
 """
-Training speed and memory: our jitted train step vs a PyTorch reference loop (transformers'
-GPT2LMHeadModel + torch.optim.AdamW, same shapes, fp32 on CPU), side by side in one run. Each measurement
-runs in its own process, so peak memory is that run's alone.
+Training speed and memory: our jitted train step vs two PyTorch references, side by side in one run:
+nanoGPT's own model (its model.py: exact GELU, scaled_dot_product_attention) and transformers'
+GPT2LMHeadModel, each with torch.optim.AdamW, same shapes, fp32 on CPU. Each measurement runs in its own
+process, so peak memory is that run's alone.
 
     python bench_train.py                      # nanoGPT's CPU baby config (block 64, batch 12, 4x4x128)
     python bench_train.py --preset gpt2 --dtype bfloat16 --frameworks jax   # 124M, B=16, T=1024 (GPU)
+    python bench_train.py --full-run           # the README's main training command vs nanoGPT's train.py loop
 
 Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's peak is
 known, peak memory (device peak on GPU/TPU, process peak RSS on CPU) and, for ours, the compiled step's
 scratch memory (XLA's memory analysis); then ours with gradient accumulation 8 vs 1 (memory must stay
-flat: lax.scan over micro-batches).
+flat: lax.scan over micro-batches). --full-run times whole runs instead: train.py with the main command's
+settings, and nanoGPT's training loop (its get_batch, get_lr, evals every 250 iterations, checkpoints when
+val improves) on the same data, one after the other: wall time and final val loss of each.
 """
 
 import argparse
@@ -44,7 +48,8 @@ def bench_jax(s):
     params = jax.device_put(params, NamedSharding(mesh, P()))
     tx = train.make_optimizer(c)
     opt_state = jax.jit(tx.init)(params)
-    step = train.make_train_step(graphdef, tx, grad_clip=1.0)
+    step = train.on_leaves(train.make_train_step(graphdef, tx, grad_clip=1.0), params, opt_state)
+    params, opt_state = jax.tree.leaves(params), jax.tree.leaves(opt_state)  # as train.py's loop holds them
     rows = s["batch_size"] * jax.device_count()
     rng = np.random.default_rng(0)
     batch = rng.integers(0, s["vocab_size"], (s["accum"], rows, s["block_size"] + 1)).astype(np.int32)
@@ -69,10 +74,97 @@ def bench_jax(s):
             "tokens": s["accum"] * rows * s["block_size"]}
 
 
+def nanogpt_model(block_size, vocab_size, n_layer, n_head, n_embd, dropout=0.0, bias=True):
+    """nanoGPT's GPT (karpathy/nanoGPT model.py), condensed: same modules, init, weight tying and loss."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class LayerNorm(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(n))
+            self.bias = nn.Parameter(torch.zeros(n)) if bias else None
+
+        def forward(self, x):
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln_1, self.ln_2 = LayerNorm(n_embd), LayerNorm(n_embd)
+            self.c_attn, self.attn_proj = nn.Linear(n_embd, 3 * n_embd, bias), nn.Linear(n_embd, n_embd, bias)
+            self.c_fc, self.mlp_proj = nn.Linear(n_embd, 4 * n_embd, bias), nn.Linear(4 * n_embd, n_embd, bias)
+            self.drop = nn.Dropout(dropout)
+
+        def forward(self, x):
+            B, T, C = x.size()
+            q, k, v = (a.view(B, T, n_head, C // n_head).transpose(1, 2) for a in self.c_attn(self.ln_1(x)).split(C, 2))
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout if self.training else 0, is_causal=True)
+            x = x + self.drop(self.attn_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+            return x + self.drop(self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
+            self.drop, self.ln_f = nn.Dropout(dropout), LayerNorm(n_embd)
+            self.h = nn.ModuleList([Block() for _ in range(n_layer)])
+            self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+            self.wte.weight = self.lm_head.weight
+            for m in self.modules():
+                if isinstance(m, (nn.Linear, nn.Embedding)):
+                    nn.init.normal_(m.weight, std=0.02)
+                if isinstance(m, nn.Linear) and m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            for name, p in self.named_parameters():
+                if name.endswith("proj.weight"):
+                    nn.init.normal_(p, std=0.02 / (2 * n_layer) ** 0.5)
+
+        def forward(self, idx, targets):
+            x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device)))
+            for block in self.h:
+                x = block(x)
+            logits = self.lm_head(self.ln_f(x))
+            return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+    return GPT()
+
+
+def torch_model(s, device):
+    """(model, loss_fn) for s["framework"]: nanoGPT's GPT or transformers' GPT2LMHeadModel."""
+    import torch
+
+    if s["framework"] == "nanogpt":
+        model = nanogpt_model(s["block_size"], s["vocab_size"], s["n_layer"], s["n_head"], s["n_embd"])
+        return model.to(device).train(), lambda x, y: model(x, y)[1]
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_positions=s["block_size"], vocab_size=s["vocab_size"], n_layer=s["n_layer"],
+                        n_head=s["n_head"], n_embd=s["n_embd"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=None, eos_token_id=None)
+    model = GPT2LMHeadModel(config).to(device).train()
+
+    def loss_fn(x, y):
+        logits = model(x).logits
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    return model, loss_fn
+
+
+def adamw(model, lr, beta2=0.95):
+    """nanoGPT's configure_optimizers: weight decay on every >=2-D tensor."""
+    import torch
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, beta2), eps=1e-8)
+
+
 def bench_torch(s):
     import numpy as np
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     from parity.common import pin_numerics
 
@@ -80,25 +172,18 @@ def bench_torch(s):
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = GPT2Config(n_positions=s["block_size"], vocab_size=s["vocab_size"], n_layer=s["n_layer"],
-                        n_head=s["n_head"], n_embd=s["n_embd"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=None, eos_token_id=None)
-    model = GPT2LMHeadModel(config).to(device).train()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    model, loss_fn = torch_model(s, device)
+    opt = adamw(model, 1e-3)
     rng = np.random.default_rng(0)
     batch = torch.from_numpy(rng.integers(0, s["vocab_size"], (s["accum"], s["batch_size"], s["block_size"] + 1)))
-    batch = batch.to(device)
+    x, y = batch[..., :-1].contiguous().to(device), batch[..., 1:].contiguous().to(device)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=s["dtype"] == "bfloat16")
     times = []
     for i in range(s["warmup"] + s["steps"]):
         t0 = time.perf_counter()
         for k in range(s["accum"]):
             with autocast:
-                logits = model(batch[k, :, :-1]).logits
-                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[k, :, 1:].flatten())
+                loss = loss_fn(x[k], y[k])
             (loss / s["accum"]).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -111,6 +196,105 @@ def bench_torch(s):
             "memory": "device" if peak else "RSS", "mfu": None, "temp_mb": None,
             "device": torch.cuda.get_device_name() if peak else "cpu",
             "tokens": s["accum"] * s["batch_size"] * s["block_size"]}
+
+
+# the README's main command (Makefile: shakespeare), and nanoGPT's README command for the same run on CPU
+MAIN_RUN = dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128, max_iters=2000, lr_decay_iters=2000,
+                dropout=0.0, eval_iters=20, eval_interval=250, learning_rate=1e-3, min_lr=1e-4, warmup_iters=100,
+                beta2=0.99, weight_decay=0.1, grad_clip=1.0)
+
+
+def nanogpt_run(s):
+    """nanoGPT's train.py loop, single process, CPU, compile=False, with MAIN_RUN's settings: the random
+    windows of get_batch, get_lr, clip_grad_norm_, an eval of eval_iters batches per split every eval_interval
+    iterations, a checkpoint (torch.save) when val improves, loss.item() every iteration (log_interval=1)."""
+    import math
+    import pickle
+    import tempfile
+
+    import numpy as np
+    import torch
+
+    r = MAIN_RUN
+    t_start = time.time()
+    torch.manual_seed(1337)
+    torch.set_num_threads(os.cpu_count())
+    data_dir = os.path.join("data", "shakespeare_char")
+    with open(os.path.join(data_dir, "meta.pkl"), "rb") as f:
+        vocab_size = pickle.load(f)["vocab_size"]
+
+    def get_batch(split):
+        data = np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
+        ix = torch.randint(len(data) - r["block_size"], (r["batch_size"],))
+        x = torch.stack([torch.from_numpy(data[i:i + r["block_size"]].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + r["block_size"]].astype(np.int64)) for i in ix])
+        return x, y
+
+    def get_lr(it):
+        if it < r["warmup_iters"]:
+            return r["learning_rate"] * (it + 1) / (r["warmup_iters"] + 1)
+        ratio = (it - r["warmup_iters"]) / (r["lr_decay_iters"] - r["warmup_iters"])
+        return r["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (r["learning_rate"] - r["min_lr"])
+
+    model = nanogpt_model(r["block_size"], vocab_size, r["n_layer"], r["n_head"], r["n_embd"], r["dropout"])
+    opt = adamw(model, r["learning_rate"], r["beta2"])
+
+    @torch.no_grad()
+    def estimate_loss():
+        model.eval()
+        out = {split: float(torch.stack([model(*get_batch(split))[1] for _ in range(r["eval_iters"])]).mean())
+               for split in ("train", "val")}
+        model.train()
+        return out
+
+    best_val, losses, out_dir = 1e9, None, tempfile.mkdtemp()
+    X, Y = get_batch("train")
+    for it in range(r["max_iters"] + 1):
+        for group in opt.param_groups:
+            group["lr"] = get_lr(it)
+        if it % r["eval_interval"] == 0:
+            losses = estimate_loss()
+            if losses["val"] < best_val and it > 0:
+                best_val = losses["val"]
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                           os.path.join(out_dir, "ckpt.pt"))
+        if it == r["max_iters"]:
+            break
+        _, loss = model(X, Y)
+        X, Y = get_batch("train")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), r["grad_clip"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+    return {"wall_s": time.time() - t_start, "val_loss": losses["val"]}
+
+
+def ours_run():
+    """train.py with the main command's settings, in a subprocess: wall time and the final val loss."""
+    import tempfile
+
+    out_dir = tempfile.mkdtemp()
+    args = [f"--{k}={v}" for k, v in MAIN_RUN.items()] + [f"--out_dir={out_dir}", "--log_interval=100"]
+    t0 = time.time()
+    subprocess.run([sys.executable, "train.py", "config/train_shakespeare_char.py", *args], check=True,
+                   stdout=subprocess.DEVNULL)
+    wall = time.time() - t0
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        val = [json.loads(line)["val_loss"] for line in f if '"val_loss"' in line][-1]
+    return {"wall_s": wall, "val_loss": val}
+
+
+def full_run():
+    if not os.path.exists(os.path.join("data", "shakespeare_char", "train.bin")):
+        subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], check=True)
+    print(f"main command settings: {MAIN_RUN}")
+    rows = [("jax (train.py)", ours_run()), ("nanoGPT (torch)", run_worker("nanogpt-run", {}))]
+    print(f"\n{'run':<18} {'wall s':>7} {'final val':>9}")
+    for name, r in rows:
+        print(f"{name:<18} {r['wall_s']:>7.1f} {r['val_loss']:>9.4f}")
+    print(f"\njax / nanoGPT wall time: {rows[0][1]['wall_s'] / rows[1][1]['wall_s']:.2f} "
+          f"(train.py's includes its imports, compilation and orbax checkpoints)")
 
 
 def rss_bytes():
@@ -131,15 +315,20 @@ def main():
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--steps", type=int, default=50, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps (the first compiles)")
-    p.add_argument("--frameworks", default="jax,torch")
+    p.add_argument("--frameworks", default="jax,nanogpt,transformers")
     p.add_argument("--batch_size", type=int, default=None)
     p.add_argument("--no-accum", action="store_true", help="skip the accumulation 8 vs 1 memory check")
-    p.add_argument("--worker", choices=["jax", "torch"], help=argparse.SUPPRESS)
+    p.add_argument("--full-run", action="store_true", help="time whole training runs (see above)")
+    p.add_argument("--worker", choices=["jax", "nanogpt", "transformers", "nanogpt-run"], help=argparse.SUPPRESS)
     p.add_argument("--settings", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps((bench_jax if args.worker == "jax" else bench_torch)(json.loads(args.settings))))
+        settings = dict(json.loads(args.settings), framework=args.worker)
+        worker = {"jax": bench_jax, "nanogpt-run": nanogpt_run}.get(args.worker, bench_torch)
+        print(json.dumps(worker(settings)))
         return
+    if args.full_run:
+        return full_run()
 
     s = dict(PRESETS[args.preset], dtype=args.dtype, steps=args.steps, warmup=args.warmup, accum=1)
     if args.batch_size:
@@ -150,17 +339,19 @@ def main():
         rows.append((fw, 1, run_worker(fw, s)))
     if "jax" in args.frameworks and not args.no_accum:
         rows.append(("jax", 8, run_worker("jax", dict(s, accum=8, steps=max(args.steps // 8, 5), warmup=2))))
-    print(f"\n{'framework':<10} {'accum':>5} {'ms/iter':>9} {'tok/s':>10} {'mfu':>7} {'peak MB':>9}  "
+    print(f"\n{'framework':<12} {'accum':>5} {'ms/iter':>9} {'tok/s':>10} {'mfu':>7} {'peak MB':>9}  "
           f"{'memory':<6} {'step temp MB':>12} {'compile s':>9}  device")
     for fw, accum, r in rows:
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "n/a"
         comp = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
         temp = f"{r['temp_mb']:.1f}" if r["temp_mb"] is not None else "-"
-        print(f"{fw:<10} {accum:>5} {r['ms']:>9.2f} {r['tokens'] / r['ms'] * 1000:>10,.0f} {mfu:>7} "
+        print(f"{fw:<12} {accum:>5} {r['ms']:>9.2f} {r['tokens'] / r['ms'] * 1000:>10,.0f} {mfu:>7} "
               f"{r['peak_mb']:>9.0f}  {r['memory']:<6} {temp:>12} {comp:>9}  {r['device']}")
     by = {(fw, a): r for fw, a, r in rows}
-    if ("jax", 1) in by and ("torch", 1) in by:
-        print(f"\njax / torch ms per iteration: {by['jax', 1]['ms'] / by['torch', 1]['ms']:.2f}")
+    for ref in ("nanogpt", "transformers"):
+        if ("jax", 1) in by and (ref, 1) in by:
+            print(f"\njax / {ref} ms per iteration: {by['jax', 1]['ms'] / by[ref, 1]['ms']:.2f}", end="")
+    print()
     if ("jax", 8) in by:
         print(f"jax peak memory, accumulation 8 / 1: {by['jax', 8]['peak_mb'] / by['jax', 1]['peak_mb']:.3f} "
               f"(step scratch memory: {by['jax', 8]['temp_mb'] / by['jax', 1]['temp_mb']:.3f})")

@@ -7,6 +7,7 @@ seed. Orbax writes each step to a temporary directory and renames it when comple
 leaves the previous checkpoint loadable.
 """
 
+import logging
 import os
 from contextlib import closing
 from dataclasses import asdict
@@ -61,6 +62,10 @@ def _abstract(tree, sharding):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
+def _drop_unretrieved(record):
+    return "exception was never retrieved" not in record.getMessage()
+
+
 def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
     """Read the latest (or `step`) checkpoint: {'meta': dict, 'params': ..., 'opt_state': ...}. `params`
     and `opt_state` are templates (abstract or concrete) of what to read; None skips that item."""
@@ -71,6 +76,11 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
         items["params"] = ocp.args.StandardRestore(_abstract(params, sharding))
     if opt_state is not None:
         items["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state, sharding))
+    # orbax reads the arrays concurrently: on a corrupt checkpoint the other reads' failures (the same
+    # corruption) reach stderr, as asyncio's "exception was never retrieved" logs, whenever their futures are
+    # collected, possibly before the first failure reaches us; the user gets that one, in one line
+    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log.addFilter(_drop_unretrieved)
     try:
         with closing(_reader(ckpt_dir(out_dir))) as mngr:
             restored = mngr.restore(step, args=ocp.args.Composite(**items))
@@ -78,6 +88,7 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
         msg = (str(e).splitlines() or [type(e).__name__])[0].split(" See full")[0][:200]
         raise CheckpointError(f"checkpoint {os.path.join(ckpt_dir(out_dir), str(step))} is corrupt or incomplete "
                               f"({msg}); delete it to resume from an earlier one") from e
+    asyncio_log.removeFilter(_drop_unretrieved)
     return {k: restored[k] for k in items}
 
 

@@ -139,10 +139,27 @@ def make_train_step(graphdef, tx, grad_clip):
     return train_step
 
 
-def make_eval_step(graphdef):
+def on_leaves(step, params, opt_state):
+    """`step` over flat lists of arrays: (param leaves, opt leaves, x, y, key) -> the same, and metrics.
+    jit flattens nnx Variables in Python, ~6 ms a call for the baby model's 158 (CPU time a 2-core machine
+    takes from the step itself); lists of arrays cost ~1.7 ms."""
+    param_def, opt_def = jax.tree.structure(params), jax.tree.structure(opt_state)
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def leaves_step(params, opt_state, x, y, key):
+        params, opt_state, metrics = step(param_def.unflatten(params), opt_def.unflatten(opt_state), x, y, key)
+        return jax.tree.leaves(params), jax.tree.leaves(opt_state), metrics
+
+    return leaves_step
+
+
+def make_eval_step(graphdef, params):
+    """Mean loss of one batch; takes the param leaves, as the train step does (see on_leaves)."""
+    param_def = jax.tree.structure(params)
+
     @jax.jit
-    def eval_step(params, x, y):
-        return nnx.merge(graphdef, params)(x, y)[1]
+    def eval_step(param_leaves, x, y):
+        return nnx.merge(graphdef, param_def.unflatten(param_leaves))(x, y)[1]
 
     return eval_step
 
@@ -222,12 +239,31 @@ class Trainer:
             self.iter_num, self.best_val_loss = meta["iter_num"], meta["best_val_loss"]
             self.last_saved = self.iter_num
             self.loaders["train"].load_state_dict(meta["loader"])
-        self.params, self.opt_state, self.graphdef = params, opt_state, graphdef
+        self.graphdef = graphdef
+        self._param_def, self._opt_def = jax.tree.structure(params), jax.tree.structure(opt_state)
+        self.params, self.opt_state = params, opt_state
         self.model = nnx.merge(graphdef, params)  # for num_params / estimate_mfu
         self.hellaswag_examples = self._load_hellaswag() if c["hellaswag_interval"] > 0 else None
-        self.train_step = make_train_step(graphdef, tx, c["grad_clip"])
-        self.eval_step = make_eval_step(graphdef)
+        self.train_step = on_leaves(make_train_step(graphdef, tx, c["grad_clip"]), params, opt_state)
+        self.eval_step = make_eval_step(graphdef, params)
         self.stop_requested = None
+
+    # the loop holds params and optimizer state as lists of arrays (see on_leaves)
+    @property
+    def params(self):
+        return self._param_def.unflatten(self._param_leaves)
+
+    @params.setter
+    def params(self, value):
+        self._param_leaves = jax.tree.leaves(value)
+
+    @property
+    def opt_state(self):
+        return self._opt_def.unflatten(self._opt_leaves)
+
+    @opt_state.setter
+    def opt_state(self, value):
+        self._opt_leaves = jax.tree.leaves(value)
 
     def _model_config(self):
         c = self.c
@@ -283,7 +319,7 @@ class Trainer:
         sharding = NamedSharding(self.mesh, P("data", None))
         out = {}
         for split, loader in self.loaders.items():
-            losses = [self.eval_step(self.params, self._put(x, sharding), self._put(y, sharding))
+            losses = [self.eval_step(self._param_leaves, self._put(x, sharding), self._put(y, sharding))
                       for x, y in loader.eval_batches(self.c["eval_iters"], self.iter_num)]
             out[split] = float(jnp.mean(jnp.stack(losses)))
         return out
@@ -354,8 +390,9 @@ class Trainer:
 
             x, y = self.loaders["train"].next(self.accum)
             key = jax.random.fold_in(base_key, self.iter_num)  # dropout: a function of (seed, iter), resumable
-            self.params, self.opt_state, metrics = self.train_step(
-                self.params, self.opt_state, self._put(x, self.batch_sharding), self._put(y, self.batch_sharding), key)
+            self._param_leaves, self._opt_leaves, metrics = self.train_step(
+                self._param_leaves, self._opt_leaves, self._put(x, self.batch_sharding),
+                self._put(y, self.batch_sharding), key)
             self.iter_num += 1
 
             if self.iter_num % c["log_interval"] == 0 or self.iter_num == c["max_iters"]:

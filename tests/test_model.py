@@ -117,6 +117,29 @@ def test_head_is_tied_to_wte_and_its_gradient_gets_both_contributions():
     assert_close(tied, g_embed + g_head, atol=1e-7, what="tied wte grad")
 
 
+def test_fusion_barrier_keeps_gradients_and_survives_xla():
+    """model.fusion_barrier_in_grad: the same gradients (to float32 rounding: fusion reorders some sums), and
+    XLA:CPU keeps its conditional (one per block) in the compiled backward; if a new XLA folded it away,
+    training would silently slow down."""
+    import model as model_lib
+
+    model = GPT(tiny_config(), nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    idx = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)))
+    grad_fn = jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(idx, idx)[1]))
+    with_barrier = jax.tree.leaves(grad_fn(params))
+    assert grad_fn.lower(params).compile().as_text().count(" conditional(") == model.config.n_layer
+
+    original = model_lib.fusion_barrier_in_grad
+    model_lib.fusion_barrier_in_grad = lambda x: x
+    try:
+        without = jax.tree.leaves(jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(idx, idx)[1]))(params))
+    finally:
+        model_lib.fusion_barrier_in_grad = original
+    for a, b in zip(with_barrier, without):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6 * np.abs(np.asarray(b)).max())
+
+
 def test_loss_equals_direct_cross_entropy_with_ignore_index():
     model = GPT(tiny_config(), nnx.Rngs(0))
     rng = np.random.default_rng(0)
