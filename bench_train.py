@@ -152,28 +152,19 @@ def torch_model(s, device):
     return model, loss_fn
 
 
-def adamw(model, lr, beta2=0.95):
-    """nanoGPT's configure_optimizers: weight decay on every >=2-D tensor."""
-    import torch
-
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, beta2), eps=1e-8)
-
-
 def bench_torch(s):
     import numpy as np
     import torch
 
     from parity.common import pin_numerics
+    from parity.torch_reference import configure_optimizers
 
     pin_numerics()
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, loss_fn = torch_model(s, device)
-    opt = adamw(model, 1e-3)
+    opt = configure_optimizers(model, dict(learning_rate=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95))
     rng = np.random.default_rng(0)
     batch = torch.from_numpy(rng.integers(0, s["vocab_size"], (s["accum"], s["batch_size"], s["block_size"] + 1)))
     x, y = batch[..., :-1].contiguous().to(device), batch[..., 1:].contiguous().to(device)
@@ -201,19 +192,20 @@ def bench_torch(s):
 # the README's main command (Makefile: shakespeare), and nanoGPT's README command for the same run on CPU
 MAIN_RUN = dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128, max_iters=2000, lr_decay_iters=2000,
                 dropout=0.0, eval_iters=20, eval_interval=250, learning_rate=1e-3, min_lr=1e-4, warmup_iters=100,
-                beta2=0.99, weight_decay=0.1, grad_clip=1.0)
+                decay_lr=True, beta1=0.9, beta2=0.99, weight_decay=0.1, grad_clip=1.0)
 
 
 def nanogpt_run(s):
     """nanoGPT's train.py loop, single process, CPU, compile=False, with MAIN_RUN's settings: the random
     windows of get_batch, get_lr, clip_grad_norm_, an eval of eval_iters batches per split every eval_interval
     iterations, a checkpoint (torch.save) when val improves, loss.item() every iteration (log_interval=1)."""
-    import math
     import pickle
     import tempfile
 
     import numpy as np
     import torch
+
+    from parity.torch_reference import configure_optimizers, get_lr
 
     r = MAIN_RUN
     t_start = time.time()
@@ -230,14 +222,8 @@ def nanogpt_run(s):
         y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + r["block_size"]].astype(np.int64)) for i in ix])
         return x, y
 
-    def get_lr(it):
-        if it < r["warmup_iters"]:
-            return r["learning_rate"] * (it + 1) / (r["warmup_iters"] + 1)
-        ratio = (it - r["warmup_iters"]) / (r["lr_decay_iters"] - r["warmup_iters"])
-        return r["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (r["learning_rate"] - r["min_lr"])
-
     model = nanogpt_model(r["block_size"], vocab_size, r["n_layer"], r["n_head"], r["n_embd"], r["dropout"])
-    opt = adamw(model, r["learning_rate"], r["beta2"])
+    opt = configure_optimizers(model, r)
 
     @torch.no_grad()
     def estimate_loss():
@@ -247,26 +233,27 @@ def nanogpt_run(s):
         model.train()
         return out
 
-    best_val, losses, out_dir = 1e9, None, tempfile.mkdtemp()
+    best_val, losses = 1e9, None
     X, Y = get_batch("train")
-    for it in range(r["max_iters"] + 1):
-        for group in opt.param_groups:
-            group["lr"] = get_lr(it)
-        if it % r["eval_interval"] == 0:
-            losses = estimate_loss()
-            if losses["val"] < best_val and it > 0:
-                best_val = losses["val"]
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
-                           os.path.join(out_dir, "ckpt.pt"))
-        if it == r["max_iters"]:
-            break
-        _, loss = model(X, Y)
-        X, Y = get_batch("train")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), r["grad_clip"])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss.item()
+    with tempfile.TemporaryDirectory() as out_dir:
+        for it in range(r["max_iters"] + 1):
+            for group in opt.param_groups:
+                group["lr"] = get_lr(it, r)
+            if it % r["eval_interval"] == 0:
+                losses = estimate_loss()
+                if losses["val"] < best_val and it > 0:
+                    best_val = losses["val"]
+                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                               os.path.join(out_dir, "ckpt.pt"))
+            if it == r["max_iters"]:
+                break
+            _, loss = model(X, Y)
+            X, Y = get_batch("train")
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), r["grad_clip"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss.item()
     return {"wall_s": time.time() - t_start, "val_loss": losses["val"]}
 
 
@@ -274,14 +261,14 @@ def ours_run():
     """train.py with the main command's settings, in a subprocess: wall time and the final val loss."""
     import tempfile
 
-    out_dir = tempfile.mkdtemp()
-    args = [f"--{k}={v}" for k, v in MAIN_RUN.items()] + [f"--out_dir={out_dir}", "--log_interval=100"]
-    t0 = time.time()
-    subprocess.run([sys.executable, "train.py", "config/train_shakespeare_char.py", *args], check=True,
-                   stdout=subprocess.DEVNULL)
-    wall = time.time() - t0
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        val = [json.loads(line)["val_loss"] for line in f if '"val_loss"' in line][-1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = [f"--{k}={v}" for k, v in MAIN_RUN.items()] + [f"--out_dir={out_dir}", "--log_interval=100"]
+        t0 = time.time()
+        subprocess.run([sys.executable, "train.py", "config/train_shakespeare_char.py", *args], check=True,
+                       stdout=subprocess.DEVNULL)
+        wall = time.time() - t0
+        with open(os.path.join(out_dir, "log.jsonl")) as f:
+            val = [json.loads(line)["val_loss"] for line in f if '"val_loss"' in line][-1]
     return {"wall_s": wall, "val_loss": val}
 
 
@@ -348,10 +335,10 @@ def main():
         print(f"{fw:<12} {accum:>5} {r['ms']:>9.2f} {r['tokens'] / r['ms'] * 1000:>10,.0f} {mfu:>7} "
               f"{r['peak_mb']:>9.0f}  {r['memory']:<6} {temp:>12} {comp:>9}  {r['device']}")
     by = {(fw, a): r for fw, a, r in rows}
+    print()
     for ref in ("nanogpt", "transformers"):
         if ("jax", 1) in by and (ref, 1) in by:
-            print(f"\njax / {ref} ms per iteration: {by['jax', 1]['ms'] / by[ref, 1]['ms']:.2f}", end="")
-    print()
+            print(f"jax / {ref} ms per iteration: {by['jax', 1]['ms'] / by[ref, 1]['ms']:.2f}")
     if ("jax", 8) in by:
         print(f"jax peak memory, accumulation 8 / 1: {by['jax', 8]['peak_mb'] / by['jax', 1]['peak_mb']:.3f} "
               f"(step scratch memory: {by['jax', 8]['temp_mb'] / by['jax', 1]['temp_mb']:.3f})")

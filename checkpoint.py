@@ -7,9 +7,11 @@ seed. Orbax writes each step to a temporary directory and renames it when comple
 leaves the previous checkpoint loadable.
 """
 
-import logging
 import os
-from contextlib import closing
+import sys
+import tempfile
+import time
+from contextlib import closing, contextmanager
 from dataclasses import asdict
 
 import jax
@@ -62,10 +64,6 @@ def _abstract(tree, sharding):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def _drop_unretrieved(record):
-    return "exception was never retrieved" not in record.getMessage()
-
-
 def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
     """Read the latest (or `step`) checkpoint: {'meta': dict, 'params': ..., 'opt_state': ...}. `params`
     and `opt_state` are templates (abstract or concrete) of what to read; None skips that item."""
@@ -76,20 +74,37 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
         items["params"] = ocp.args.StandardRestore(_abstract(params, sharding))
     if opt_state is not None:
         items["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state, sharding))
-    # orbax reads the arrays concurrently: on a corrupt checkpoint the other reads' failures (the same
-    # corruption) reach stderr, as asyncio's "exception was never retrieved" logs, whenever their futures are
-    # collected, possibly before the first failure reaches us; the user gets that one, in one line
-    asyncio_log = logging.getLogger("asyncio")
-    asyncio_log.addFilter(_drop_unretrieved)
+    # orbax reads the arrays concurrently and, at the first failure, closes its event loop with the other reads
+    # (the same corruption) in flight: their errors, from Python and C++, reach stderr before and after ours.
+    # So stderr (the file descriptor) goes to a file while it restores: replayed on success, dropped on failure
+    with tempfile.TemporaryFile() as log:
+        with _stderr_into(log):
+            try:
+                with closing(_reader(ckpt_dir(out_dir))) as mngr:
+                    restored = mngr.restore(step, args=ocp.args.Composite(**items))
+                error = None
+            except Exception as e:  # orbax raises many kinds; the user needs one line
+                error = (str(e).splitlines() or [type(e).__name__])[0].split(" See full")[0][:200]
+                time.sleep(0.5)  # the reads still in flight finish, into the log
+        if error is None:
+            log.seek(0)
+            sys.stderr.write(log.read().decode(errors="replace"))
+            return {k: restored[k] for k in items}
+    raise CheckpointError(f"checkpoint {os.path.join(ckpt_dir(out_dir), str(step))} is corrupt or incomplete "
+                          f"({error}); delete it to resume from an earlier one")
+
+
+@contextmanager
+def _stderr_into(file):
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
     try:
-        with closing(_reader(ckpt_dir(out_dir))) as mngr:
-            restored = mngr.restore(step, args=ocp.args.Composite(**items))
-    except Exception as e:  # orbax raises many kinds; the user needs one line
-        msg = (str(e).splitlines() or [type(e).__name__])[0].split(" See full")[0][:200]
-        raise CheckpointError(f"checkpoint {os.path.join(ckpt_dir(out_dir), str(step))} is corrupt or incomplete "
-                              f"({msg}); delete it to resume from an earlier one") from e
-    asyncio_log.removeFilter(_drop_unretrieved)
-    return {k: restored[k] for k in items}
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def model_config_from_meta(meta, dtype=None, dropout=None):

@@ -241,7 +241,7 @@ class Trainer:
             self.loaders["train"].load_state_dict(meta["loader"])
         self.graphdef = graphdef
         self._param_def, self._opt_def = jax.tree.structure(params), jax.tree.structure(opt_state)
-        self.params, self.opt_state = params, opt_state
+        self._param_leaves, self._opt_leaves = jax.tree.leaves(params), jax.tree.leaves(opt_state)
         self.model = nnx.merge(graphdef, params)  # for num_params / estimate_mfu
         self.hellaswag_examples = self._load_hellaswag() if c["hellaswag_interval"] > 0 else None
         self.train_step = on_leaves(make_train_step(graphdef, tx, c["grad_clip"]), params, opt_state)
@@ -253,17 +253,9 @@ class Trainer:
     def params(self):
         return self._param_def.unflatten(self._param_leaves)
 
-    @params.setter
-    def params(self, value):
-        self._param_leaves = jax.tree.leaves(value)
-
     @property
     def opt_state(self):
         return self._opt_def.unflatten(self._opt_leaves)
-
-    @opt_state.setter
-    def opt_state(self, value):
-        self._opt_leaves = jax.tree.leaves(value)
 
     def _model_config(self):
         c = self.c

@@ -1,5 +1,7 @@
 """What every parity check shares: pinned numerics, random HF GPT-2 checkpoints, and the diff report."""
 
+import atexit
+import os
 import sys
 
 import numpy as np
@@ -75,7 +77,10 @@ def exit_on_bad_input(main):
     try:
         sys.exit(main())
     except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        # that line is the whole report: a failed orbax restore (checkpoint.restore) leaves coroutines whose
+        # errors Python would print as it collects them at exit; stderr goes quiet then
+        atexit.register(os.dup2, os.open(os.devnull, os.O_WRONLY), 2)
         sys.exit(2)
 
 
