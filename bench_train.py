@@ -40,6 +40,7 @@ def bench_jax(s):
     import train
     from model import GPT, GPTConfig
 
+    train.keep_freed_memory()  # as train.py's main does
     c = dict(train.DEFAULTS, learning_rate=1e-3, warmup_iters=10, lr_decay_iters=1000, min_lr=1e-4)
     model = GPT(GPTConfig(block_size=s["block_size"], vocab_size=s["vocab_size"], n_layer=s["n_layer"],
                           n_head=s["n_head"], n_embd=s["n_embd"], bias=True, dtype=s["dtype"]), nnx.Rngs(0))
