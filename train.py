@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 import checkpoint
 from configurator import configure
 from dataloader import make_loader
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, cross_entropy
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText (nanoGPT's)
@@ -109,13 +109,25 @@ def make_optimizer(c):
                        weight_decay=c["weight_decay"], mask=decay_mask)
 
 
+def batch_loss(model, x, y, key=None):
+    """The model's mean loss on a batch (B, T). On a single CPU device the rows go through the model as two
+    independent halves, which XLA:CPU's executor runs side by side on two cores: ~10% faster a step than one
+    batch whose every op splits its work over the threads (bench_train.py). Same loss: one cross-entropy over
+    both halves' logits; dropout draws a key per half."""
+    halves = 2 if jax.default_backend() == "cpu" and jax.device_count() == 1 and x.shape[0] % 2 == 0 else 1
+    if halves == 1:
+        return model(x, y, key=key)[1]
+    keys = [None] * halves if key is None else list(jax.random.split(key, halves))
+    logits = jnp.concatenate([model(rows, key=k)[0] for rows, k in zip(jnp.split(x, halves), keys)])
+    return cross_entropy(logits, y)
+
+
 def make_train_step(graphdef, tx, grad_clip):
     """The one jitted step: scan over micro-batches (memory flat in their number), average the grads,
     clip by global norm as torch.nn.utils.clip_grad_norm_ does, apply AdamW. x, y: (accum, B, T)."""
 
     def loss_fn(params, x, y, key):
-        _, loss = nnx.merge(graphdef, params)(x, y, key=key)
-        return loss
+        return batch_loss(nnx.merge(graphdef, params), x, y, key)
 
     @partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, x, y, key):
