@@ -6,14 +6,15 @@ process, so peak memory is that run's alone.
 
     python bench_train.py                      # nanoGPT's CPU baby config (block 64, batch 12, 4x4x128)
     python bench_train.py --preset gpt2 --dtype bfloat16 --frameworks jax   # 124M, B=16, T=1024 (GPU)
-    python bench_train.py --full-run           # the README's main training command vs nanoGPT's train.py loop
+    python bench_train.py --full-run           # the README's main training command vs nanoGPT's train.py loop, 3 pairs
 
 Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's peak is
 known, peak memory (device peak on GPU/TPU, process peak RSS on CPU) and, for ours, the compiled step's
 scratch memory (XLA's memory analysis); then ours with gradient accumulation 8 vs 1 (memory must stay
 flat: lax.scan over micro-batches). --full-run times whole runs instead: train.py with the main command's
 settings, and nanoGPT's training loop (its get_batch, get_lr, evals every 250 iterations, checkpoints when
-val improves) on the same data, one after the other: wall time and final val loss of each.
+val improves) on the same data, one after the other, in pairs (--repeats): wall time and final val loss of
+each, and the median ratio.
 """
 
 import argparse
@@ -273,15 +274,20 @@ def ours_run():
     return {"wall_s": wall, "val_loss": val}
 
 
-def full_run():
+def full_run(repeats):
+    """Whole runs, ours then nanoGPT's, `repeats` times: a shared machine's load drifts over minutes, so
+    each pair is reported and the median of the pairs' ratios is the figure."""
     if not os.path.exists(os.path.join("data", "shakespeare_char", "train.bin")):
         subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], check=True)
     print(f"main command settings: {MAIN_RUN}")
-    rows = [("jax (train.py)", ours_run()), ("nanoGPT (torch)", run_worker("nanogpt-run", {}))]
-    print(f"\n{'run':<18} {'wall s':>7} {'final val':>9}")
-    for name, r in rows:
-        print(f"{name:<18} {r['wall_s']:>7.1f} {r['val_loss']:>9.4f}")
-    print(f"\njax / nanoGPT wall time: {rows[0][1]['wall_s'] / rows[1][1]['wall_s']:.2f} "
+    print(f"\n{'pair':<5} {'jax wall s':>10} {'jax val':>8} {'nanoGPT wall s':>14} {'nanoGPT val':>11} {'jax / nanoGPT':>13}")
+    ratios = []
+    for i in range(repeats):
+        ours, theirs = ours_run(), run_worker("nanogpt-run", {})
+        ratios.append(ours["wall_s"] / theirs["wall_s"])
+        print(f"{i:<5} {ours['wall_s']:>10.1f} {ours['val_loss']:>8.4f} {theirs['wall_s']:>14.1f} "
+              f"{theirs['val_loss']:>11.4f} {ratios[-1]:>13.2f}", flush=True)
+    print(f"\njax / nanoGPT wall time, median of {repeats}: {sorted(ratios)[len(ratios) // 2]:.2f} "
           f"(train.py's includes its imports, compilation and orbax checkpoints)")
 
 
@@ -307,6 +313,7 @@ def main():
     p.add_argument("--batch_size", type=int, default=None)
     p.add_argument("--no-accum", action="store_true", help="skip the accumulation 8 vs 1 memory check")
     p.add_argument("--full-run", action="store_true", help="time whole training runs (see above)")
+    p.add_argument("--repeats", type=int, default=3, help="--full-run: pairs of runs")
     p.add_argument("--worker", choices=["jax", "nanogpt", "transformers", "nanogpt-run"], help=argparse.SUPPRESS)
     p.add_argument("--settings", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -316,7 +323,7 @@ def main():
         print(json.dumps(worker(settings)))
         return
     if args.full_run:
-        return full_run()
+        return full_run(args.repeats)
 
     s = dict(PRESETS[args.preset], dtype=args.dtype, steps=args.steps, warmup=args.warmup, accum=1)
     if args.batch_size:

@@ -111,7 +111,7 @@ def make_optimizer(c):
 
 def batch_loss(model, x, y, key=None):
     """The model's mean loss on a batch (B, T). On a single CPU device the rows go through the model as two
-    independent halves, which XLA:CPU's executor runs side by side on two cores: ~10% faster a step than one
+    independent halves, which XLA:CPU's executor runs side by side on two cores: ~7% faster a step than one
     batch whose every op splits its work over the threads (bench_train.py). Same loss: one cross-entropy over
     both halves' logits; dropout draws a key per half."""
     halves = 2 if jax.default_backend() == "cpu" and jax.device_count() == 1 and x.shape[0] % 2 == 0 else 1
@@ -432,8 +432,8 @@ class Trainer:
 def keep_freed_memory():
     """On a CPU, keep the memory XLA frees in the process. glibc hands a freed block of over 32 MB, and the top
     of its heap, back to the OS, so the step's one scratch buffer (43 MB for the baby model) came back as fresh
-    pages every step, each faulted in and zeroed by the kernel: ~30 ms of system time per step on 2 cores, as
-    much as the step's compute (bench_train.py). Linux/glibc only; elsewhere, and on GPU/TPU, nothing changes."""
+    pages every step, each faulted in and zeroed by the kernel: ~30 ms of system time in a ~65 ms step on 2
+    cores (bench_train.py). Linux/glibc only; elsewhere, and on GPU/TPU, nothing changes."""
     if jax.default_backend() == "cpu" and platform.libc_ver()[0] == "glibc":
         libc = ctypes.CDLL(None)
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: trim the heap's top only past 1 GiB free
