@@ -114,11 +114,10 @@ def batch_loss(model, x, y, key=None):
     independent halves, which XLA:CPU's executor runs side by side on two cores: ~7% faster a step than one
     batch whose every op splits its work over the threads (bench_train.py). Same loss: one cross-entropy over
     both halves' logits; dropout draws a key per half."""
-    halves = 2 if jax.default_backend() == "cpu" and jax.device_count() == 1 and x.shape[0] % 2 == 0 else 1
-    if halves == 1:
+    if jax.default_backend() != "cpu" or jax.device_count() > 1 or x.shape[0] % 2:
         return model(x, y, key=key)[1]
-    keys = [None] * halves if key is None else list(jax.random.split(key, halves))
-    logits = jnp.concatenate([model(rows, key=k)[0] for rows, k in zip(jnp.split(x, halves), keys)])
+    keys = jax.random.split(key) if key is not None else (None, None)
+    logits = jnp.concatenate([model(rows, key=k)[0] for rows, k in zip(jnp.split(x, 2), keys)])
     return cross_entropy(logits, y)
 
 

@@ -149,6 +149,23 @@ def test_keep_freed_memory_serves_big_blocks_from_the_heap():
     assert before >= 64 and after < 64
 
 
+def test_batch_loss_in_halves_is_the_models_loss():
+    """train.batch_loss forwards the rows as two halves on one CPU device: still one mean over every valid
+    target, also when the halves hold different numbers of ignored (-1) targets."""
+    from flax import nnx
+
+    from model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32), nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, 32, (4, 16)).astype(np.int32) for _ in range(2))
+    y[:2, :12] = -1  # the first half keeps 8 targets, the second 32
+    loss_fn = jax.jit(lambda x, y: train.batch_loss(model, x, y))
+    dots = lambda f, *args: f.lower(*args).compile().as_text().count(" dot(")
+    assert dots(loss_fn, x, y) >= 2 * dots(jax.jit(lambda x: model(x)[0]), x)  # the model twice: halves
+    assert_close(loss_fn(x, y), model(x, y)[1], rtol=1e-6, what="loss in halves")
+
+
 def test_loss_goes_down_and_log_is_written(dataset, tmp_path):
     t = run(dataset, tmp_path, "--max_iters=30", "--eval_interval=15")
     losses = [loss for _, loss in read_log(tmp_path, "loss")]
