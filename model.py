@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import sharding
+
 
 @dataclass
 class GPTConfig:
@@ -293,13 +295,14 @@ class GPT(nnx.Module):
         return flops_per_token * T * fwdbwd_per_iter / dt / sum(peak)
 
     @classmethod
-    def from_pretrained(cls, name_or_path, dropout=0.0, dtype="float32"):
+    def from_pretrained(cls, name_or_path, dropout=0.0, dtype="float32", mesh=None):
         """GPT-2 weights from the HF hub by name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; the local HF
-        cache is used when present) or from a local directory written by `save_pretrained`."""
+        cache is used when present) or from a local directory written by `save_pretrained`. With a `mesh`,
+        each tensor goes straight into its shards (sharding.PARAM_SPECS)."""
         hf_config, state = load_hf_state_dict(name_or_path)
         config = config_from_hf(hf_config, dropout=dropout, dtype=dtype)
         model = nnx.eval_shape(lambda: cls(config, nnx.Rngs(0)))
-        load_state_dict(model, state)
+        load_state_dict(model, state, mesh)
         return model
 
     def save_pretrained(self, out_dir):
@@ -507,8 +510,9 @@ def state_dict(model: GPT):
     return {hf: np.asarray(_variable(model, ours)[...]) for hf, ours in weight_map(model.config.n_layer, model.config.bias)}
 
 
-def load_state_dict(model: GPT, state):
-    """Copy {HF name: array} into the model in place; key sets and shapes must match exactly."""
+def load_state_dict(model: GPT, state, mesh=None):
+    """Copy {HF name: array} into the model in place; key sets and shapes must match exactly. With a mesh,
+    each array is split by its spec as it is placed (each device receives only its shard)."""
     rows = weight_map(model.config.n_layer, model.config.bias)
     expected = {hf for hf, _ in rows}
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
@@ -519,7 +523,11 @@ def load_state_dict(model: GPT, state):
         value = np.asarray(state[hf], dtype=np.float32)
         if value.shape != tuple(var.shape):
             raise ValueError(f"shape mismatch for {hf}: checkpoint {value.shape}, model {tuple(var.shape)}")
-        var.set_value(jnp.asarray(value))
+        if mesh is None:
+            var.set_value(jnp.asarray(value))
+        else:
+            spec = sharding.spec_for(ours, value.shape, mesh)
+            var.set_value(jax.device_put(value, jax.sharding.NamedSharding(mesh, spec)))
 
 
 def config_from_hf(hf_config, dropout=0.0, dtype="float32"):

@@ -1,11 +1,12 @@
 """
-nanoGPT's training script in JAX. It runs on one CPU, one GPU, or every device of every host: the batch
-is split over a 1-D device mesh (axis 'data'), params and optimizer state are replicated, and the
-gradient average across devices is the all-reduce XLA inserts for the replicated update.
+nanoGPT's training script in JAX. It runs on one CPU, one GPU, or every device of every host, on the mesh
+('data', 'fsdp', 'tensor') of sharding.py: the batch is split over data x fsdp; params, gradients and
+optimizer state over fsdp (ZeRO-3) and tensor (Megatron), replicated over data. XLA inserts the collectives.
 
 To run on a single machine (all its devices):
 $ python train.py config/train_shakespeare_char.py
 $ python train.py --batch_size=32 --dataset=shakespeare_char
+$ python train.py config/finetune_shakespeare.py --fsdp=8   # gpt2-xl, params/grads/Adam split 8 ways
 
 To run on several hosts, start the same command on each host; jax.distributed.initialize() finds the
 others on a TPU pod slice (gcloud ... tpu-vm ssh --worker=all --command="python train.py ..."), under SLURM
@@ -25,13 +26,11 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import checkpoint
+import sharding
 from configurator import configure
 from dataloader import make_loader
 from model import GPT, GPTConfig, cross_entropy
@@ -60,7 +59,7 @@ DEFAULTS = dict(
     shuffle_shards=False,  # .npy shard datasets: visit the shards in a seeded order each epoch
     gradient_accumulation_steps=5 * 8,  # total micro-batches per step, over all devices
     total_batch_size=0,  # tokens per step; when > 0, gradient_accumulation_steps is derived from it
-    batch_size=12,  # micro-batch size per device
+    batch_size=12,  # micro-batch size per batch shard (a device, or a group of tensor_parallel devices)
     block_size=1024,
     # model
     n_layer=12,
@@ -81,6 +80,9 @@ DEFAULTS = dict(
     warmup_iters=2000,  # how many steps to warm up for
     lr_decay_iters=600000,  # should be ~= max_iters per Chinchilla
     min_lr=6e-5,  # minimum learning rate, should be ~= learning_rate/10 per Chinchilla
+    # parallelism: the mesh is (data, fsdp, tensor), data = devices / (fsdp * tensor_parallel)
+    fsdp=1,  # split params, grads and optimizer state over this many devices (the batch too)
+    tensor_parallel=1,  # split each layer's heads and MLP units over this many devices (same rows)
     # system
     dtype="auto",  # 'float32' | 'bfloat16' | 'auto' (bfloat16 on GPU/TPU, float32 on CPU)
     seed=1337,
@@ -122,13 +124,13 @@ def batch_loss(model, x, y, key=None):
 
 
 def make_train_step(graphdef, tx, grad_clip):
-    """The one jitted step: scan over micro-batches (memory flat in their number), average the grads,
-    clip by global norm as torch.nn.utils.clip_grad_norm_ does, apply AdamW. x, y: (accum, B, T)."""
+    """The one step: scan over micro-batches (memory flat in their number), average the grads, clip by
+    global norm as torch.nn.utils.clip_grad_norm_ does, apply AdamW. x, y: (accum, B, T). Jitted by
+    on_leaves with the state's shardings pinned."""
 
     def loss_fn(params, x, y, key):
         return batch_loss(nnx.merge(graphdef, params), x, y, key)
 
-    @partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, x, y, key):
         accum = x.shape[0]
 
@@ -137,7 +139,7 @@ def make_train_step(graphdef, tx, grad_clip):
             loss, grads = jax.value_and_grad(loss_fn)(params, x, y, key)
             return jax.tree.map(jnp.add, grad_sum, grads), loss
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        zeros = jax.tree.map(jnp.zeros_like, params)  # the gradient sum takes the params' shardings
         grads, losses = jax.lax.scan(micro_step, zeros, (x, y, jax.random.split(key, accum)))
         # the loss is a mean over each micro-batch; the sum over micro-batches must become a mean too
         grads = jax.tree.map(lambda g: g / accum, grads)
@@ -152,13 +154,20 @@ def make_train_step(graphdef, tx, grad_clip):
     return train_step
 
 
-def on_leaves(step, params, opt_state):
-    """`step` over flat lists of arrays: (param leaves, opt leaves, x, y, key) -> the same, and metrics.
-    jit flattens nnx Variables in Python, ~6 ms a call for the baby model's 158 (CPU time a 2-core machine
-    takes from the step itself); lists of arrays cost ~1.7 ms."""
+def on_leaves(step, params, opt_state, batch_sharding=None):
+    """`step` jitted over flat lists of arrays: (param leaves, opt leaves, x, y, key) -> the same, and
+    metrics. jit flattens nnx Variables in Python, ~6 ms a call for the baby model's 158 (CPU time a 2-core
+    machine takes from the step itself); lists of arrays cost ~1.7 ms. The state's shardings (those of
+    `params` and `opt_state`) are pinned on input and output, so the step compiles once and nothing reshards."""
     param_def, opt_def = jax.tree.structure(params), jax.tree.structure(opt_state)
+    shardings = None
+    if batch_sharding is not None:
+        state = [[x.sharding for x in jax.tree.leaves(t)] for t in (params, opt_state)]
+        replicated = sharding.replicated(batch_sharding.mesh)
+        shardings = dict(in_shardings=(*state, batch_sharding, batch_sharding, replicated),
+                         out_shardings=(*state, replicated))
 
-    @partial(jax.jit, donate_argnums=(0, 1))
+    @partial(jax.jit, donate_argnums=(0, 1), **(shardings or {}))
     def leaves_step(params, opt_state, x, y, key):
         params, opt_state, metrics = step(param_def.unflatten(params), opt_def.unflatten(opt_state), x, y, key)
         return jax.tree.leaves(params), jax.tree.leaves(opt_state), metrics
@@ -198,56 +207,61 @@ class Trainer:
         c = self.c = dict(config)
         c["dtype"] = resolve_dtype(c["dtype"])
         self.master = jax.process_index() == 0
-        devices = jax.devices()
-        # Auto axes: XLA propagates the batch sharding and inserts the gradient all-reduce
-        self.mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
-        self.replicated = NamedSharding(self.mesh, P())
-        self.batch_sharding = NamedSharding(self.mesh, P(None, "data", None))
-        if c["total_batch_size"] > 0:  # build-nanogpt: fixed tokens per step, whatever the device count
-            per_step = c["batch_size"] * c["block_size"] * len(devices)
+        self.mesh = sharding.make_mesh(c["fsdp"], c["tensor_parallel"])
+        self.batch_sharding = sharding.batch_sharding(self.mesh)
+        shards = sharding.batch_shards(self.mesh)  # data x fsdp: the devices of a tensor group share rows
+        if c["total_batch_size"] > 0:  # build-nanogpt: fixed tokens per step, whatever the mesh
+            per_step = c["batch_size"] * c["block_size"] * shards
             if c["total_batch_size"] % per_step:
                 raise ValueError(f"total_batch_size={c['total_batch_size']} is not a multiple of batch_size x "
-                                 f"block_size x devices = {per_step}: change batch_size")
-            c["gradient_accumulation_steps"] = c["total_batch_size"] // per_step * len(devices)
-        if c["gradient_accumulation_steps"] % len(devices):
+                                 f"block_size x batch shards (data x fsdp) = {per_step}: change batch_size")
+            c["gradient_accumulation_steps"] = c["total_batch_size"] // per_step * shards
+        if c["gradient_accumulation_steps"] % shards:
             raise ValueError(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by "
-                             f"the number of devices ({len(devices)})")
-        self.accum = c["gradient_accumulation_steps"] // len(devices)
-        self.rows = c["batch_size"] * len(devices)  # global micro-batch
+                             f"the number of batch shards, data x fsdp = {shards}")
+        self.accum = c["gradient_accumulation_steps"] // shards
+        self.rows = c["batch_size"] * shards  # global micro-batch
         self.tokens_per_iter = self.accum * self.rows * c["block_size"]
 
         # data first: a missing dataset fails before anything is written
         self.data_dir = data_dir_for(c["dataset"])
-        row_slice = self._process_rows((self.accum, self.rows, c["block_size"]))
+        row_slice = sharding.process_rows(self.batch_sharding, (self.accum, self.rows, c["block_size"]), row_axis=1)
         loader = partial(make_loader, self.data_dir, block_size=c["block_size"], rows=self.rows, seed=c["seed"],
                          row_slice=row_slice, shuffle_shards=c["shuffle_shards"])
         self.loaders = {"train": loader("train"), "val": loader("val")}
         self.iter_num, self.best_val_loss, self.last_saved = 0, float("inf"), None
 
-        # model + optimizer state, from scratch, a checkpoint or GPT-2 weights
+        # model + optimizer state, from scratch, a checkpoint or GPT-2 weights, each array created or read
+        # straight into its shards (sharding.PARAM_SPECS): no device holds a full replica on the way
         tx = make_optimizer(c)
         meta = None
         if c["init_from"] == "scratch":
-            model = GPT(self._model_config(), nnx.Rngs(c["seed"]))
+            model_config = self._model_config()
+            sharding.check_model_fits_mesh(model_config, self.mesh)
+            graphdef, params = sharded_model(lambda: GPT(model_config, nnx.Rngs(c["seed"])), self.mesh)
+            model = nnx.merge(graphdef, params)
         elif c["init_from"] == "resume":
             meta = checkpoint.restore(c["out_dir"])["meta"]
             model_config = checkpoint.model_config_from_meta(meta, c["dtype"], c["dropout"])
             model = nnx.eval_shape(lambda: GPT(model_config, nnx.Rngs(0)))
         else:
-            model = GPT.from_pretrained(c["init_from"], dropout=c["dropout"], dtype=c["dtype"])
+            model = GPT.from_pretrained(c["init_from"], dropout=c["dropout"], dtype=c["dtype"], mesh=self.mesh)
             if c["block_size"] < model.config.block_size:
                 model.crop_block_size(c["block_size"])
         self.model_config = model.config
+        sharding.check_model_fits_mesh(self.model_config, self.mesh)
         if c["block_size"] > self.model_config.block_size:
             raise ValueError(f"block_size={c['block_size']} exceeds the model's {self.model_config.block_size}")
         graphdef, params = nnx.split(model)
+        param_shardings = sharding.shardings_for(params, self.mesh)
+        opt_shardings = sharding.shardings_for(jax.eval_shape(tx.init, params), self.mesh)
         if meta is None:
-            params = jax.device_put(params, self.replicated)
-            opt_state = jax.jit(tx.init, out_shardings=self.replicated)(params)
+            params = jax.device_put(params, param_shardings)  # a no-op where they are in place already
+            opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
         else:
             opt_template = jax.eval_shape(tx.init, params)
             restored = checkpoint.restore(c["out_dir"], params=params, opt_state=opt_template,
-                                          sharding=self.replicated)
+                                          sharding={"params": param_shardings, "opt_state": opt_shardings})
             params, opt_state = restored["params"], restored["opt_state"]
             self.iter_num, self.best_val_loss = meta["iter_num"], meta["best_val_loss"]
             self.last_saved = self.iter_num
@@ -257,7 +271,7 @@ class Trainer:
         self._param_leaves, self._opt_leaves = jax.tree.leaves(params), jax.tree.leaves(opt_state)
         self.model = nnx.merge(graphdef, params)  # for num_params / estimate_mfu
         self.hellaswag_examples = self._load_hellaswag() if c["hellaswag_interval"] > 0 else None
-        self.train_step = on_leaves(make_train_step(graphdef, tx, c["grad_clip"]), params, opt_state)
+        self.train_step = self._compile_step(make_train_step(graphdef, tx, c["grad_clip"]), params, opt_state)
         self.eval_step = make_eval_step(graphdef, params)
         self.stop_requested = None
 
@@ -308,12 +322,22 @@ class Trainer:
         self.log({"iter": self.iter_num, "hellaswag_acc": score.acc, "hellaswag_acc_norm": score.acc_norm,
                   "hellaswag_count": score.count})
 
-    def _process_rows(self, global_shape):
-        """The rows of the global micro-batch that live on this process's devices (a contiguous range)."""
-        index = self.batch_sharding.addressable_devices_indices_map(global_shape).values()
-        lo = min(i[1].start or 0 for i in index)
-        hi = max(i[1].stop or global_shape[1] for i in index)
-        return slice(lo, hi)
+    def _compile_step(self, step, params, opt_state):
+        """The jitted step, compiled now (not at step 0) so that its memory is known before anything runs:
+        `memory per device` is printed, logged, and checked against the device's limit."""
+        jitted = on_leaves(step, params, opt_state, self.batch_sharding)
+        batch = jax.ShapeDtypeStruct((self.accum, self.rows, self.c["block_size"]), jnp.int32,
+                                     sharding=self.batch_sharding)
+        compiled = jitted.lower(jax.tree.leaves(params), jax.tree.leaves(opt_state), batch, batch,
+                                jax.random.key(0)).compile()
+        self.state_bytes = sharding.bytes_per_device([params, opt_state])
+        self.step_peak_bytes = sharding.step_peak_bytes(compiled)
+        limit = sharding.device_memory_limit()
+        if limit is not None and self.step_peak_bytes > limit:
+            raise ValueError(f"the train step needs {self.step_peak_bytes / 2**30:.2f} GiB per device, the device "
+                             f"has {limit / 2**30:.2f} GiB: lower --batch_size (raise gradient_accumulation_steps "
+                             "to keep the tokens per step), or raise --fsdp / --tensor_parallel")
+        return compiled
 
     def _put(self, x, sharding):
         global_shape = x.shape[:-2] + (self.rows, x.shape[-1])
@@ -321,10 +345,10 @@ class Trainer:
 
     def estimate_loss(self):
         """Mean loss over eval_iters batches per split, each batch split over all devices."""
-        sharding = NamedSharding(self.mesh, P("data", None))
+        rows = sharding.batch_sharding(self.mesh, ndim=2)
         out = {}
         for split, loader in self.loaders.items():
-            losses = [self.eval_step(self._param_leaves, self._put(x, sharding), self._put(y, sharding))
+            losses = [self.eval_step(self._param_leaves, self._put(x, rows), self._put(y, rows))
                       for x, y in loader.eval_batches(self.c["eval_iters"], self.iter_num)]
             out[split] = float(jnp.mean(jnp.stack(losses)))
         return out
@@ -356,16 +380,20 @@ class Trainer:
             os.makedirs(c["out_dir"], exist_ok=True)
             n_dev, n_proc = jax.device_count(), jax.process_count()
             print(f"{n_dev} device(s) ({jax.devices()[0].device_kind}) on {n_proc} process(es); "
-                  f"accumulation {self.accum} x micro-batch {self.rows} ({c['batch_size']} per device)")
+                  f"accumulation {self.accum} x micro-batch {self.rows} ({c['batch_size']} per batch shard)")
             print(f"tokens per iteration will be: {self.tokens_per_iter:,}")
             print(f"number of parameters: {self.model.num_params() / 1e6:.2f}M; dtype {c['dtype']}")
+            print(f"mesh: data {self.mesh.shape['data']} x fsdp {self.mesh.shape['fsdp']} x tensor "
+                  f"{self.mesh.shape['tensor']}; memory per device: state {self.state_bytes / 2**30:.2f} GiB, "
+                  f"step peak {self.step_peak_bytes / 2**30:.2f} GiB")
         self.wandb = None
         if c["wandb_log"] and self.master:
             import wandb
 
             wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], config=c)
             self.wandb = wandb
-        self.log({"iter": self.iter_num, "event": "start", "dataset": c["dataset"], "config": c})
+        self.log({"iter": self.iter_num, "event": "start", "dataset": c["dataset"], "config": c,
+                  "state_bytes_per_device": self.state_bytes, "step_peak_bytes_per_device": self.step_peak_bytes})
         mngr = checkpoint.manager(c["out_dir"], c["keep_checkpoints"])
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._request_stop)
@@ -426,6 +454,13 @@ class Trainer:
         mngr.wait_until_finished()
         mngr.close()
         return self
+
+
+def sharded_model(make_model, mesh):
+    """(graphdef, params) of make_model(), each param created on the mesh already split by its spec."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
+    params = jax.jit(lambda: nnx.split(make_model())[1], out_shardings=sharding.shardings_for(abstract, mesh))()
+    return graphdef, params
 
 
 def keep_freed_memory():

@@ -1,7 +1,7 @@
 """python -m pytest tests/test_train.py -q
 
-train.py: configuration contract, schedule and optimizer grouping, exact resume, data-parallel,
-accumulation and multi-process equivalence, preemption, bad input."""
+train.py: configuration contract, schedule and optimizer grouping, exact resume, accumulation
+equivalence, preemption, bad input (meshes and processes: test_sharding.py)."""
 
 import json
 import math
@@ -227,47 +227,10 @@ def train_cli(args, devices=1, env=None, **kw):
                           timeout=300, **kw)
 
 
-def test_data_parallel_equivalence_8_devices(dataset, tmp_path):
-    """The same global batch on 1 device vs 8 fake CPU devices: the same params after 3 steps."""
-    common = TINY + [f"--dataset={dataset}", "--max_iters=3", "--eval_interval=3", "--always_save_checkpoint=True"]
-    one = train_cli(common + [f"--out_dir={tmp_path / 'one'}", "--batch_size=8", "--gradient_accumulation_steps=1"])
-    eight = train_cli(common + [f"--out_dir={tmp_path / 'eight'}", "--batch_size=1",
-                                "--gradient_accumulation_steps=8"], devices=8)
-    assert one.returncode == 0, one.stderr[-2000:]
-    assert eight.returncode == 0, eight.stderr[-2000:]
-    assert "8 device(s)" in eight.stdout and "tokens per iteration will be: 128" in eight.stdout
-    import checkpoint
-
-    template = train.Trainer(settings(dataset, tmp_path / "t", "--batch_size=8")).params
-    p1 = checkpoint.restore(tmp_path / "one", params=template)["params"]
-    p8 = checkpoint.restore(tmp_path / "eight", params=template)["params"]
-    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p8)):
-        assert_close(a, b, atol=1e-5, what="params 1 vs 8 devices")
-
-
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def test_two_processes_equal_one(dataset, tmp_path):
-    """2 processes x 2 CPU devices (jax.distributed on loopback) vs 1 process x 4 devices: same losses."""
-    common = TINY + [f"--dataset={dataset}", "--max_iters=3", "--batch_size=2", "--gradient_accumulation_steps=4"]
-    single = train_cli(common + [f"--out_dir={tmp_path / 'single'}"], devices=4)
-    assert single.returncode == 0, single.stderr[-2000:]
-    port = free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2"}
-    procs = [subprocess.Popen([sys.executable, "train.py", *common, f"--out_dir={tmp_path / 'multi'}"], cwd=REPO,
-                              env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for i in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-2000:]
-    assert "4 device(s)" in outs[0][0] and "on 2 process(es)" in outs[0][0]
-    assert_close([l for _, l in read_log(tmp_path / "multi", "loss")],
-                 [l for _, l in read_log(tmp_path / "single", "loss")], atol=1e-5, what="losses")
 
 
 # --- preemption and bad input ----------------------------------------------------------------------

@@ -1,0 +1,127 @@
+"""
+The device mesh and every tensor's layout on it, in one place. train.py, hellaswag.py, sample.py, the
+parity checks and the benchmarks take their mesh from here.
+
+Mesh axes ('data', 'fsdp', 'tensor') over every device of every process, in process order:
+- the batch is split over data x fsdp (the devices of one 'tensor' group see the same rows);
+- parameters, their gradients and the optimizer state are split over fsdp (ZeRO-3: XLA gathers each layer's
+  weights where they are used) and, Megatron's way, over tensor (below); 'data' holds replicas.
+fsdp 1 and tensor 1 is plain data parallelism: each device a full replica.
+"""
+
+import re
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")  # the axes the batch's rows are split over
+
+# Every parameter's PartitionSpec, by path (a regex on the dotted path of a param, or of the same param
+# inside the optimizer state: Adam's moments take their param's layout). First match wins; no match is
+# replicated. Megatron's pairing: c_attn and c_fc split by output columns over 'tensor' (column parallel),
+# attn.c_proj and mlp.c_proj by input rows (row parallel): one all-reduce at the end of each branch.
+# 'fsdp' takes the other dimension of every matrix. LayerNorms and the row-parallel biases are replicated.
+PARAM_SPECS = [
+    (r"wte\.embedding", P("tensor", "fsdp")),  # (vocab, C): the tied head's logits split by vocab
+    (r"wpe\.embedding", P(None, "fsdp")),  # (block_size, C)
+    (r"attn\.c_attn\.kernel", P("fsdp", "tensor")),  # (C, 3C) column parallel
+    (r"attn\.c_attn\.bias", P("tensor")),  # (3C,)
+    (r"attn\.c_proj\.kernel", P("tensor", "fsdp")),  # (C, C) row parallel
+    (r"mlp\.c_fc\.kernel", P("fsdp", "tensor")),  # (C, 4C) column parallel
+    (r"mlp\.c_fc\.bias", P("tensor")),  # (4C,)
+    (r"mlp\.c_proj\.kernel", P("tensor", "fsdp")),  # (4C, C) row parallel
+]
+
+
+def make_mesh(fsdp=1, tensor_parallel=1, devices=None):
+    """Mesh (data, fsdp, tensor) over `devices` (default: every device of every process), data =
+    devices / (fsdp x tensor_parallel). Devices in process order, so each process's rows of the batch are one
+    contiguous range (see process_rows). Auto axes: XLA propagates shardings and inserts the collectives."""
+    devices = jax.devices() if devices is None else list(devices)
+    n = len(devices)
+    if fsdp < 1 or tensor_parallel < 1 or n % (fsdp * tensor_parallel):
+        raise ValueError(f"fsdp={fsdp} x tensor_parallel={tensor_parallel} must be positive and divide the "
+                         f"{n} device(s): change --fsdp or --tensor_parallel")
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    grid = np.array(devices, dtype=object).reshape(n // (fsdp * tensor_parallel), fsdp, tensor_parallel)
+    return jax.sharding.Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def batch_shards(mesh):
+    """How many ways the batch's rows are split: data x fsdp."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def check_model_fits_mesh(config, mesh):
+    """Tensor parallelism splits heads and the MLP's hidden units: both must divide evenly."""
+    tp = mesh.shape["tensor"]
+    if config.n_head % tp or (4 * config.n_embd) % tp:
+        raise ValueError(f"tensor_parallel={tp} must divide n_head={config.n_head} and 4*n_embd="
+                         f"{4 * config.n_embd}: change --tensor_parallel")
+
+
+def _path(key_path):
+    return jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
+
+
+def spec_for(path, shape, mesh):
+    """The table's spec for one array, with any axis that does not divide its dimension dropped (e.g. GPT-2's
+    vocabulary of 50257 over tensor 2: that dimension stays whole, the other is still split)."""
+    spec = next((s for pattern, s in PARAM_SPECS if re.search(pattern, path)), P())
+    if len(spec) != len(shape):  # a scalar (Adam's count) or anything the table does not describe
+        return P()
+    return P(*(axis if axis is None or dim % mesh.shape[axis] == 0 else None for axis, dim in zip(spec, shape)))
+
+
+def shardings_for(tree, mesh):
+    """NamedShardings for every leaf of a params or optimizer-state tree (arrays or ShapeDtypeStructs)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: NamedSharding(mesh, spec_for(_path(p), x.shape, mesh)), tree)
+
+
+def batch_sharding(mesh, ndim=3):
+    """(accum, B, T) micro-batches, or (B, T) with ndim=2: rows split over data x fsdp."""
+    return NamedSharding(mesh, P(None, BATCH, None) if ndim == 3 else P(BATCH, *([None] * (ndim - 1))))
+
+
+def replicated(mesh):
+    return NamedSharding(mesh, P())
+
+
+def process_rows(sharding, global_shape, row_axis):
+    """The rows (along row_axis) of a global batch that live on this process's devices, as a slice. They must
+    be one contiguous range: make_mesh orders devices by process so that they are; asserted, not assumed."""
+    index = sharding.addressable_devices_indices_map(global_shape).values()
+    ranges = sorted({(i[row_axis].start or 0, i[row_axis].stop or global_shape[row_axis]) for i in index})
+    lo, hi = ranges[0][0], ranges[-1][1]
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), f"this process's rows are not contiguous: {ranges}"
+    return slice(lo, hi)
+
+
+def bytes_per_device(tree):
+    """Bytes of a tree of arrays held on one device (the first addressable shard of each)."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def step_peak_bytes(compiled):
+    """XLA's memory analysis of a compiled step: arguments + outputs + temporaries - donated (aliased)."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+def device_memory_limit():
+    """The device's usable bytes where it reports them (GPU, TPU), else None (CPU)."""
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    return (stats or {}).get("bytes_limit")
+
+
+def constrain_batch(x):
+    """Pin activations (B, ...) to rows over data x fsdp inside a jitted function under a mesh with those
+    axes, so XLA gathers weights for FSDP instead of resharding activations; a no-op without such a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(BATCH) <= set(mesh.axis_names):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(BATCH, *([None] * (x.ndim - 1))))

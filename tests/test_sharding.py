@@ -1,0 +1,143 @@
+"""python -m pytest tests/test_sharding.py -q
+
+Sharded training on the (data, fsdp, tensor) mesh: the same run on 1 device and on 8 fake CPU devices as
+data 8, fsdp 8, fsdp 4 x tensor 2 and data 2 x fsdp 2 x tensor 2 (losses, grad norms, final params);
+memory that really divides under fsdp; resume across meshes; two processes with fsdp spanning both."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import checkpoint
+import sharding
+import train
+from helpers import assert_close
+from test_train import REPO, TINY, dataset, free_port, read_log, settings  # noqa: F401 (dataset: a fixture)
+
+WIDE = ["--n_embd=64", "--max_iters=4", "--eval_interval=4", "--always_save_checkpoint=True"]
+ROWS = 8  # global micro-batch: every mesh below splits it differently
+MESHES = {"data8": (1, 1), "fsdp8": (8, 1), "fsdp4_tp2": (4, 2), "data2_fsdp2_tp2": (2, 2)}
+
+
+def mesh_args(fsdp, tp, devices=8):
+    shards = devices // tp
+    return [f"--fsdp={fsdp}", f"--tensor_parallel={tp}", f"--batch_size={ROWS // shards}",
+            f"--gradient_accumulation_steps={shards}"]
+
+
+# Runs every mesh in one process with 8 fake devices (one compile cache, one start-up), then reports what the
+# test checks about memory: per-device bytes and the shard sizes of every >=2-D param and its Adam moments.
+EIGHT_DEVICE_RUNS = r"""
+import json, shutil, sys
+import jax
+import train, sharding
+from configurator import configure
+dataset, out, runs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+report = {}
+for name, args in runs.items():
+    t = train.Trainer(configure(train.DEFAULTS, args)).run()
+    shards = {}
+    for tree in (t.params, t.opt_state):
+        for path, x in jax.tree_util.tree_leaves_with_path(tree):
+            if x.ndim >= 2:
+                shards[jax.tree_util.keystr(path)] = [x.addressable_shards[0].data.size, x.size]
+    report[name] = {"state_bytes": t.state_bytes, "shards": shards}
+print("REPORT " + json.dumps(report))
+"""
+
+
+def run_8_devices(runs, tmp_path):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    p = subprocess.run([sys.executable, "-c", EIGHT_DEVICE_RUNS, "", str(tmp_path), json.dumps(runs)], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(next(l for l in p.stdout.splitlines() if l.startswith("REPORT "))[7:])
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(dataset, tmp_path_factory):
+    """Every mesh's 4-step run, a 2-step fsdp 4 x tensor 2 run that saves at step 2, and its resume on data 8;
+    then the 1-device run and the resume on 1 device here."""
+    tmp = tmp_path_factory.mktemp("meshes")
+    common = TINY + WIDE + [f"--dataset={dataset}"]
+    runs = {name: common + mesh_args(*m) + [f"--out_dir={tmp / name}"] for name, m in MESHES.items()}
+    runs["half"] = common + mesh_args(4, 2) + [f"--out_dir={tmp / 'half'}", "--max_iters=2", "--checkpoint_interval=2"]
+    report = run_8_devices({"half": runs.pop("half")}, tmp)
+    shutil.copytree(tmp / "half", tmp / "resumed_data8")
+    shutil.copytree(tmp / "half", tmp / "resumed_one")
+    runs["resumed_data8"] = common + mesh_args(1, 1) + [f"--out_dir={tmp / 'resumed_data8'}", "--init_from=resume"]
+    report.update(run_8_devices(runs, tmp))
+    train.Trainer(settings(dataset, tmp / "one", *WIDE, f"--batch_size={ROWS}")).run()
+    train.Trainer(settings(dataset, tmp / "resumed_one", *WIDE, f"--batch_size={ROWS}", "--init_from=resume")).run()
+    return tmp, report
+
+
+def test_every_mesh_trains_as_one_device(mesh_runs, dataset):
+    tmp, _ = mesh_runs
+    template = train.Trainer(settings(dataset, tmp / "t", *WIDE, f"--batch_size={ROWS}")).params
+    ref_params = jax.tree.leaves(checkpoint.restore(tmp / "one", params=template)["params"])
+    for name in MESHES:
+        for key in ("loss", "grad_norm"):
+            assert_close([v for _, v in read_log(tmp / name, key)], [v for _, v in read_log(tmp / "one", key)],
+                         rtol=1e-5, atol=0, what=f"{key} {name} vs 1 device")
+        params = jax.tree.leaves(checkpoint.restore(tmp / name, params=template)["params"])
+        diff = np.sqrt(sum(np.sum((np.asarray(a) - np.asarray(b)) ** 2) for a, b in zip(params, ref_params)))
+        norm = np.sqrt(sum(np.sum(np.asarray(b) ** 2) for b in ref_params))
+        assert diff / norm < 1e-5, f"final params {name} vs 1 device: relative norm {diff / norm:.2e}"
+
+
+def test_fsdp_divides_the_state(mesh_runs):
+    _, report = mesh_runs
+    fsdp, replicated = report["fsdp8"], report["data8"]
+    assert fsdp["shards"], "no >=2-D state found"
+    for path, (held, total) in fsdp["shards"].items():
+        assert held * 8 == total, f"{path}: a device holds {held} of {total} elements under fsdp 8"
+    # 1/8 of the replicated figure, + 2% of it for what stays replicated (LayerNorms, biases, Adam's count)
+    assert fsdp["state_bytes"] <= replicated["state_bytes"] * (1 / 8 + 0.02), (fsdp["state_bytes"],
+                                                                                replicated["state_bytes"])
+
+
+def test_resume_across_meshes(mesh_runs):
+    """Saved under fsdp 4 x tensor 2 at step 2, resumed on data 8 and on 1 device: steps 2 and 3 as the
+    uninterrupted fsdp 4 x tensor 2 run's."""
+    tmp, _ = mesh_runs
+    whole = read_log(tmp / "fsdp4_tp2", "loss")
+    for resumed in ("resumed_data8", "resumed_one"):
+        log = read_log(tmp / resumed, "loss")
+        assert [i for i, _ in log] == [0, 1, 2, 3]
+        assert_close([v for _, v in log[2:]], [v for _, v in whole[2:]], rtol=1e-5, atol=0, what=resumed)
+
+
+def test_two_processes_fsdp_spanning_both(mesh_runs, dataset, tmp_path):
+    """2 processes x 4 devices with fsdp 8 across both (jax.distributed on loopback), saving at step 2 and
+    resuming on both: the same losses as 1 process x 8 devices with fsdp 8."""
+    tmp, _ = mesh_runs
+    args = TINY + WIDE + mesh_args(8, 1) + [f"--dataset={dataset}", f"--out_dir={tmp_path / 'multi'}"]
+    for extra in (["--max_iters=2", "--checkpoint_interval=2"], ["--init_from=resume"]):
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+               "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2"}
+        procs = [subprocess.Popen([sys.executable, "train.py", *args, *extra], cwd=REPO,
+                                  env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for i in range(2)]
+        outs = [p.communicate(timeout=300) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-2000:]
+        assert "8 device(s)" in outs[0][0] and "on 2 process(es)" in outs[0][0] and "fsdp 8" in outs[0][0]
+    log = read_log(tmp_path / "multi", "loss")
+    assert [i for i, _ in log] == [0, 1, 2, 3]
+    assert_close([v for _, v in log], [v for _, v in read_log(tmp / "fsdp8", "loss")], rtol=1e-5, atol=0,
+                 what="losses 2 processes vs 1")
+
+
+def test_mesh_settings_are_checked():
+    devices = jax.devices()
+    with pytest.raises(ValueError, match="fsdp=3 x tensor_parallel=1 must be positive and divide the 1 device"):
+        sharding.make_mesh(3, 1, devices)
+    mesh = sharding.make_mesh(1, 1, devices)
+    assert mesh.axis_names == ("data", "fsdp", "tensor") and mesh.devices.shape == (1, 1, 1)
