@@ -7,6 +7,7 @@ process, so peak memory is that run's alone.
     python bench_train.py                      # nanoGPT's CPU baby config (block 64, batch 12, 4x4x128)
     python bench_train.py --preset gpt2 --dtype bfloat16 --frameworks jax   # 124M, B=16, T=1024 (GPU)
     python bench_train.py --full-run           # the README's main training command vs nanoGPT's train.py loop, 3 pairs
+    python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8
 
 Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's peak is
 known, peak memory (device peak on GPU/TPU, process peak RSS on CPU) and, for ours, the compiled step's
@@ -14,7 +15,8 @@ scratch memory (XLA's memory analysis); then ours with gradient accumulation 8 v
 flat: lax.scan over micro-batches). --full-run times whole runs instead: train.py with the main command's
 settings, and nanoGPT's training loop (its get_batch, get_lr, evals every 250 iterations, checkpoints when
 val improves) on the same data, one after the other, in pairs (--repeats): wall time and final val loss of
-each, and the median ratio.
+each, and the median ratio. --memory prints `memory per device: state, step peak` of one step on a mesh,
+as train.py does at start-up, from XLA's analysis of an abstract model (compile only).
 """
 
 import argparse
@@ -28,6 +30,8 @@ import time
 PRESETS = {
     "baby": dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128, vocab_size=65),
     "gpt2": dict(block_size=1024, batch_size=16, n_layer=12, n_head=12, n_embd=768, vocab_size=50304),
+    # finetuning HF's gpt2-xl (its vocabulary, unpadded)
+    "gpt2-xl": dict(block_size=1024, batch_size=1, n_layer=48, n_head=25, n_embd=1600, vocab_size=50257),
 }
 
 
@@ -35,31 +39,29 @@ def bench_jax(s):
     import jax
     import numpy as np
     from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
+    import sharding
     import train
-    from model import GPT, GPTConfig
+    from model import GPT
 
     train.keep_freed_memory()  # as train.py's main does
     c = dict(train.DEFAULTS, learning_rate=1e-3, warmup_iters=10, lr_decay_iters=1000, min_lr=1e-4)
-    model = GPT(GPTConfig(block_size=s["block_size"], vocab_size=s["vocab_size"], n_layer=s["n_layer"],
-                          n_head=s["n_head"], n_embd=s["n_embd"], bias=True, dtype=s["dtype"]), nnx.Rngs(0))
-    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    graphdef, params = nnx.split(model)
-    params = jax.device_put(params, NamedSharding(mesh, P()))
+    mesh = sharding.make_mesh()  # data parallel over every device, as train.py's defaults
+    graphdef, params = train.sharded_model(lambda: GPT(model_config(s), nnx.Rngs(0)), mesh)
+    model = nnx.merge(graphdef, params)
     tx = train.make_optimizer(c)
-    opt_state = jax.jit(tx.init)(params)
-    step = train.on_leaves(train.make_train_step(graphdef, tx, grad_clip=1.0), params, opt_state)
+    opt_state = jax.jit(tx.init, out_shardings=sharding.shardings_for(jax.eval_shape(tx.init, params), mesh))(params)
+    rows = s["batch_size"] * sharding.batch_shards(mesh)
+    batch_sharding = sharding.batch_sharding(mesh)
+    step, _, _ = train.compile_step(train.make_train_step(graphdef, tx, grad_clip=1.0), params, opt_state,
+                                    (s["accum"], rows, s["block_size"]), batch_sharding)
+    # XLA's own account of the step's scratch memory (activations, grads in flight): exact, on any backend
+    temp = step.memory_analysis().temp_size_in_bytes
     params, opt_state = jax.tree.leaves(params), jax.tree.leaves(opt_state)  # as train.py's loop holds them
-    rows = s["batch_size"] * jax.device_count()
     rng = np.random.default_rng(0)
     batch = rng.integers(0, s["vocab_size"], (s["accum"], rows, s["block_size"] + 1)).astype(np.int32)
-    sharding = NamedSharding(mesh, P(None, "data", None))
-    x, y = jax.device_put(batch[..., :-1], sharding), jax.device_put(batch[..., 1:], sharding)
+    x, y = jax.device_put(batch[..., :-1], batch_sharding), jax.device_put(batch[..., 1:], batch_sharding)
     key = jax.random.key(0)
-    # XLA's own account of the step's scratch memory (activations, grads in flight): exact, on any backend
-    temp = step.lower(params, opt_state, x, y, key).compile().memory_analysis().temp_size_in_bytes
     times = []
     for i in range(s["warmup"] + s["steps"]):
         t0 = time.perf_counter()
@@ -74,6 +76,54 @@ def bench_jax(s):
             "memory": "device" if peak else "RSS", "mfu": mfu, "device": jax.devices()[0].device_kind,
             "temp_mb": temp / 2**20,
             "tokens": s["accum"] * rows * s["block_size"]}
+
+
+def model_config(s):
+    from model import GPTConfig
+
+    return GPTConfig(block_size=s["block_size"], vocab_size=s["vocab_size"], n_layer=s["n_layer"],
+                     n_head=s["n_head"], n_embd=s["n_embd"], bias=True, dtype=s["dtype"])
+
+
+def bench_memory(s):
+    """The memory per device of a train step on a mesh, from an abstract model: XLA compiles the step for
+    ShapeDtypeStructs, nothing is materialized, so a laptop can size a pod's run."""
+    import jax
+    from flax import nnx
+
+    import sharding
+    import train
+    from model import GPT
+
+    if jax.device_count() < s["devices"]:
+        return {"too_few_devices": jax.device_count()}
+    mesh = sharding.make_mesh(s["fsdp"], s["tensor_parallel"], jax.devices()[:s["devices"]])
+    config = model_config(s)
+    sharding.check_model_fits_mesh(config, mesh)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
+    params = sharding.abstract(params, sharding.shardings_for(params, mesh))
+    tx = train.make_optimizer(dict(train.DEFAULTS))
+    opt_state = jax.eval_shape(tx.init, params)
+    opt_state = sharding.abstract(opt_state, sharding.shardings_for(opt_state, mesh))
+    shape = (1, s["batch_size"] * sharding.batch_shards(mesh), s["block_size"])
+    _, state, peak = train.compile_step(train.make_train_step(graphdef, tx, grad_clip=1.0), params, opt_state,
+                                        shape, sharding.batch_sharding(mesh))
+    return {"state": state, "peak": peak, "backend": jax.default_backend(), "mesh": dict(mesh.shape)}
+
+
+def memory(args):
+    s = dict(PRESETS[args.preset], dtype=args.dtype, devices=args.devices or 1, fsdp=args.fsdp,
+             tensor_parallel=args.tensor_parallel)
+    if args.batch_size:
+        s["batch_size"] = args.batch_size
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={s['devices']}"}
+    r = run_worker("memory", s, env)
+    if "too_few_devices" in r:  # e.g. one GPU asked for 8 devices: XLA:CPU's analysis on fake CPU devices
+        r = run_worker("memory", s, dict(env, JAX_PLATFORMS="cpu"))
+    m = r["mesh"]
+    print(f"{args.preset}, batch {s['batch_size']} x {s['block_size']} per batch shard, {s['dtype']}, "
+          f"{s['devices']} {r['backend']} device(s), mesh data {m['data']} x fsdp {m['fsdp']} x tensor {m['tensor']}")
+    print(f"memory per device: state {r['state'] / 2**30:.2f} GiB, step peak {r['peak'] / 2**30:.2f} GiB")
 
 
 def nanogpt_model(block_size, vocab_size, n_layer, n_head, n_embd, dropout=0.0, bias=True):
@@ -295,9 +345,9 @@ def rss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def run_worker(framework, settings):
+def run_worker(framework, settings, env=None):
     out = subprocess.run([sys.executable, __file__, "--worker", framework, "--settings", json.dumps(settings)],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env={**os.environ, **(env or {})})
     if out.returncode:
         raise SystemExit(f"{framework} worker failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -314,16 +364,23 @@ def main():
     p.add_argument("--no-accum", action="store_true", help="skip the accumulation 8 vs 1 memory check")
     p.add_argument("--full-run", action="store_true", help="time whole training runs (see above)")
     p.add_argument("--repeats", type=int, default=3, help="--full-run: pairs of runs")
-    p.add_argument("--worker", choices=["jax", "nanogpt", "transformers", "nanogpt-run"], help=argparse.SUPPRESS)
+    p.add_argument("--memory", action="store_true", help="memory per device of one step, compile only (see above)")
+    p.add_argument("--devices", type=int, default=None, help="--memory: devices (fake CPU ones if there are fewer)")
+    p.add_argument("--fsdp", type=int, default=1, help="--memory: the mesh's fsdp axis")
+    p.add_argument("--tensor_parallel", type=int, default=1, help="--memory: the mesh's tensor axis")
+    p.add_argument("--worker", choices=["jax", "nanogpt", "transformers", "nanogpt-run", "memory"],
+                   help=argparse.SUPPRESS)
     p.add_argument("--settings", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         settings = dict(json.loads(args.settings), framework=args.worker)
-        worker = {"jax": bench_jax, "nanogpt-run": nanogpt_run}.get(args.worker, bench_torch)
+        worker = {"jax": bench_jax, "nanogpt-run": nanogpt_run, "memory": bench_memory}.get(args.worker, bench_torch)
         print(json.dumps(worker(settings)))
         return
     if args.full_run:
         return full_run(args.repeats)
+    if args.memory:
+        return memory(args)
 
     s = dict(PRESETS[args.preset], dtype=args.dtype, steps=args.steps, warmup=args.warmup, accum=1)
     if args.batch_size:

@@ -18,6 +18,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+import sharding as sharding_  # `sharding` is restore's argument
 from model import GPT, GPTConfig
 
 CKPT_SUBDIR = "ckpt"
@@ -59,13 +60,6 @@ def latest_step(out_dir):
     return max(steps)
 
 
-def _abstract(tree, sharding):
-    """ShapeDtypeStructs with the sharding to restore onto: one for every leaf, or a tree of them."""
-    if isinstance(sharding, jax.sharding.Sharding):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding)
-
-
 def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
     """Read the latest (or `step`) checkpoint: {'meta': dict, 'params': ..., 'opt_state': ...}. `params`
     and `opt_state` are templates (abstract or concrete) of what to read; None skips that item. `sharding`:
@@ -76,9 +70,9 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
     per_item = (lambda k: sharding) if isinstance(sharding, jax.sharding.Sharding) else sharding.__getitem__
     items = {"meta": ocp.args.JsonRestore()}
     if params is not None:
-        items["params"] = ocp.args.StandardRestore(_abstract(params, per_item("params")))
+        items["params"] = ocp.args.StandardRestore(sharding_.abstract(params, per_item("params")))
     if opt_state is not None:
-        items["opt_state"] = ocp.args.StandardRestore(_abstract(opt_state, per_item("opt_state")))
+        items["opt_state"] = ocp.args.StandardRestore(sharding_.abstract(opt_state, per_item("opt_state")))
     # orbax reads the arrays concurrently and, at the first failure, closes its event loop with the other reads
     # (the same corruption) in flight: their errors, from Python and C++, reach stderr before and after ours.
     # So stderr (the file descriptor) goes to a file while it restores: replayed on success, dropped on failure

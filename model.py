@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import sharding
 
@@ -60,15 +61,34 @@ class Linear(nnx.Linear):
         return super().__call__(x).astype(self.dtype)
 
 
-def _promote_keep_bias_f32(args, dtype=None):
+def _promote_keep_bias_f32(args, dtype, specs):
+    """Cast x and the kernel to the compute dtype, keep the bias float32; under a mesh, gather the kernel over
+    fsdp in the compute dtype (half the bytes in bf16), keeping its tensor-parallel split."""
     x, kernel, bias = args
-    return x.astype(dtype), kernel.astype(dtype), bias
+    kernel = sharding.constrain(kernel.astype(dtype), specs[0])
+    return x.astype(dtype), kernel, bias if bias is None else sharding.constrain(bias, specs[1])
 
 
-def linear(n_in, n_out, config: GPTConfig, rngs: nnx.Rngs, std=0.02):
+# module-level functions, not partials: a module's graphdef (jit's cache key) compares them by identity
+def _promote_column(args, dtype=None):
+    return _promote_keep_bias_f32(args, dtype, sharding.COLUMN)
+
+
+def _promote_row(args, dtype=None):
+    return _promote_keep_bias_f32(args, dtype, sharding.ROW)
+
+
+def _gathered_table(args, dtype=None, inexact=False):
+    """An embedding table gathered whole for the lookup (float32, as nnx.Embed's default)."""
+    return tuple(sharding.constrain(a, P(None, None)) for a in args)
+
+
+def linear(n_in, n_out, config: GPTConfig, rngs: nnx.Rngs, std=0.02, row_parallel=False):
     # Kernels are (in, out), the layout of HF's Conv1D: weights copy across without a transpose.
+    # Under tensor parallelism a kernel computes split by output columns, or by input rows (row_parallel)
     return Linear(n_in, n_out, use_bias=config.bias, dtype=config.compute_dtype, kernel_init=normal(std),
-                  bias_init=nnx.initializers.zeros_init(), promote_dtype=_promote_keep_bias_f32, rngs=rngs)
+                  bias_init=nnx.initializers.zeros_init(), rngs=rngs,
+                  promote_dtype=_promote_row if row_parallel else _promote_column)
 
 
 def dropout(x, rate, key):
@@ -85,7 +105,8 @@ class CausalSelfAttention(nnx.Module):
         self.dropout = config.dropout
         self.c_attn = linear(config.n_embd, 3 * config.n_embd, config, rngs)  # q, k, v for all heads
         # residual projection: GPT-2's scaled init, 0.02/sqrt(2 * n_layer)
-        self.c_proj = linear(config.n_embd, config.n_embd, config, rngs, std=0.02 / math.sqrt(2 * config.n_layer))
+        self.c_proj = linear(config.n_embd, config.n_embd, config, rngs, std=0.02 / math.sqrt(2 * config.n_layer),
+                             row_parallel=True)
 
     def qkv(self, x):
         B, T, C = x.shape
@@ -130,7 +151,8 @@ class MLP(nnx.Module):
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
         self.dropout = config.dropout
         self.c_fc = linear(config.n_embd, 4 * config.n_embd, config, rngs)
-        self.c_proj = linear(4 * config.n_embd, config.n_embd, config, rngs, std=0.02 / math.sqrt(2 * config.n_layer))
+        self.c_proj = linear(4 * config.n_embd, config.n_embd, config, rngs, std=0.02 / math.sqrt(2 * config.n_layer),
+                             row_parallel=True)
 
     def __call__(self, x, key=None):
         # GPT-2's gelu is the tanh approximation (HF "gelu_new"); nanoGPT's exact erf GELU is not GPT-2
@@ -167,6 +189,7 @@ class Block(nnx.Module):
     def __call__(self, x, key=None):
         # the residual stream stays float32; each branch computes in the compute dtype
         k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
+        x = sharding.constrain_batch(x)  # rows over data x fsdp under a mesh: weights move, activations don't
         if jax.default_backend() == "cpu":  # on GPU a conditional costs a host round trip; XLA:GPU needs no help
             x = fusion_barrier_in_grad(x)
         x = x + self.attn(self.ln_1(x), k_attn).astype(x.dtype)
@@ -182,8 +205,10 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
         self.config = config
-        self.wte = nnx.Embed(config.vocab_size, config.n_embd, embedding_init=normal(0.02), rngs=rngs)
-        self.wpe = nnx.Embed(config.block_size, config.n_embd, embedding_init=normal(0.02), rngs=rngs)
+        self.wte = nnx.Embed(config.vocab_size, config.n_embd, embedding_init=normal(0.02),
+                             promote_dtype=_gathered_table, rngs=rngs)
+        self.wpe = nnx.Embed(config.block_size, config.n_embd, embedding_init=normal(0.02),
+                             promote_dtype=_gathered_table, rngs=rngs)
         self.h = nnx.List([Block(config, rngs) for _ in range(config.n_layer)])
         self.ln_f = layer_norm(config, rngs)
         # no lm_head parameter: the head is wte itself (weight tying), see logits()
@@ -204,8 +229,8 @@ class GPT(nnx.Module):
     def logits(self, x):
         """(..., C) -> (..., vocab) float32, through the tied wte (bf16 matmul, float32 accumulation)."""
         cdt = self.config.compute_dtype
-        return jnp.einsum("...c,vc->...v", x.astype(cdt), self.wte.embedding[...].astype(cdt),
-                          preferred_element_type=jnp.float32)
+        head = sharding.constrain(self.wte.embedding[...].astype(cdt), sharding.VOCAB)
+        return jnp.einsum("...c,vc->...v", x.astype(cdt), head, preferred_element_type=jnp.float32)
 
     def __call__(self, idx, targets=None, *, key=None):
         """idx (B, T) int -> logits (B, T, vocab), and the mean cross-entropy if targets (B, T) are given

@@ -9,6 +9,7 @@ Mesh axes ('data', 'fsdp', 'tensor') over every device of every process, in proc
 fsdp 1 and tensor 1 is plain data parallelism: each device a full replica.
 """
 
+import math
 import re
 
 import jax
@@ -82,6 +83,13 @@ def shardings_for(tree, mesh):
         lambda p, x: NamedSharding(mesh, spec_for(_path(p), x.shape, mesh)), tree)
 
 
+def abstract(tree, shardings):
+    """ShapeDtypeStructs of a tree with the sharding to place it with: one for every leaf, or a tree of them."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
 def batch_sharding(mesh, ndim=3):
     """(accum, B, T) micro-batches, or (B, T) with ndim=2: rows split over data x fsdp."""
     return NamedSharding(mesh, P(None, BATCH, None) if ndim == 3 else P(BATCH, *([None] * (ndim - 1))))
@@ -102,8 +110,8 @@ def process_rows(sharding, global_shape, row_axis):
 
 
 def bytes_per_device(tree):
-    """Bytes of a tree of arrays held on one device (the first addressable shard of each)."""
-    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+    """Bytes one device holds of a tree of arrays, or of ShapeDtypeStructs with shardings."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def step_peak_bytes(compiled):
@@ -118,10 +126,24 @@ def device_memory_limit():
     return (stats or {}).get("bytes_limit")
 
 
-def constrain_batch(x):
-    """Pin activations (B, ...) to rows over data x fsdp inside a jitted function under a mesh with those
-    axes, so XLA gathers weights for FSDP instead of resharding activations; a no-op without such a mesh."""
+# Where the model computes under a mesh (jax.set_mesh around tracing; a no-op without one): activations keep
+# their rows over data x fsdp, and each weight is gathered over fsdp where it is used, still split over tensor.
+# Left to itself, XLA's partitioner resharded activations to match the fsdp-split weights instead (an
+# "involuntary full rematerialization" of the batch), which is neither ZeRO-3 nor cheap.
+COLUMN = (P(None, "tensor"), P("tensor"))  # c_attn, c_fc: (kernel, bias) split by output columns
+ROW = (P("tensor", None), P())  # attn.c_proj, mlp.c_proj: split by input rows, bias whole
+VOCAB = P("tensor", None)  # wte as the tied head: logits split by vocabulary
+
+
+def constrain(x, spec):
+    """x pinned to `spec` on the mesh in context, any axis that does not divide its dimension dropped."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(BATCH) <= set(mesh.axis_names):
+    if mesh.empty or not {a for a in spec if a} <= set(mesh.axis_names):
         return x
-    return jax.lax.with_sharding_constraint(x, P(BATCH, *([None] * (x.ndim - 1))))
+    return jax.lax.with_sharding_constraint(
+        x, P(*(a if a is None or dim % mesh.shape[a] == 0 else None for a, dim in zip(spec, x.shape))))
+
+
+def constrain_batch(x):
+    """Activations (B, ...): rows over data x fsdp, whole along every other axis."""
+    return constrain(x, P(BATCH, *([None] * (x.ndim - 1))))

@@ -175,6 +175,18 @@ def on_leaves(step, params, opt_state, batch_sharding=None):
     return leaves_step
 
 
+def compile_step(step, params, opt_state, batch_shape, batch_sharding):
+    """`step` jitted on the state's shardings (see on_leaves) and compiled for (accum, B, T) batches ->
+    (compiled step, state bytes per device, XLA's step peak bytes per device). params and opt_state may be
+    abstract (ShapeDtypeStructs with shardings): then nothing is materialized (bench_train.py --memory)."""
+    jitted = on_leaves(step, params, opt_state, batch_sharding)
+    batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding)
+    with jax.set_mesh(batch_sharding.mesh):  # the model pins its activations to it (sharding.constrain_batch)
+        lowered = jitted.lower(jax.tree.leaves(params), jax.tree.leaves(opt_state), batch, batch, jax.random.key(0))
+    compiled = lowered.compile()
+    return compiled, sharding.bytes_per_device([params, opt_state]), sharding.step_peak_bytes(compiled)
+
+
 def make_eval_step(graphdef, params):
     """Mean loss of one batch; takes the param leaves, as the train step does (see on_leaves)."""
     param_def = jax.tree.structure(params)
@@ -325,13 +337,8 @@ class Trainer:
     def _compile_step(self, step, params, opt_state):
         """The jitted step, compiled now (not at step 0) so that its memory is known before anything runs:
         `memory per device` is printed, logged, and checked against the device's limit."""
-        jitted = on_leaves(step, params, opt_state, self.batch_sharding)
-        batch = jax.ShapeDtypeStruct((self.accum, self.rows, self.c["block_size"]), jnp.int32,
-                                     sharding=self.batch_sharding)
-        compiled = jitted.lower(jax.tree.leaves(params), jax.tree.leaves(opt_state), batch, batch,
-                                jax.random.key(0)).compile()
-        self.state_bytes = sharding.bytes_per_device([params, opt_state])
-        self.step_peak_bytes = sharding.step_peak_bytes(compiled)
+        compiled, self.state_bytes, self.step_peak_bytes = compile_step(
+            step, params, opt_state, (self.accum, self.rows, self.c["block_size"]), self.batch_sharding)
         limit = sharding.device_memory_limit()
         if limit is not None and self.step_peak_bytes > limit:
             raise ValueError(f"the train step needs {self.step_peak_bytes / 2**30:.2f} GiB per device, the device "
@@ -348,8 +355,9 @@ class Trainer:
         rows = sharding.batch_sharding(self.mesh, ndim=2)
         out = {}
         for split, loader in self.loaders.items():
-            losses = [self.eval_step(self._param_leaves, self._put(x, rows), self._put(y, rows))
-                      for x, y in loader.eval_batches(self.c["eval_iters"], self.iter_num)]
+            with jax.set_mesh(self.mesh):  # the model's sharding constraints apply when the eval step is traced
+                losses = [self.eval_step(self._param_leaves, self._put(x, rows), self._put(y, rows))
+                          for x, y in loader.eval_batches(self.c["eval_iters"], self.iter_num)]
             out[split] = float(jnp.mean(jnp.stack(losses)))
         return out
 

@@ -1,12 +1,13 @@
 """
 Training parity: nanoGPT's training step in PyTorch (parity/torch_reference.py: transformers' GPT2LMHeadModel,
 AdamW with nanoGPT's two parameter groups, get_lr, accumulation by loss / K, clipping) against train.py's
-own jitted step (make_optimizer + make_train_step on a 'data' mesh, as Trainer sets them up), from the same
+own jitted step (make_optimizer + make_train_step on sharding.py's mesh, as Trainer sets them up), from the same
 weights on the same batches: loss, pre-clip grad norm and lr at every step, every parameter at the end.
 
     python -m parity.check_train                          # tiny random GPT-2, fp32, 50 steps, offline
     python -m parity.check_train --accum 4                # each step's rows as 4 micro-batches (same tokens)
     python -m parity.check_train --devices 8              # 8-way data parallel (fake CPU devices when needed)
+    python -m parity.check_train --fsdp 4 --tensor_parallel 2   # sharded: 8 devices as fsdp 4 x tensor 2
     python -m parity.check_train --dtype bfloat16         # bf16 against the fp32 reference, next to torch autocast's
     python -m parity.check_train --model gpt2 --steps 3   # gpt2-shaped random weights (124M; slow on a CPU)
     python -m parity.check_train --model DIR              # any HF GPT-2 directory (save_pretrained)
@@ -80,35 +81,37 @@ class Run(NamedTuple):
     rows: int  # sequences per step, over all micro-batches and devices
     seq_len: int
     accum: int  # micro-batches per step (torch: loss / accum, ours: lax.scan)
-    devices: int  # our data-parallel mesh; torch computes the same global batch on one CPU
+    devices: int  # our mesh's devices; torch computes the same global batch on one CPU
+    fsdp: int = 1  # the mesh's fsdp axis (data = devices / (fsdp x tensor_parallel))
+    tensor_parallel: int = 1
 
 
 # --- the two sides ---------------------------------------------------------------------------------
 
 class JaxTrainer:
-    """train.py's optimizer and jitted step on a `devices`-wide 'data' mesh, set up as train.Trainer does:
-    params and optimizer state replicated, the batch sharded along its rows, P(None, 'data', None)."""
+    """train.py's optimizer and jitted step on sharding.py's mesh over `devices`, set up as train.Trainer does:
+    params and optimizer state split by sharding.PARAM_SPECS, the batch's rows over data x fsdp."""
 
-    def __init__(self, model_dir, c, devices):
+    def __init__(self, model_dir, c, devices, batch_shape, fsdp=1, tensor_parallel=1):
         import jax
         from flax import nnx
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
 
+        import sharding
         import train
         from model import GPT
 
         self.c = c
-        model = GPT.from_pretrained(model_dir, dropout=c["dropout"], dtype=c["dtype"])
+        mesh = sharding.make_mesh(fsdp, tensor_parallel, jax.devices()[:devices])
+        model = GPT.from_pretrained(model_dir, dropout=c["dropout"], dtype=c["dtype"], mesh=mesh)
+        sharding.check_model_fits_mesh(model.config, mesh)
         self.graphdef, params = nnx.split(model)
-        mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
-                             devices=jax.devices()[:devices])
-        replicated = NamedSharding(mesh, P())
-        self.batch_sharding = NamedSharding(mesh, P(None, "data", None))
+        self.batch_sharding = sharding.batch_sharding(mesh)
         tx = train.make_optimizer(c)
-        self.params = jax.device_put(params, replicated)
-        self.opt_state = jax.jit(tx.init, out_shardings=replicated)(self.params)
-        self.train_step = train.make_train_step(self.graphdef, tx, c["grad_clip"])
+        self.params = jax.device_put(params, sharding.shardings_for(params, mesh))
+        opt_shardings = sharding.shardings_for(jax.eval_shape(tx.init, self.params), mesh)
+        self.opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(self.params)
+        self.train_step, _, _ = train.compile_step(train.make_train_step(self.graphdef, tx, c["grad_clip"]),
+                                                   self.params, self.opt_state, batch_shape, self.batch_sharding)
         self.base_key = jax.random.key(c["seed"])
         self.iter_num = 0
 
@@ -130,7 +133,10 @@ class JaxTrainer:
         key = jax.random.fold_in(self.base_key, self.iter_num)  # as Trainer (dropout is 0: unused)
         # one process: device_put is Trainer's make_array_from_process_local_data
         x, y = jax.device_put(x, self.batch_sharding), jax.device_put(y, self.batch_sharding)
-        self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state, x, y, key)
+        leaves = self.train_step(jax.tree.leaves(self.params), jax.tree.leaves(self.opt_state), x, y, key)
+        self.params = jax.tree.unflatten(jax.tree.structure(self.params), leaves[0])
+        self.opt_state = jax.tree.unflatten(jax.tree.structure(self.opt_state), leaves[1])
+        metrics = leaves[2]
         self.iter_num += 1
         return {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]), "lr": lr}
 
@@ -147,7 +153,8 @@ def make_trainers(run, dtype):
     from parity.torch_reference import TorchTrainer
 
     sides = {"torch": lambda: TorchTrainer(run.model_dir, run.c),
-             "jax": lambda: JaxTrainer(run.model_dir, dict(run.c, dtype=dtype), run.devices)}
+             "jax": lambda: JaxTrainer(run.model_dir, dict(run.c, dtype=dtype), run.devices,
+                                       (run.accum, run.rows // run.accum, run.seq_len), run.fsdp, run.tensor_parallel)}
     if dtype == "bfloat16":
         sides["torch_bf16"] = lambda: TorchTrainer(run.model_dir, run.c, autocast_bf16=True)
     return sides
@@ -172,9 +179,10 @@ def make_batches(run):
 
     if run.c["dropout"] != 0.0:
         raise ValueError("training parity needs dropout 0: the two frameworks draw different dropout masks")
-    if run.rows % (run.accum * run.devices):
+    shards = run.devices // run.tensor_parallel  # data x fsdp: the devices of a tensor group share rows
+    if run.rows % (run.accum * shards):
         raise ValueError(f"{run.rows} rows per step do not split into {run.accum} micro-batch(es) over "
-                         f"{run.devices} device(s): rows must be divisible by accum x devices")
+                         f"{shards} batch shard(s): rows must be divisible by accum x data x fsdp")
     if run.devices > jax.device_count():
         raise ValueError(f"{run.devices} devices asked for, {jax.device_count()} here")
     loader = make_loader(run.data_dir, "train", run.seq_len, run.rows // run.accum, run.c["seed"])
@@ -316,7 +324,8 @@ def check(run, dtype="float32"):
     batches = make_batches(run)
     c = run.c
     print(f"{run.steps} steps of {run.rows} x {run.seq_len} tokens ({run.accum} micro-batch(es)), {dtype}; torch on "
-          f"cpu, ours on {run.devices} {jax.devices()[0].platform} device(s); data {run.data_dir}")
+          f"cpu, ours on {run.devices} {jax.devices()[0].platform} device(s) (fsdp {run.fsdp}, tensor "
+          f"{run.tensor_parallel}); data {run.data_dir}")
     print(f"AdamW lr {c['learning_rate']:g} (warmup {c['warmup_iters']}, cosine to {c['min_lr']:g} at "
           f"{c['lr_decay_iters']}{'' if c['decay_lr'] else '; decay_lr off'}), betas ({c['beta1']}, {c['beta2']}), "
           f"weight decay {c['weight_decay']:g} on >=2-D tensors, grad clip {c['grad_clip']:g}")
@@ -395,7 +404,8 @@ def make_run(args, tmp):
         os.makedirs(data_dir)
         write_tokens(os.path.join(data_dir, "train.bin"), hf_vocab_size(model_dir), seed=args.seed)
         rows, seq_len = args.batch_size or defaults["rows"], args.seq_len or defaults["seq_len"]
-    return Run(c, model_dir, data_dir, args.steps, rows, seq_len, args.accum, args.devices)
+    return Run(c, model_dir, data_dir, args.steps, rows, seq_len, args.accum, args.devices, args.fsdp,
+               args.tensor_parallel)
 
 
 def parse_args(argv=None):
@@ -405,7 +415,9 @@ def parse_args(argv=None):
     p.add_argument("--model", default="tiny", help="tiny | gpt2 | gpt2-medium | ... (random weights) | HF directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step: the step's rows split K ways")
-    p.add_argument("--devices", type=int, default=1, help="devices of our data-parallel mesh")
+    p.add_argument("--devices", type=int, default=None, help="devices of our mesh (default fsdp x tensor_parallel)")
+    p.add_argument("--fsdp", type=int, default=1, help="our mesh's fsdp axis: params and Adam state split K ways")
+    p.add_argument("--tensor_parallel", type=int, default=1, help="our mesh's tensor axis (Megatron)")
     p.add_argument("--config", default=None,
                    help="golden run: config/train_<name>.py (e.g. shakespeare_char) or a config file, on its data")
     p.add_argument("--batch-size", type=int, default=None, help="rows per step, over all micro-batches and devices")
@@ -413,8 +425,13 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="random weights and data (not --config's)")
     args = p.parse_args(argv)
     # bad input fails here, before anything heavy is imported or written
-    if args.steps < 1 or args.accum < 1 or args.devices < 1:
-        raise ValueError(f"--steps, --accum and --devices must be >= 1, got {args.steps}, {args.accum}, {args.devices}")
+    args.devices = args.devices or args.fsdp * args.tensor_parallel
+    if min(args.steps, args.accum, args.devices, args.fsdp, args.tensor_parallel) < 1:
+        raise ValueError(f"--steps, --accum, --devices, --fsdp and --tensor_parallel must be >= 1, got {args.steps}, "
+                         f"{args.accum}, {args.devices}, {args.fsdp}, {args.tensor_parallel}")
+    if args.devices % (args.fsdp * args.tensor_parallel):
+        raise ValueError(f"--fsdp {args.fsdp} x --tensor_parallel {args.tensor_parallel} must divide --devices "
+                         f"{args.devices}")
     if args.config:
         if args.model != "tiny" or args.batch_size or args.seq_len:
             raise ValueError("--config sets the model, batch and sequence length: "
@@ -427,9 +444,11 @@ def parse_args(argv=None):
                          f"got {args.model!r}")
     else:
         rows = args.batch_size or (TINY_RUN if args.model == "tiny" else LARGE_RUN)["rows"]
-        if rows % (args.accum * args.devices):
+        shards = args.devices // args.tensor_parallel
+        if rows % (args.accum * shards):
             raise ValueError(f"{rows} rows per step do not split into --accum {args.accum} micro-batches over "
-                             f"--devices {args.devices}: rows (--batch-size) must be divisible by accum x devices")
+                             f"{shards} batch shards (data x fsdp): rows (--batch-size) must be divisible by "
+                             "accum x data x fsdp")
     return args
 
 

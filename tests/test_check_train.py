@@ -1,8 +1,8 @@
 """python -m pytest tests/test_check_train.py -q
 
 parity.check_train on the tiny random GPT-2 (fp32, 10 steps): train.py's step equals nanoGPT's PyTorch step,
-with gradient accumulation and on 8 fake CPU devices; the check fails on each way JAX ports have differed from
-nanoGPT (weight decay grouping, warmup, clipping: all but the first are marked slow); bad input is one line and
+with gradient accumulation and on 8 fake CPU devices (fsdp 4 x tensor 2); the check fails on each
+way JAX ports have differed from nanoGPT (weight decay grouping, warmup, clipping: all but the first are marked slow); bad input is one line and
 exit code 2. bf16 and the golden run are README commands (too slow for every run)."""
 
 import os
@@ -68,12 +68,13 @@ def test_accumulation_changes_nothing(tiny, capsys):
     assert_close(f["losses"], f["ref_losses"], rtol=check_train.LOSS_TOL, what="jax vs torch losses, accum 4")
 
 
-def test_8_fake_devices(capfd):
-    """main() in a process with one device runs the check again on 8 fake CPU devices (with accumulation too)."""
+def test_8_fake_devices_sharded(capfd):
+    """main() in a process with one device runs the check again on 8 fake CPU devices, as fsdp 4 x tensor 2
+    (with accumulation too)."""
     assert jax.device_count() < 8
-    code = check_train.main([*TINY, "--devices", "8", "--accum", "2"])
+    code = check_train.main([*TINY, "--fsdp", "4", "--tensor_parallel", "2", "--accum", "2"])
     out = capfd.readouterr().out
-    assert "running on 8 fake CPU devices" in out and "ours on 8 cpu device(s)" in out
+    assert "running on 8 fake CPU devices" in out and "ours on 8 cpu device(s) (fsdp 4, tensor 2)" in out
     assert code == 0 and "fp32 training parity" in out and ": OK" in out, out[-3000:]
 
 
