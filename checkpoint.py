@@ -18,12 +18,13 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from configurator import InputNotFound, UsageError
 from model import GPT, GPTConfig
 
 CKPT_SUBDIR = "ckpt"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     pass
 
 
@@ -55,7 +56,7 @@ def latest_step(out_dir):
         with closing(_reader(path)) as mngr:
             steps = mngr.all_steps()
     if not steps:
-        raise FileNotFoundError(f"no checkpoint in {path}: train first (python train.py ...) or check --out_dir")
+        raise InputNotFound(f"no checkpoint in {path}: train first (python train.py ...) or check --out_dir")
     return max(steps)
 
 
@@ -121,7 +122,7 @@ def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0):
     (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or an HF directory. Returns (model, training config dict from
     the checkpoint, or None for HF weights)."""
     if init_from == "scratch":
-        raise ValueError("init_from='scratch' has no weights to load: use resume, a gpt2* name or an HF directory")
+        raise UsageError("init_from='scratch' has no weights to load: use resume, a gpt2* name or an HF directory")
     if init_from != "resume":
         return GPT.from_pretrained(init_from, dropout=dropout, dtype=dtype), None
     meta = restore(out_dir)["meta"]

@@ -14,6 +14,8 @@ import os
 
 import numpy as np
 
+from configurator import InputNotFound, UsageError
+
 
 def prepare_hint(data_dir):
     name = os.path.basename(os.path.normpath(data_dir))
@@ -28,7 +30,7 @@ class BinLoader:
     def __init__(self, path, block_size, rows, seed, row_slice=None):
         self.data = np.memmap(path, dtype=np.uint16, mode="r")
         if len(self.data) <= block_size + 1:
-            raise ValueError(f"{path} holds {len(self.data)} tokens: too few for block_size {block_size}")
+            raise UsageError(f"{path} holds {len(self.data)} tokens: too few for block_size {block_size}")
         self.block_size, self.rows, self.seed = block_size, rows, seed
         self.row_slice = row_slice or slice(0, rows)
         self.step = 0
@@ -134,4 +136,4 @@ def make_loader(data_dir, split, block_size, rows, seed, row_slice=None, shuffle
     shards = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.npy")))
     if shards:
         return ShardLoader(shards, block_size, rows, seed, row_slice, shuffle_shards and split == "train")
-    raise FileNotFoundError(f"no {split}.bin or *{split}*.npy shards in {data_dir}: run `{prepare_hint(data_dir)}` first")
+    raise InputNotFound(f"no {split}.bin or *{split}*.npy shards in {data_dir}: run `{prepare_hint(data_dir)}` first")

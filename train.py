@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import checkpoint
-from configurator import configure
+from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
 from dataloader import make_loader
 from model import GPT, GPTConfig, cross_entropy
 
@@ -181,7 +181,7 @@ def resolve_dtype(dtype):
     if dtype == "auto":
         return "float32" if jax.default_backend() == "cpu" else "bfloat16"
     if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
+        raise UsageError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
     return dtype
 
 
@@ -206,11 +206,11 @@ class Trainer:
         if c["total_batch_size"] > 0:  # build-nanogpt: fixed tokens per step, whatever the device count
             per_step = c["batch_size"] * c["block_size"] * len(devices)
             if c["total_batch_size"] % per_step:
-                raise ValueError(f"total_batch_size={c['total_batch_size']} is not a multiple of batch_size x "
+                raise UsageError(f"total_batch_size={c['total_batch_size']} is not a multiple of batch_size x "
                                  f"block_size x devices = {per_step}: change batch_size")
             c["gradient_accumulation_steps"] = c["total_batch_size"] // per_step * len(devices)
         if c["gradient_accumulation_steps"] % len(devices):
-            raise ValueError(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by "
+            raise UsageError(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by "
                              f"the number of devices ({len(devices)})")
         self.accum = c["gradient_accumulation_steps"] // len(devices)
         self.rows = c["batch_size"] * len(devices)  # global micro-batch
@@ -239,7 +239,7 @@ class Trainer:
                 model.crop_block_size(c["block_size"])
         self.model_config = model.config
         if c["block_size"] > self.model_config.block_size:
-            raise ValueError(f"block_size={c['block_size']} exceeds the model's {self.model_config.block_size}")
+            raise UsageError(f"block_size={c['block_size']} exceeds the model's {self.model_config.block_size}")
         graphdef, params = nnx.split(model)
         if meta is None:
             params = jax.device_put(params, self.replicated)
@@ -291,10 +291,10 @@ class Trainer:
             try:
                 path = hellaswag.download("val")
             except OSError:
-                raise OSError("could not download HellaSwag (offline?): set --hellaswag_path=FILE.jsonl "
-                              "or --hellaswag_interval=0") from None
+                raise InputNotFound("could not download HellaSwag (offline?): set --hellaswag_path=FILE.jsonl "
+                                    "or --hellaswag_interval=0") from None
         elif not os.path.isfile(path):
-            raise FileNotFoundError(f"hellaswag_path {path} does not exist")
+            raise InputNotFound(f"hellaswag_path {path} does not exist")
         return hellaswag.load_examples(path, max_len=self.model_config.block_size)
 
     def eval_hellaswag(self):
@@ -459,6 +459,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from parity.common import exit_on_bad_input
-
     exit_on_bad_input(main)
