@@ -17,6 +17,13 @@ import numpy as np
 from configurator import InputNotFound, UsageError
 
 
+def check_ids(tokens, vocab_size, where):
+    """Ids the model has no embedding for would turn into NaN (jnp.take fills), far from their cause."""
+    if vocab_size is not None and tokens.size and tokens.max() >= vocab_size:
+        raise UsageError(f"{where} holds token id {tokens.max()}, outside the model's vocabulary (vocab_size "
+                         f"{vocab_size}): set --vocab_size, or prepare the data with the model's tokenizer")
+
+
 def prepare_hint(data_dir):
     name = os.path.basename(os.path.normpath(data_dir))
     if "fineweb" in name:
@@ -27,7 +34,12 @@ def prepare_hint(data_dir):
 class BinLoader:
     """nanoGPT's random windows; the windows of step `it` come from a generator seeded with (seed, it)."""
 
+    vocab_size = None  # set by the trainer: ids at or above it are an error (check_ids)
+
     def __init__(self, path, block_size, rows, seed, row_slice=None):
+        if os.path.getsize(path) == 0:
+            raise UsageError(f"{path} is empty: rerun `{prepare_hint(os.path.dirname(path))}`")
+        self.path = path
         self.data = np.memmap(path, dtype=np.uint16, mode="r")
         if len(self.data) <= block_size + 1:
             raise UsageError(f"{path} holds {len(self.data)} tokens: too few for block_size {block_size}")
@@ -38,6 +50,7 @@ class BinLoader:
     def _windows(self, starts):
         offsets = np.arange(self.block_size + 1)
         tokens = self.data[starts[..., None] + offsets].astype(np.int32)  # (..., T+1)
+        check_ids(tokens, self.vocab_size, self.path)
         return tokens[..., :-1], tokens[..., 1:]
 
     def batch(self, key, accum):
@@ -68,6 +81,8 @@ class ShardLoader:
     """build-nanogpt's DataLoaderLite: consecutive windows over the shards in sorted order, wrapping around.
     Position = (shard, offset) of the global batch; process p reads the rows its devices hold.
     With shuffle_shards, each epoch visits the shards in an order seeded by (seed, epoch)."""
+
+    vocab_size = None  # set by the trainer: ids at or above it are an error (check_ids)
 
     def __init__(self, paths, block_size, rows, seed, row_slice=None, shuffle_shards=False):
         self.paths = sorted(paths)
@@ -106,6 +121,7 @@ class ShardLoader:
         last, _ = self._read(after, 1)  # the last target is the next batch's first input
         self.position = after
         buf = np.concatenate([tokens, last])
+        check_ids(buf, self.vocab_size, os.path.dirname(self.paths[0]))
         x = buf[:-1].reshape(accum, self.rows, self.block_size)[:, self.row_slice]
         y = buf[1:].reshape(accum, self.rows, self.block_size)[:, self.row_slice]
         return x, y
