@@ -146,6 +146,8 @@ def load_progress(out_dir, source, shard_size):
         return [], False
     with open(path) as f:
         state = json.load(f)
+    if not state["shards"]:  # a first try that wrote no shard (bad input): nothing to resume, any input may start
+        return [], False
     if state["source"] != source or state["shard_size"] != shard_size:
         raise UsageError(f"{out_dir} holds shards of another input or shard size "
                          f"({state['source']}, shard_size {state['shard_size']}); "
