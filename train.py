@@ -349,7 +349,11 @@ class Trainer:
         path = self.c["hellaswag_path"]
         if not path:
             try:
+                if not self.master:  # process 0 downloads; the others then find it (a shared disk) or fetch their own
+                    multihost_utils.sync_global_devices("hellaswag download")
                 path = hellaswag.download("val")
+                if self.master and jax.process_count() > 1:
+                    multihost_utils.sync_global_devices("hellaswag download")
             except OSError:
                 raise InputNotFound("could not download HellaSwag (offline?): set --hellaswag_path=FILE.jsonl "
                                     "or --hellaswag_interval=0") from None
