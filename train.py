@@ -521,9 +521,8 @@ class Trainer:
             if stop:
                 self.save(mngr)
                 checkpoint.wait_saved(mngr)
-                if self.master:
-                    print(f"{stop}: checkpoint saved at iter {self.iter_num}; "
-                          f"resume with --init_from=resume --out_dir={c['out_dir']}")
+                print(f"{stop}: checkpoint saved at iter {self.iter_num}; "  # every process: each host's own log
+                      f"resume with --init_from=resume --out_dir={c['out_dir']}")
                 break
         checkpoint.wait_saved(mngr)
         mngr.close()
