@@ -16,7 +16,8 @@ import time
 
 import numpy as np
 
-from parity.common import HF_SIZES, exit_on_bad_input, print_table, random_hf_model, verdict
+from configurator import UsageError, exit_on_bad_input
+from parity.common import HF_SIZES, print_table, random_hf_model, verdict
 
 LOSS_RTOL = 1e-5
 
@@ -67,7 +68,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+        raise UsageError(f"--limit must be >= 1, got {args.limit}")
 
     import jax
     import torch

@@ -19,7 +19,8 @@ import time
 
 import numpy as np
 
-from parity.common import HF_SIZES, exit_on_bad_input, print_table, random_hf_model
+from configurator import UsageError, exit_on_bad_input
+from parity.common import HF_SIZES, print_table, random_hf_model
 
 PROMPT = "Hello, I'm a language model,"  # 8 GPT-2 tokens
 
@@ -83,9 +84,9 @@ def main(argv=None):
     p.add_argument("--nocache-steps", type=int, default=1, help="steps timed on the no-cache path")
     args = p.parse_args(argv)
     if args.new_tokens < 1 or min(args.batch) < 1 or args.nocache_steps < 1:
-        raise ValueError("--new-tokens, --batch and --nocache-steps must be >= 1")
+        raise UsageError("--new-tokens, --batch and --nocache-steps must be >= 1")
     if args.nocache_steps > args.new_tokens:
-        raise ValueError(f"--nocache-steps ({args.nocache_steps}) cannot exceed --new-tokens ({args.new_tokens})")
+        raise UsageError(f"--nocache-steps ({args.nocache_steps}) cannot exceed --new-tokens ({args.new_tokens})")
 
     import jax
     import torch
@@ -107,7 +108,7 @@ def main(argv=None):
     prompt = get_encoding().encode(PROMPT)
     T, N = len(prompt), args.new_tokens
     if T + N > model.config.block_size:
-        raise ValueError(f"prompt + new tokens = {T + N} > block_size {model.config.block_size}: HF would stop")
+        raise UsageError(f"prompt + new tokens = {T + N} > block_size {model.config.block_size}: HF would stop")
     print(f"{args.size}-shaped, random weights, {model.num_params() / 1e6:.1f}M params; float32; greedy; "
           f"{T}-token prompt + {N} new tokens; jax {jax.__version__} on {jax.devices()[0].device_kind} "
           f"({os.cpu_count()} cores); torch {torch.__version__}, transformers {transformers.__version__}")

@@ -24,7 +24,8 @@ import time
 import tiktoken
 
 import fineweb
-from parity.common import exit_on_bad_input, print_table
+from configurator import UsageError, exit_on_bad_input
+from parity.common import print_table
 from tokenizer import get_encoding
 
 
@@ -32,7 +33,7 @@ def make_docs(path, mb, doc_chars):
     with open(path, encoding="utf-8") as f:
         paragraphs = [p for p in f.read().split("\n\n") if p.strip()]
     if not paragraphs:
-        raise ValueError(f"{path} has no text")
+        raise UsageError(f"{path} has no text")
     docs, cur, size, i = [], [], 0, 0
     while size < mb * 2**20:
         cur.append(paragraphs[i % len(paragraphs)])
@@ -54,7 +55,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     if args.mb <= 0 or args.doc_chars < 1 or args.repeats < 1 or min(args.procs) < 1:
-        raise ValueError("--mb, --doc_chars, --repeats and --procs must be positive")
+        raise UsageError("--mb, --doc_chars, --repeats and --procs must be positive")
 
     docs = make_docs(args.input, args.mb, args.doc_chars)
     enc = get_encoding()

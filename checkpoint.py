@@ -7,7 +7,9 @@ seed. Orbax writes each step to a temporary directory and renames it when comple
 leaves the previous checkpoint loadable.
 """
 
+import fcntl
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -19,12 +21,15 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 import sharding as sharding_  # `sharding` is restore's argument
+from configurator import InputNotFound, RunStopped, UsageError
 from model import GPT, GPTConfig
 
 CKPT_SUBDIR = "ckpt"
+LOCK_FILE = "run.lock"
+META_KEYS = ("iter_num", "best_val_loss", "model_args", "config", "loader")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     pass
 
 
@@ -38,11 +43,39 @@ def manager(out_dir, max_to_keep=3):
 
 
 def save(mngr, iter_num, params, opt_state, meta):
-    """Write one checkpoint (async: the host goes on; `mngr.wait_until_finished()` before exit)."""
-    mngr.save(iter_num, force=True, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params),
-        opt_state=ocp.args.StandardSave(opt_state),
-        meta=ocp.args.JsonSave(meta)))
+    """Write one checkpoint (async: the host goes on; `wait_saved(mngr)` before exit). A failure, now or in the
+    background, stops the run with one line (see check_saved)."""
+    with _save_errors(mngr):
+        mngr.save(iter_num, force=True, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            opt_state=ocp.args.StandardSave(opt_state),
+            meta=ocp.args.JsonSave(meta)))
+
+
+def check_saved(mngr):
+    """Once the save in flight is done: its failure as one line (RunStopped). Waits for nothing."""
+    if not mngr.is_saving_in_progress():
+        wait_saved(mngr)
+
+
+def wait_saved(mngr):
+    with _save_errors(mngr):
+        mngr.wait_until_finished()
+
+
+@contextmanager
+def _save_errors(mngr):
+    try:
+        yield
+    except Exception as e:  # whatever the writer raised: ENOSPC, EDQUOT, a storage error
+        intact = max(mngr.all_steps(), default=None)
+        raise RunStopped(f"saving a checkpoint to {mngr.directory} failed ({_first_line(e)}); the run stopped. "
+                         + (f"Checkpoint {intact} is intact: free space and resume from it" if intact is not None
+                            else "No checkpoint was written")) from e
+
+
+def _first_line(e):
+    return (str(e).splitlines() or [type(e).__name__])[0].split(" See full")[0][:200]
 
 
 def _reader(path):
@@ -56,7 +89,7 @@ def latest_step(out_dir):
         with closing(_reader(path)) as mngr:
             steps = mngr.all_steps()
     if not steps:
-        raise FileNotFoundError(f"no checkpoint in {path}: train first (python train.py ...) or check --out_dir")
+        raise InputNotFound(f"no checkpoint in {path}: train first (python train.py ...) or check --out_dir")
     return max(steps)
 
 
@@ -83,14 +116,20 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
                     restored = mngr.restore(step, args=ocp.args.Composite(**items))
                 error = None
             except Exception as e:  # orbax raises many kinds; the user needs one line
-                error = (str(e).splitlines() or [type(e).__name__])[0].split(" See full")[0][:200]
+                error = f"{type(e).__name__}: {_first_line(e)}"
                 time.sleep(0.5)  # the reads still in flight finish, into the log
+        if error is None and not set(META_KEYS) <= restored["meta"].keys():
+            error = f"its meta lacks {', '.join(k for k in META_KEYS if k not in restored['meta'])}"
         if error is None:
             log.seek(0)
             sys.stderr.write(log.read().decode(errors="replace"))
             return {k: restored[k] for k in items}
-    raise CheckpointError(f"checkpoint {os.path.join(ckpt_dir(out_dir), str(step))} is corrupt or incomplete "
-                          f"({error}); delete it to resume from an earlier one")
+    with closing(_reader(ckpt_dir(out_dir))) as mngr:
+        earlier = [s for s in mngr.all_steps() if s < step]
+    fallback = (f"move it away to resume from step {max(earlier)}" if earlier
+                else "no earlier checkpoint to fall back on")
+    raise CheckpointError(f"checkpoint {os.path.join(ckpt_dir(out_dir), str(step))} did not restore ({error}); "
+                          f"{fallback}")
 
 
 @contextmanager
@@ -104,6 +143,46 @@ def _stderr_into(file):
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def lock_out_dir(out_dir):
+    """This run's exclusive lock on out_dir, or one line naming the run that holds it. flock: the OS releases it
+    when the process ends, however it ends, so a crashed run's lock file is stale and the next run takes it.
+    Returns the open lock file: closing it releases the lock."""
+    f = open(os.path.join(out_dir, LOCK_FILE), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise UsageError(f"{out_dir} is in use by another run ({holder}): wait for it to end, "
+                         "or give this one another --out_dir") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f
+
+
+def append_line(path, line):
+    """One write() of the whole line, so that a crash leaves at most a partial last line, never two mixed."""
+    data = (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        if os.write(fd, data) != len(data):
+            raise OSError(f"{path}: short write (disk full?)")
+    finally:
+        os.close(fd)
+
+
+def drop_partial_line(path):
+    """Cut a last line without its newline (a crash mid-write), which would otherwise sit mid-file once appended to."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 def model_config_from_meta(meta, dtype=None, dropout=None):
@@ -120,7 +199,7 @@ def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0):
     (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or an HF directory. Returns (model, training config dict from
     the checkpoint, or None for HF weights)."""
     if init_from == "scratch":
-        raise ValueError("init_from='scratch' has no weights to load: use resume, a gpt2* name or an HF directory")
+        raise UsageError("init_from='scratch' has no weights to load: use resume, a gpt2* name or an HF directory")
     if init_from != "resume":
         return GPT.from_pretrained(init_from, dropout=dropout, dtype=dtype), None
     meta = restore(out_dir)["meta"]

@@ -6,15 +6,46 @@ nanoGPT's configuration contract, without exec-ing into a script's globals:
 A config file is python of plain assignments to known keys; then each `--key=value` is parsed with
 `literal_eval` (a bare word is a string) and must have the default's type. `configure` returns the new
 settings and touches nothing else, so a bad setting fails before any side effect.
+
+Errors: every script checks its input by raising `UsageError`, and runs its main() through `exit_on_bad_input`,
+which turns that (and only that) into one line and exit 2; any other exception keeps its traceback (exit 1).
 """
 
+import atexit
 import difflib
 import os
+import sys
 from ast import literal_eval
 
 
-class ConfigError(ValueError):
+class UsageError(ValueError):
+    """Bad input (a setting, a file, a checkpoint): the fix is the user's, and one line says it. A ValueError,
+    so that library callers that catch ValueError keep working."""
+
+
+class InputNotFound(UsageError, FileNotFoundError):
+    """A file or directory the input names is missing (still a FileNotFoundError for library callers)."""
+
+
+class ConfigError(UsageError):
     pass
+
+
+class RunStopped(RuntimeError):
+    """A run that stopped on purpose, for a reason one line states (it diverged, a save failed): exit 1."""
+
+
+def exit_on_bad_input(main):
+    """Run a CLI's main(): a UsageError becomes one line on stderr and exit 2, a RunStopped one line and exit 1;
+    anything else is a real error and keeps its traceback."""
+    try:
+        sys.exit(main())
+    except (UsageError, RunStopped) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        # that line is the whole report: a failed orbax restore or save leaves threads and coroutines whose
+        # errors would reach stderr as the process ends; stderr goes quiet then
+        atexit.register(os.dup2, os.open(os.devnull, os.O_WRONLY), 2)
+        sys.exit(2 if isinstance(e, UsageError) else 1)
 
 
 def _checked(key, value, defaults, source):
@@ -42,8 +73,15 @@ def configure(defaults: dict, argv: list[str]) -> dict:
                 raise ConfigError(f"config file not found: {arg}")
             namespace = {}
             with open(arg) as f:
-                code = compile(f.read(), arg, "exec")
-            exec(code, namespace)
+                source = f.read()
+            try:
+                code = compile(source, arg, "exec")
+            except SyntaxError as e:
+                raise ConfigError(f"{arg}:{e.lineno}: {e.msg} (a config file is python assignments)") from None
+            try:
+                exec(code, namespace)
+            except Exception as e:  # the file's own error: NameError, ZeroDivisionError, ...
+                raise ConfigError(f"{arg}: {type(e).__name__}: {e}") from None
             for key, value in namespace.items():
                 # private helpers (_x), imports and functions are not settings
                 if key.startswith("_") or callable(value) or type(value).__name__ == "module":

@@ -14,6 +14,15 @@ import os
 
 import numpy as np
 
+from configurator import InputNotFound, UsageError
+
+
+def check_ids(tokens, vocab_size, where):
+    """Ids the model has no embedding for would turn into NaN (jnp.take fills), far from their cause."""
+    if vocab_size is not None and tokens.size and tokens.max() >= vocab_size:
+        raise UsageError(f"{where} holds token id {tokens.max()}, outside the model's vocabulary (vocab_size "
+                         f"{vocab_size}): set --vocab_size, or prepare the data with the model's tokenizer")
+
 
 def prepare_hint(data_dir):
     name = os.path.basename(os.path.normpath(data_dir))
@@ -25,10 +34,15 @@ def prepare_hint(data_dir):
 class BinLoader:
     """nanoGPT's random windows; the windows of step `it` come from a generator seeded with (seed, it)."""
 
+    vocab_size = None  # set by the trainer: ids at or above it are an error (check_ids)
+
     def __init__(self, path, block_size, rows, seed, row_slice=None):
+        if os.path.getsize(path) == 0:
+            raise UsageError(f"{path} is empty: rerun `{prepare_hint(os.path.dirname(path))}`")
+        self.path = path
         self.data = np.memmap(path, dtype=np.uint16, mode="r")
         if len(self.data) <= block_size + 1:
-            raise ValueError(f"{path} holds {len(self.data)} tokens: too few for block_size {block_size}")
+            raise UsageError(f"{path} holds {len(self.data)} tokens: too few for block_size {block_size}")
         self.block_size, self.rows, self.seed = block_size, rows, seed
         self.row_slice = row_slice or slice(0, rows)
         self.step = 0
@@ -36,6 +50,7 @@ class BinLoader:
     def _windows(self, starts):
         offsets = np.arange(self.block_size + 1)
         tokens = self.data[starts[..., None] + offsets].astype(np.int32)  # (..., T+1)
+        check_ids(tokens, self.vocab_size, self.path)
         return tokens[..., :-1], tokens[..., 1:]
 
     def batch(self, key, accum):
@@ -66,6 +81,8 @@ class ShardLoader:
     """build-nanogpt's DataLoaderLite: consecutive windows over the shards in sorted order, wrapping around.
     Position = (shard, offset) of the global batch; process p reads the rows its devices hold.
     With shuffle_shards, each epoch visits the shards in an order seeded by (seed, epoch)."""
+
+    vocab_size = None  # set by the trainer: ids at or above it are an error (check_ids)
 
     def __init__(self, paths, block_size, rows, seed, row_slice=None, shuffle_shards=False):
         self.paths = sorted(paths)
@@ -104,6 +121,7 @@ class ShardLoader:
         last, _ = self._read(after, 1)  # the last target is the next batch's first input
         self.position = after
         buf = np.concatenate([tokens, last])
+        check_ids(buf, self.vocab_size, os.path.dirname(self.paths[0]))
         x = buf[:-1].reshape(accum, self.rows, self.block_size)[:, self.row_slice]
         y = buf[1:].reshape(accum, self.rows, self.block_size)[:, self.row_slice]
         return x, y
@@ -134,4 +152,4 @@ def make_loader(data_dir, split, block_size, rows, seed, row_slice=None, shuffle
     shards = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.npy")))
     if shards:
         return ShardLoader(shards, block_size, rows, seed, row_slice, shuffle_shards and split == "train")
-    raise FileNotFoundError(f"no {split}.bin or *{split}*.npy shards in {data_dir}: run `{prepare_hint(data_dir)}` first")
+    raise InputNotFound(f"no {split}.bin or *{split}*.npy shards in {data_dir}: run `{prepare_hint(data_dir)}` first")

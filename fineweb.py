@@ -26,7 +26,7 @@ import os
 import numpy as np
 from tqdm import tqdm
 
-from parity.common import exit_on_bad_input
+from configurator import InputNotFound, UsageError, exit_on_bad_input
 from tokenizer import EOT, get_encoding
 
 PROGRESS = "progress.json"
@@ -43,10 +43,10 @@ def shard_name(index):
 def local_files(pattern):
     files = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
     if not files:
-        raise FileNotFoundError(f"--local {pattern!r} matches no files")
+        raise InputNotFound(f"--local {pattern!r} matches no files")
     for f in files:
         if not f.endswith((".jsonl", ".parquet", ".txt")):
-            raise ValueError(f"--local: {f} is not .jsonl, .parquet or .txt")
+            raise UsageError(f"--local: {f} is not .jsonl, .parquet or .txt")
     return [os.path.abspath(f) for f in files]
 
 
@@ -64,16 +64,16 @@ def iter_local(files):
                     try:
                         text = json.loads(line).get("text")
                     except (json.JSONDecodeError, AttributeError):
-                        raise ValueError(f"{path}:{lineno}: not a JSON object") from None
+                        raise UsageError(f"{path}:{lineno}: not a JSON object") from None
                     if not isinstance(text, str):
-                        raise ValueError(f"{path}:{lineno}: no string field 'text'")
+                        raise UsageError(f"{path}:{lineno}: no string field 'text'")
                     yield text
         else:
             import pyarrow.parquet as pq  # comes with datasets
 
             pf = pq.ParquetFile(path)
             if "text" not in pf.schema_arrow.names:
-                raise ValueError(f"{path}: no 'text' column (columns: {', '.join(pf.schema_arrow.names)})")
+                raise UsageError(f"{path}: no 'text' column (columns: {', '.join(pf.schema_arrow.names)})")
             for batch in pf.iter_batches(columns=["text"], batch_size=1024):
                 yield from batch.column(0).to_pylist()
 
@@ -94,7 +94,7 @@ def iter_hf(dataset, name, streaming, skip):
 def to_uint16(tokens):
     arr = np.asarray(tokens, dtype=np.int64)
     if arr.size and (arr.min() < 0 or arr.max() >= 2**16):
-        raise ValueError(f"token id {arr.max() if arr.max() >= 2**16 else arr.min()} does not fit uint16")
+        raise UsageError(f"token id {arr.max() if arr.max() >= 2**16 else arr.min()} does not fit uint16")
     return arr.astype(np.uint16)
 
 
@@ -141,13 +141,15 @@ def load_progress(out_dir, source, shard_size):
     path = os.path.join(out_dir, PROGRESS)
     if not os.path.exists(path):
         if glob.glob(os.path.join(out_dir, "edufineweb_*.npy")):
-            raise ValueError(f"{out_dir} has shards but no {PROGRESS}, so they cannot be resumed; "
+            raise UsageError(f"{out_dir} has shards but no {PROGRESS}, so they cannot be resumed; "
                              "use an empty --out_dir or delete them")
         return [], False
     with open(path) as f:
         state = json.load(f)
+    if not state["shards"]:  # a first try that wrote no shard (bad input): nothing to resume, any input may start
+        return [], False
     if state["source"] != source or state["shard_size"] != shard_size:
-        raise ValueError(f"{out_dir} holds shards of another input or shard size "
+        raise UsageError(f"{out_dir} holds shards of another input or shard size "
                          f"({state['source']}, shard_size {state['shard_size']}); "
                          "rerun with the same options or use another --out_dir")
     shards = list(itertools.takewhile(lambda s: shard_ok(os.path.join(out_dir, s["file"]), s["tokens"]),
@@ -184,7 +186,7 @@ def write_shards(texts, out_dir, source, shard_size, shards, pool=None, max_shar
         for tokens in tokenize_stream(texts, pool):
             pos, skip = skip, 0  # the document the last shard ended in: its first `skip` tokens are written
             if pos > len(tokens):
-                raise ValueError(f"document {doc} is shorter than {PROGRESS} says: has the input changed?")
+                raise UsageError(f"document {doc} is shorter than {PROGRESS} says: has the input changed?")
             while pos < len(tokens):
                 n = min(shard_size - fill, len(tokens) - pos)
                 buf[fill:fill + n] = tokens[pos:pos + n]
@@ -202,7 +204,7 @@ def write_shards(texts, out_dir, source, shard_size, shards, pool=None, max_shar
     if fill:
         flush([doc, 0])
     if not shards:
-        raise ValueError("the input has no documents")
+        raise UsageError("the input has no documents")
     save_progress(out_dir, source, shard_size, shards, done=True)
     return True
 
@@ -222,7 +224,7 @@ def main(argv=None):
                    help="stop once this many shards exist (a rerun without it continues)")
     args = p.parse_args(argv)
     if args.shard_size < 1 or args.num_proc < 1 or (args.max_shards is not None and args.max_shards < 1):
-        raise ValueError("--shard_size, --num_proc and --max_shards must be positive")
+        raise UsageError("--shard_size, --num_proc and --max_shards must be positive")
 
     if args.local:
         files = local_files(args.local)

@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from configurator import InputNotFound, UsageError, exit_on_bad_input
+
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
 CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
 GPT2_VOCAB = 50257  # the tokens of GPT-2's BPE; a model must have at least these
@@ -62,7 +64,8 @@ def download(split="val", cache_dir=CACHE_DIR):
         if os.path.exists(tmp):
             os.remove(tmp)
         reason = getattr(e, "reason", e)
-        raise OSError(f"could not download {url} ({reason}); offline? pass a local copy with --path FILE.jsonl") from e
+        raise InputNotFound(f"could not download {url} ({reason}); "
+                            "offline? pass a local copy with --path FILE.jsonl") from e
     os.replace(tmp, path)
     return path
 
@@ -71,7 +74,7 @@ def read_examples(path, limit=None):
     """The examples of a HellaSwag jsonl as dicts, each checked (4 string endings, integer label 0..3, given
     as int or str) and given its 1-based '_line'. Errors name the file and line."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no such HellaSwag file: {path}")
+        raise InputNotFound(f"no such HellaSwag file: {path}")
     examples = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -83,31 +86,31 @@ def read_examples(path, limit=None):
             try:
                 ex = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise UsageError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             examples.append(check_example(ex, where) | {"_line": lineno})
     if not examples:
-        raise ValueError(f"{path}: no examples")
+        raise UsageError(f"{path}: no examples")
     return examples
 
 
 def check_example(ex, where="example"):
     """A copy of `ex` with its label as an int; ValueError (naming `where`) for anything not HellaSwag."""
     if not isinstance(ex, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(ex).__name__}")
+        raise UsageError(f"{where}: expected a JSON object, got {type(ex).__name__}")
     if not isinstance(ex.get("ctx"), str):
-        raise ValueError(f"{where}: 'ctx' must be a string")
+        raise UsageError(f"{where}: 'ctx' must be a string")
     endings = ex.get("endings")
     if not isinstance(endings, list) or not all(isinstance(e, str) for e in endings):
-        raise ValueError(f"{where}: 'endings' must be a list of 4 strings")
+        raise UsageError(f"{where}: 'endings' must be a list of 4 strings")
     if len(endings) != 4:
-        raise ValueError(f"{where}: expected 4 endings, got {len(endings)}")
+        raise UsageError(f"{where}: expected 4 endings, got {len(endings)}")
     label = ex.get("label")
     if label is None or label == "":
-        raise ValueError(f"{where}: no label (HellaSwag's test split is unlabeled)")
+        raise UsageError(f"{where}: no label (HellaSwag's test split is unlabeled)")
     if isinstance(label, str) and label.strip().isdigit():
         label = int(label)
     if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < 4:
-        raise ValueError(f"{where}: label must be 0, 1, 2 or 3 (int or str), got {ex['label']!r}")
+        raise UsageError(f"{where}: label must be 0, 1, 2 or 3 (int or str), got {ex['label']!r}")
     return {**ex, "label": label}
 
 
@@ -133,12 +136,12 @@ def render_example(ex, max_len=None, where="example"):
     ctx = enc.encode_ordinary(ex["ctx"])  # no special tokens in HellaSwag; build-nanogpt's encode() gives the same
     endings = [enc.encode_ordinary(" " + e) for e in ex["endings"]]
     if not ctx:
-        raise ValueError(f"{where}: empty context: the first ending token would have nothing to be predicted from")
+        raise UsageError(f"{where}: empty context: the first ending token would have nothing to be predicted from")
     longest = max(len(e) for e in endings)
     truncated = 0
     if max_len is not None and len(ctx) + longest > max_len:
         if longest >= max_len:
-            raise ValueError(f"{where}: an ending of {longest} tokens leaves no room for context in the "
+            raise UsageError(f"{where}: an ending of {longest} tokens leaves no room for context in the "
                              f"model's {max_len}-token window")
         truncated = len(ctx) + longest - max_len
         ctx = ctx[truncated:]
@@ -314,16 +317,16 @@ def evaluate(model, examples, mesh=None, batch_size=8, progress=False):
     from tqdm import tqdm
 
     if not examples:
-        raise ValueError("no examples to score")
+        raise UsageError("no examples to score")
     c = model.config
     if c.vocab_size < GPT2_VOCAB:
-        raise ValueError(f"the model's vocab_size {c.vocab_size} does not cover GPT-2's {GPT2_VOCAB} BPE tokens")
+        raise UsageError(f"the model's vocab_size {c.vocab_size} does not cover GPT-2's {GPT2_VOCAB} BPE tokens")
     longest = max(len(r.ctx) + max(len(e) for e in r.endings) for r in examples)
     if longest > c.block_size:
-        raise ValueError(f"an example of {longest} tokens exceeds block_size {c.block_size}: "
+        raise UsageError(f"an example of {longest} tokens exceeds block_size {c.block_size}: "
                          "render with max_len=block_size")
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise UsageError(f"batch_size must be >= 1, got {batch_size}")
     mesh = make_mesh(mesh)
     graphdef, state = nnx.split(model)
     model = nnx.merge(graphdef, jax.device_put(state, NamedSharding(mesh, P())))  # replicated; no-op if already
@@ -363,10 +366,10 @@ def evaluate_torch(hf_model, examples, progress=False):
     from tqdm import tqdm
 
     if not examples:
-        raise ValueError("no examples to score")
+        raise UsageError("no examples to score")
     c = hf_model.config
     if c.vocab_size < GPT2_VOCAB:
-        raise ValueError(f"the model's vocab_size {c.vocab_size} does not cover GPT-2's {GPT2_VOCAB} BPE tokens")
+        raise UsageError(f"the model's vocab_size {c.vocab_size} does not cover GPT-2's {GPT2_VOCAB} BPE tokens")
     results = []
     for r in tqdm(examples, unit="ex", desc="hellaswag (torch)", disable=not progress):
         tokens, mask = (torch.from_numpy(a) for a in render_rows(r))  # (4, L) each
@@ -417,11 +420,11 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="write per-example losses and predictions to this jsonl")
     args = p.parse_args(argv)
     if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+        raise UsageError(f"--limit must be >= 1, got {args.limit}")
     if args.batch_size < 1:
-        raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
+        raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
     if args.backend == "torch" and args.dtype != "float32":
-        raise ValueError("--dtype is for the jax backend; the torch reference runs in float32")
+        raise UsageError("--dtype is for the jax backend; the torch reference runs in float32")
 
     path = args.path or download(args.split, args.cache_dir)
     raw = read_examples(path, args.limit)  # bad data fails here, before a model is loaded
@@ -467,6 +470,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from parity.common import exit_on_bad_input
-
     exit_on_bad_input(main)

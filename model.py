@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import sharding
 
+from configurator import InputNotFound, UsageError
+
 
 @dataclass
 class GPTConfig:
@@ -542,12 +544,12 @@ def load_state_dict(model: GPT, state, mesh=None):
     expected = {hf for hf, _ in rows}
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
-        raise ValueError(f"GPT-2 weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise UsageError(f"GPT-2 weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for hf, ours in rows:
         var = _variable(model, ours)
         value = np.asarray(state[hf], dtype=np.float32)
         if value.shape != tuple(var.shape):
-            raise ValueError(f"shape mismatch for {hf}: checkpoint {value.shape}, model {tuple(var.shape)}")
+            raise UsageError(f"shape mismatch for {hf}: checkpoint {value.shape}, model {tuple(var.shape)}")
         if mesh is None:
             var.set_value(jnp.asarray(value))
         else:
@@ -567,7 +569,7 @@ def config_from_hf(hf_config, dropout=0.0, dtype="float32"):
     }
     bad = {k: got for k, (want, got) in unsupported.items() if got != want}
     if bad:
-        raise ValueError(f"not a GPT-2 architecture this model computes: {bad}")
+        raise UsageError(f"not a GPT-2 architecture this model computes: {bad}")
     return GPTConfig(block_size=hf_config.n_positions, vocab_size=hf_config.vocab_size, n_layer=hf_config.n_layer,
                      n_head=hf_config.n_head, n_embd=hf_config.n_embd, dropout=dropout, bias=True, dtype=dtype)
 
@@ -576,7 +578,7 @@ def hf_config_from(config: GPTConfig):
     from transformers import GPT2Config
 
     if not config.bias:
-        raise ValueError("HF GPT-2 always has biases: a bias=False model cannot be exported")
+        raise UsageError("HF GPT-2 always has biases: a bias=False model cannot be exported")
     return GPT2Config(n_positions=config.block_size, vocab_size=config.vocab_size, n_layer=config.n_layer,
                       n_head=config.n_head, n_embd=config.n_embd, activation_function="gelu_new",
                       layer_norm_epsilon=1e-5, resid_pdrop=config.dropout, embd_pdrop=config.dropout,
@@ -595,21 +597,21 @@ def load_hf_model(name_or_path):
         has_weights = any(os.path.exists(os.path.join(name_or_path, f))
                           for f in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
         if not os.path.exists(os.path.join(name_or_path, "config.json")) or not has_weights:
-            raise FileNotFoundError(f"{name_or_path} is not an HF GPT-2 directory: it needs config.json and "
-                                    "model.safetensors (as written by save_pretrained)")
+            raise InputNotFound(f"{name_or_path} is not an HF GPT-2 directory: it needs config.json and "
+                                "model.safetensors (as written by save_pretrained)")
         with open(os.path.join(name_or_path, "config.json")) as f:
             model_type = json.load(f).get("model_type")
         if model_type != "gpt2":
-            raise ValueError(f"{name_or_path} holds a {model_type!r} model, not gpt2")
+            raise UsageError(f"{name_or_path} holds a {model_type!r} model, not gpt2")
     elif name_or_path not in HF_NAMES:
-        raise ValueError(f"unknown model {name_or_path!r}: use one of {', '.join(HF_NAMES)} or a local HF directory")
+        raise UsageError(f"unknown model {name_or_path!r}: use one of {', '.join(HF_NAMES)} or a local HF directory")
     try:
         model = GPT2LMHeadModel.from_pretrained(name_or_path, dtype="float32", attn_implementation="eager")
     except OSError as e:
         if os.path.isdir(name_or_path):
             raise
-        raise OSError(f"could not load {name_or_path!r} from the HF hub or the local HF cache (offline?); "
-                      "pass a local directory written by save_pretrained instead") from e
+        raise InputNotFound(f"could not load {name_or_path!r} from the HF hub or the local HF cache (offline?); "
+                            "pass a local directory written by save_pretrained instead") from e
     return model.eval()
 
 
@@ -620,5 +622,5 @@ def load_hf_state_dict(name_or_path):
              if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     lm_head = state.pop(HF_TIED_KEY, None)
     if lm_head is not None and not np.array_equal(lm_head, state["transformer.wte.weight"]):
-        raise ValueError(f"{name_or_path}: lm_head.weight differs from wte.weight; GPT-2 ties them")
+        raise UsageError(f"{name_or_path}: lm_head.weight differs from wte.weight; GPT-2 ties them")
     return hf_model.config, state

@@ -17,7 +17,8 @@ import argparse
 import json
 import os
 
-from parity.common import exit_on_bad_input
+from configurator import InputNotFound, UsageError, exit_on_bad_input
+
 
 # Reference lines, OpenAI's GPT-2 (124M) checkpoint evaluated on the same data as the run:
 BASELINES = {
@@ -32,7 +33,7 @@ BASELINES = {
 def read_log(path):
     """Series {key: {iter: value}} for loss, train_loss, val_loss, hellaswag_acc_norm; plus the dataset if given."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no training log at {path} (train.py writes out_dir/log.jsonl)")
+        raise InputNotFound(f"no training log at {path} (train.py writes out_dir/log.jsonl)")
     series = {k: {} for k in ("loss", "train_loss", "val_loss", "hellaswag_acc_norm")}
     dataset = None
     with open(path) as f:
@@ -45,9 +46,9 @@ def read_log(path):
         except json.JSONDecodeError:
             if lineno == len(lines):  # the line train.py is writing right now
                 continue
-            raise ValueError(f"{path}:{lineno}: not JSON") from None
+            raise UsageError(f"{path}:{lineno}: not JSON") from None
         if not isinstance(rec, dict):
-            raise ValueError(f"{path}:{lineno}: not a JSON object")
+            raise UsageError(f"{path}:{lineno}: not a JSON object")
         config = rec.get("config") if isinstance(rec.get("config"), dict) else {}
         dataset = rec.get("dataset", config.get("dataset", dataset))
         if "iter" not in rec:
@@ -56,7 +57,7 @@ def read_log(path):
             if rec.get(key) is not None:
                 points[int(rec["iter"])] = float(rec[key])
     if not (series["loss"] or series["val_loss"] or series["train_loss"]):
-        raise ValueError(f"{path} has no training or eval lines (iter with loss, train_loss or val_loss)")
+        raise UsageError(f"{path} has no training or eval lines (iter with loss, train_loss or val_loss)")
     return {k: dict(sorted(v.items())) for k, v in series.items()}, dataset
 
 

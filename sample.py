@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from checkpoint import load_model
-from configurator import configure
+from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
 from tokenizer import get_encoding
 
 defaults = dict(
@@ -44,17 +44,17 @@ def check_settings(cfg):
     """Every bad setting fails here, with one line, before a model is loaded."""
     for key in ("num_samples", "max_new_tokens"):
         if not cfg[key] >= 1:
-            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
+            raise UsageError(f"{key} must be >= 1, got {cfg[key]}")
     if not cfg["temperature"] >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {cfg['temperature']}")
+        raise UsageError(f"temperature must be >= 0 (0 is greedy), got {cfg['temperature']}")
     if cfg["top_k"] is not None and not (isinstance(cfg["top_k"], int) and cfg["top_k"] >= 1):
-        raise ValueError(f"top_k must be an integer >= 1 (or None for no top-k), got {cfg['top_k']}")
+        raise UsageError(f"top_k must be an integer >= 1 (or None for no top-k), got {cfg['top_k']}")
     if not 0 < cfg["top_p"] <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (1.0 keeps every token), got {cfg['top_p']}")
+        raise UsageError(f"top_p must be in (0, 1] (1.0 keeps every token), got {cfg['top_p']}")
     if cfg["dtype"] not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {cfg['dtype']!r}")
+        raise UsageError(f"dtype must be 'float32' or 'bfloat16', got {cfg['dtype']!r}")
     if cfg["stream"] and cfg["num_samples"] != 1:
-        raise ValueError(f"--stream prints one sample as it comes: set --num_samples=1 (got {cfg['num_samples']})")
+        raise UsageError(f"--stream prints one sample as it comes: set --num_samples=1 (got {cfg['num_samples']})")
 
 
 def read_start(start):
@@ -62,7 +62,7 @@ def read_start(start):
     if start.startswith("FILE:"):
         path = start[len("FILE:"):]
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"start file not found: {path}")
+            raise InputNotFound(f"start file not found: {path}")
         with open(path, encoding="utf-8") as f:
             start = f.read()
     return start or "\n"
@@ -80,7 +80,7 @@ class CharCodec:
     def encode(self, s):
         unknown = sorted(set(s) - self.stoi.keys())
         if unknown:
-            raise ValueError(f"start has characters outside the vocabulary of {self.path}: "
+            raise UsageError(f"start has characters outside the vocabulary of {self.path}: "
                              f"{''.join(unknown)!r} (the model only knows {''.join(sorted(self.stoi))!r})")
         return [self.stoi[c] for c in s]
 
@@ -123,7 +123,7 @@ def get_codec(train_config):
             try:
                 return CharCodec(meta_path)
             except (pickle.UnpicklingError, EOFError, KeyError, TypeError) as e:
-                raise ValueError(f"{meta_path} is not a character-level meta.pkl ({type(e).__name__}: {e})") from e
+                raise UsageError(f"{meta_path} is not a character-level meta.pkl ({type(e).__name__}: {e})") from e
     return BPECodec()
 
 
@@ -139,7 +139,7 @@ def main(argv=None):
     start_ids = codec.encode(start)
     c = model.config
     if max(start_ids) >= c.vocab_size:
-        raise ValueError(f"start encodes to token id {max(start_ids)}, outside the model's vocabulary "
+        raise UsageError(f"start encodes to token id {max(start_ids)}, outside the model's vocabulary "
                          f"(vocab_size {c.vocab_size})")
     print(f"model {cfg['init_from']}: {model.num_params() / 1e6:.2f}M params, block_size {c.block_size}, "
           f"{cfg['dtype']} on {jax.devices()[0].platform} (loaded in {time.time() - t0:.1f}s); "
@@ -172,6 +172,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from parity.common import exit_on_bad_input
-
     exit_on_bad_input(main)

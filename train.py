@@ -15,6 +15,7 @@ or Open MPI; elsewhere set JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=
 
 import ctypes
 import json
+import logging
 import math
 import os
 import pickle
@@ -28,10 +29,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 import checkpoint
 import sharding
-from configurator import configure
+from configurator import InputNotFound, RunStopped, UsageError, configure, exit_on_bad_input
 from dataloader import make_loader
 from model import GPT, GPTConfig, cross_entropy
 
@@ -87,6 +89,33 @@ DEFAULTS = dict(
     dtype="auto",  # 'float32' | 'bfloat16' | 'auto' (bfloat16 on GPU/TPU, float32 on CPU)
     seed=1337,
 )
+
+
+POSITIVE = ("batch_size", "block_size", "n_layer", "n_head", "n_embd", "gradient_accumulation_steps", "eval_iters",
+            "eval_interval", "log_interval", "keep_checkpoints")
+NOT_NEGATIVE = ("max_iters", "total_batch_size", "vocab_size", "checkpoint_interval", "hellaswag_interval",
+                "warmup_iters", "lr_decay_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip")
+
+
+def validate(c):
+    """Every setting's range, before anything is read or written: one UsageError naming the fix."""
+    for key in POSITIVE:
+        if c[key] < 1:
+            raise UsageError(f"{key} must be >= 1, got {c[key]}")
+    for key in NOT_NEGATIVE:
+        if c[key] < 0:
+            raise UsageError(f"{key} must be >= 0{' (0: off)' if key.endswith('_interval') else ''}, got {c[key]}")
+    if c["n_embd"] % c["n_head"]:
+        raise UsageError(f"n_embd={c['n_embd']} must be divisible by n_head={c['n_head']}")
+    if not 0.0 <= c["dropout"] < 1.0:
+        raise UsageError(f"dropout must be in [0, 1), got {c['dropout']}")
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= c[key] < 1.0:
+            raise UsageError(f"{key} must be in [0, 1), got {c[key]}")
+    resolve_dtype(c["dtype"])
+    if os.path.isfile(c["dataset"]):
+        raise UsageError(f"--dataset={c['dataset']} is a file: give the folder holding train.bin and val.bin "
+                         "(or the .npy shards), or a name under data/")
 
 
 def get_lr(it, c):
@@ -149,7 +178,9 @@ def make_train_step(graphdef, tx, grad_clip):
             grads = jax.tree.map(lambda g: g * scale, grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": jnp.mean(losses), "grad_norm": grad_norm}
+        loss = jnp.mean(losses)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)  # read on the host only at log steps and saves
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
     return train_step
 
@@ -185,6 +216,15 @@ def compile_step(step, params, opt_state, batch_shape, batch_sharding):
         lowered = jitted.lower(jax.tree.leaves(params), jax.tree.leaves(opt_state), batch, batch, jax.random.key(0))
     compiled = lowered.compile()
     return compiled, sharding.bytes_per_device([params, opt_state]), sharding.step_peak_bytes(compiled)
+@jax.jit
+def first_nonfinite(so_far, iter_num, finite):
+    """The first iteration whose step was not finite (-1: none yet), combined on device: no host sync a step."""
+    return jnp.where((so_far < 0) & ~finite, iter_num, so_far)
+
+
+@jax.jit
+def all_finite(tree):
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
 def make_eval_step(graphdef, params):
@@ -202,8 +242,18 @@ def resolve_dtype(dtype):
     if dtype == "auto":
         return "float32" if jax.default_backend() == "cpu" else "bfloat16"
     if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
+        raise UsageError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
     return dtype
+
+
+def fixed_by_checkpoint(c, model_args):
+    """On resume the checkpoint fixes the model's shape: the settings that asked otherwise, which now follow it."""
+    ignored = {}
+    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "bias"):
+        if c[key] != model_args[key] and not (key == "vocab_size" and c[key] == 0):
+            ignored[key] = c[key]
+        c[key] = model_args[key]
+    return ignored
 
 
 def data_dir_for(dataset):
@@ -216,6 +266,7 @@ class Trainer:
     and advanced by run()."""
 
     def __init__(self, config: dict):
+        validate(config)
         c = self.c = dict(config)
         c["dtype"] = resolve_dtype(c["dtype"])
         self.master = jax.process_index() == 0
@@ -225,11 +276,11 @@ class Trainer:
         if c["total_batch_size"] > 0:  # build-nanogpt: fixed tokens per step, whatever the mesh
             per_step = c["batch_size"] * c["block_size"] * shards
             if c["total_batch_size"] % per_step:
-                raise ValueError(f"total_batch_size={c['total_batch_size']} is not a multiple of batch_size x "
+                raise UsageError(f"total_batch_size={c['total_batch_size']} is not a multiple of batch_size x "
                                  f"block_size x batch shards (data x fsdp) = {per_step}: change batch_size")
             c["gradient_accumulation_steps"] = c["total_batch_size"] // per_step * shards
         if c["gradient_accumulation_steps"] % shards:
-            raise ValueError(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by "
+            raise UsageError(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by "
                              f"the number of batch shards, data x fsdp = {shards}")
         self.accum = c["gradient_accumulation_steps"] // shards
         self.rows = c["batch_size"] * shards  # global micro-batch
@@ -255,6 +306,10 @@ class Trainer:
         elif c["init_from"] == "resume":
             meta = checkpoint.restore(c["out_dir"])["meta"]
             model_config = checkpoint.model_config_from_meta(meta, c["dtype"], c["dropout"])
+            ignored = fixed_by_checkpoint(c, meta["model_args"])
+            if ignored and self.master:
+                print(f"resume: the checkpoint fixes {', '.join(f'{k}={c[k]}' for k in ignored)}; "
+                      f"ignored {', '.join(f'--{k}={v}' for k, v in ignored.items())}")
             model = nnx.eval_shape(lambda: GPT(model_config, nnx.Rngs(0)))
         else:
             model = GPT.from_pretrained(c["init_from"], dropout=c["dropout"], dtype=c["dtype"], mesh=self.mesh)
@@ -262,8 +317,10 @@ class Trainer:
                 model.crop_block_size(c["block_size"])
         self.model_config = model.config
         sharding.check_model_fits_mesh(self.model_config, self.mesh)
+        for loader in self.loaders.values():
+            loader.vocab_size = self.model_config.vocab_size
         if c["block_size"] > self.model_config.block_size:
-            raise ValueError(f"block_size={c['block_size']} exceeds the model's {self.model_config.block_size}")
+            raise UsageError(f"block_size={c['block_size']} exceeds the model's {self.model_config.block_size}")
         graphdef, params = nnx.split(model)
         param_shardings = sharding.shardings_for(params, self.mesh)
         opt_shardings = sharding.shardings_for(jax.eval_shape(tx.init, params), self.mesh)
@@ -286,6 +343,7 @@ class Trainer:
         self.train_step = self._compile_step(make_train_step(graphdef, tx, c["grad_clip"]), params, opt_state)
         self.eval_step = make_eval_step(graphdef, params)
         self.stop_requested = None
+        self._first_nonfinite = jax.device_put(jnp.int32(-1), sharding.replicated(self.mesh))
 
     # the loop holds params and optimizer state as lists of arrays (see on_leaves)
     @property
@@ -315,12 +373,16 @@ class Trainer:
         path = self.c["hellaswag_path"]
         if not path:
             try:
+                if not self.master:  # process 0 downloads; the others then find it (a shared disk) or fetch their own
+                    multihost_utils.sync_global_devices("hellaswag download")
                 path = hellaswag.download("val")
+                if self.master and jax.process_count() > 1:
+                    multihost_utils.sync_global_devices("hellaswag download")
             except OSError:
-                raise OSError("could not download HellaSwag (offline?): set --hellaswag_path=FILE.jsonl "
-                              "or --hellaswag_interval=0") from None
+                raise InputNotFound("could not download HellaSwag (offline?): set --hellaswag_path=FILE.jsonl "
+                                    "or --hellaswag_interval=0") from None
         elif not os.path.isfile(path):
-            raise FileNotFoundError(f"hellaswag_path {path} does not exist")
+            raise InputNotFound(f"hellaswag_path {path} does not exist")
         return hellaswag.load_examples(path, max_len=self.model_config.block_size)
 
     def eval_hellaswag(self):
@@ -364,14 +426,27 @@ class Trainer:
     def log(self, record):
         if not self.master:
             return
-        with open(os.path.join(self.c["out_dir"], "log.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        checkpoint.append_line(os.path.join(self.c["out_dir"], "log.jsonl"), json.dumps(record))
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+
+    def check_finite(self, params=False):
+        """Stop at the first non-finite step, before any checkpoint of it: reads one scalar (at log steps, saves
+        and the end); `params`: also the params, whose last update may overflow where its loss did not."""
+        bad = int(self._first_nonfinite)
+        if bad < 0 and params and not all_finite(self._param_leaves):
+            bad = self.iter_num - 1
+        if bad >= 0:
+            last = (f"the last checkpoint, {checkpoint.ckpt_dir(self.c['out_dir'])}/{self.last_saved}, is from before"
+                    if self.last_saved is not None else "no checkpoint was written")
+            raise RunStopped(f"iter {bad}: the loss or gradient norm is not finite (the run diverged: lower "
+                             f"learning_rate, keep grad_clip); stopped without saving, {last}")
 
     def save(self, mngr):
         if self.last_saved == self.iter_num:  # e.g. the eval right after a resume
             return
+        self.check_finite(params=True)
+        checkpoint.check_saved(mngr)  # the previous save, before the next one can rotate its predecessor out
         self.last_saved = self.iter_num
         meta = checkpoint.meta_for(self.model_config, self.c, self.iter_num, self.best_val_loss,
                                    self.loaders["train"].state_dict())
@@ -382,10 +457,28 @@ class Trainer:
     def _request_stop(self, signum, frame):
         self.stop_requested = signal.Signals(signum).name
 
+    def _stop_agreed(self):
+        """With several processes, JAX's preemption service owns SIGTERM: each process's notice reaches all, which
+        agree on a step (the largest they have reached, plus one) and all stop there; the step never waits."""
+        if jax.process_count() == 1:
+            return self.stop_requested
+        return "SIGTERM" if multihost_utils.reached_preemption_sync_point(self.iter_num) else None
+
     def run(self):
         c = self.c
         if self.master:
             os.makedirs(c["out_dir"], exist_ok=True)
+            self.lock = checkpoint.lock_out_dir(c["out_dir"])
+            checkpoint.drop_partial_line(os.path.join(c["out_dir"], "log.jsonl"))  # a crash mid-write
+        try:
+            return self._run()
+        finally:
+            if self.master:
+                self.lock.close()
+
+    def _run(self):
+        c = self.c
+        if self.master:
             n_dev, n_proc = jax.device_count(), jax.process_count()
             print(f"{n_dev} device(s) ({jax.devices()[0].device_kind}) on {n_proc} process(es); "
                   f"accumulation {self.accum} x micro-batch {self.rows} ({c['batch_size']} per batch shard)")
@@ -400,16 +493,20 @@ class Trainer:
 
             wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], config=c)
             self.wandb = wandb
-        self.log({"iter": self.iter_num, "event": "start", "dataset": c["dataset"], "config": c,
+        self.log({"iter": self.iter_num, "event": "resume" if self.last_saved is not None else "start",
+                  "dataset": c["dataset"], "config": c,
                   "state_bytes_per_device": self.state_bytes, "step_peak_bytes_per_device": self.step_peak_bytes})
         mngr = checkpoint.manager(c["out_dir"], c["keep_checkpoints"])
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._request_stop)
+        signal.signal(signal.SIGINT, self._request_stop if jax.process_count() == 1 else sigint_as_sigterm)
+        if jax.process_count() == 1:
+            signal.signal(signal.SIGTERM, self._request_stop)
 
         base_key = jax.random.key(c["seed"])
         t0, last_log_iter, mfu = time.time(), self.iter_num, -1.0
         while True:
-            if self.iter_num % c["eval_interval"] == 0:
+            last_step = self.iter_num == c["max_iters"]
+            if self.iter_num % c["eval_interval"] == 0 or last_step:
+                self.check_finite()  # no eval of a diverged run
                 losses = self.estimate_loss()
                 if self.master:
                     print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
@@ -417,11 +514,10 @@ class Trainer:
                           "lr": float(get_lr(self.iter_num, c))})
                 improved = losses["val"] < self.best_val_loss
                 self.best_val_loss = min(self.best_val_loss, losses["val"])
-                if self.iter_num > 0 and (improved or c["always_save_checkpoint"]):
+                if self.iter_num > 0 and (improved or c["always_save_checkpoint"] or last_step):
                     self.save(mngr)
                 t0, last_log_iter = time.time(), self.iter_num  # eval time is not step time
-            if self.hellaswag_examples and (self.iter_num % c["hellaswag_interval"] == 0
-                                            or self.iter_num == c["max_iters"]):
+            if self.hellaswag_examples and (self.iter_num % c["hellaswag_interval"] == 0 or last_step):
                 self.eval_hellaswag()
                 t0, last_log_iter = time.time(), self.iter_num
             if c["eval_only"]:
@@ -434,9 +530,12 @@ class Trainer:
             self._param_leaves, self._opt_leaves, metrics = self.train_step(
                 self._param_leaves, self._opt_leaves, self._put(x, self.batch_sharding),
                 self._put(y, self.batch_sharding), key)
+            self._first_nonfinite = first_nonfinite(self._first_nonfinite, self.iter_num, metrics["finite"])
             self.iter_num += 1
+            checkpoint.check_saved(mngr)  # a failed save stops the run before the next step
 
             if self.iter_num % c["log_interval"] == 0 or self.iter_num == c["max_iters"]:
+                self.check_finite()
                 loss = float(metrics["loss"])  # the only host sync in the loop
                 dt = (time.time() - t0) / (self.iter_num - last_log_iter)
                 t0, last_log_iter = time.time(), self.iter_num
@@ -452,14 +551,14 @@ class Trainer:
                           "mfu": mfu if mfu >= 0 else None})
             if c["checkpoint_interval"] and self.iter_num % c["checkpoint_interval"] == 0:
                 self.save(mngr)
-            if self.stop_requested:
+            stop = self._stop_agreed()
+            if stop:
                 self.save(mngr)
-                mngr.wait_until_finished()
-                if self.master:
-                    print(f"{self.stop_requested}: checkpoint saved at iter {self.iter_num}; "
-                          f"resume with --init_from=resume --out_dir={c['out_dir']}")
+                checkpoint.wait_saved(mngr)
+                print(f"{stop}: checkpoint saved at iter {self.iter_num}; "  # every process: each host's own log
+                      f"resume with --init_from=resume --out_dir={c['out_dir']}")
                 break
-        mngr.wait_until_finished()
+        checkpoint.wait_saved(mngr)
         mngr.close()
         return self
 
@@ -469,6 +568,9 @@ def sharded_model(make_model, mesh):
     graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
     params = jax.jit(lambda: nnx.split(make_model())[1], out_shardings=sharding.shardings_for(abstract, mesh))()
     return graphdef, params
+def sigint_as_sigterm(signum, frame):
+    """Ctrl-C on one process of several: a preemption notice like SIGTERM, so that all stop at one step."""
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def keep_freed_memory():
@@ -496,12 +598,13 @@ def setup_distributed():
 
 def main(argv=None):
     config = configure(DEFAULTS, sys.argv[1:] if argv is None else argv)
+    # orbax logs a failed background save as a traceback from each of its threads (24 for a full disk); the
+    # run reports that failure itself, in one line (checkpoint.check_saved)
+    logging.getLogger("absl").addFilter(lambda record: record.levelno < logging.ERROR)
     setup_distributed()
     keep_freed_memory()
     Trainer(config).run()
 
 
 if __name__ == "__main__":
-    from parity.common import exit_on_bad_input
-
     exit_on_bad_input(main)

@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from parity.common import exit_on_bad_input, max_abs, pin_numerics, print_table, random_hf_model, verdict
+from configurator import exit_on_bad_input
+from parity.common import max_abs, pin_numerics, print_table, random_hf_model, verdict
 
 CACHE_LOGITS_TOL = 1e-5  # max |cached - full-forward logits| / max |full-forward logits|, fp32 (measured <= 2.7e-6)
 FILTER_PROB_TOL = 1e-6  # max |p - p_ref| of the filtered, renormalized distribution

@@ -15,7 +15,8 @@ import tempfile
 
 import numpy as np
 
-from parity.common import HF_SIZES, exit_on_bad_input, max_abs, pin_numerics, print_table, save_random_hf_model, verdict
+from configurator import UsageError, exit_on_bad_input
+from parity.common import HF_SIZES, max_abs, pin_numerics, print_table, save_random_hf_model, verdict
 
 # Measured on gpt2-shaped random weights, T=1024, B=2, 2-core CPU (README, "Parity"); bars set just above.
 FP32_MAX_REL_TOL = 3e-6  # max |logit diff| / max |logit|; measured 1.42e-6
@@ -32,7 +33,7 @@ def make_tokens(text, seq_len, batch, vocab_size, seed):
     tokens = np.random.default_rng(seed).integers(0, min(vocab_size, 50257), (batch, seq_len))
     prompt = get_encoding().encode_ordinary(text)[:seq_len] if text else []
     if prompt and max(prompt) >= vocab_size:
-        raise ValueError(f"--text encodes to ids >= the model's vocab_size {vocab_size}")
+        raise UsageError(f"--text encodes to ids >= the model's vocab_size {vocab_size}")
     tokens[0, : len(prompt)] = prompt
     return tokens.astype(np.int64)
 
@@ -98,9 +99,9 @@ def check(model_path, dtype="float32", text="Hello, I'm a language model,", seq_
     c = model.config
     seq_len = seq_len or c.block_size
     if not 1 < seq_len <= c.block_size:
-        raise ValueError(f"--seq-len must be in [2, {c.block_size}] (the model's block_size), got {seq_len}")
+        raise UsageError(f"--seq-len must be in [2, {c.block_size}] (the model's block_size), got {seq_len}")
     if batch < 1:
-        raise ValueError(f"--batch must be >= 1, got {batch}")
+        raise UsageError(f"--batch must be >= 1, got {batch}")
     tokens = make_tokens(text, seq_len, batch, c.vocab_size, seed)
     print(f"model {model_path}: n_layer={c.n_layer} n_head={c.n_head} n_embd={c.n_embd} vocab={c.vocab_size}, "
           f"{model.num_params() / 1e6:.2f}M params; batch {batch} x {seq_len} tokens; dtype {dtype}; "
@@ -148,7 +149,7 @@ def main(argv=None):
         ok, _ = check(args.model, args.dtype, args.text, args.seq_len, args.batch, args.seed)
         return 0 if ok else 1
     if args.model not in HF_SIZES:
-        raise ValueError(f"--random-init takes a size name ({', '.join(HF_SIZES)}), got {args.model!r}")
+        raise UsageError(f"--random-init takes a size name ({', '.join(HF_SIZES)}), got {args.model!r}")
     with tempfile.TemporaryDirectory() as tmp:
         path = save_random_hf_model(os.path.join(tmp, args.model), seed=args.seed, **HF_SIZES[args.model])
         ok, _ = check(path, args.dtype, args.text, args.seq_len, args.batch, args.seed)

@@ -29,7 +29,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from parity.common import HF_SIZES, exit_on_bad_input, max_abs, pin_numerics, print_table, random_hf_model, verdict
+from configurator import InputNotFound, UsageError, exit_on_bad_input
+from parity.common import HF_SIZES, max_abs, pin_numerics, print_table, random_hf_model, verdict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -178,18 +179,18 @@ def make_batches(run):
     from dataloader import make_loader
 
     if run.c["dropout"] != 0.0:
-        raise ValueError("training parity needs dropout 0: the two frameworks draw different dropout masks")
+        raise UsageError("training parity needs dropout 0: the two frameworks draw different dropout masks")
     shards = run.devices // run.tensor_parallel  # data x fsdp: the devices of a tensor group share rows
     if run.rows % (run.accum * shards):
-        raise ValueError(f"{run.rows} rows per step do not split into {run.accum} micro-batch(es) over "
+        raise UsageError(f"{run.rows} rows per step do not split into {run.accum} micro-batch(es) over "
                          f"{shards} batch shard(s): rows must be divisible by accum x data x fsdp")
     if run.devices > jax.device_count():
-        raise ValueError(f"{run.devices} devices asked for, {jax.device_count()} here")
+        raise UsageError(f"{run.devices} devices asked for, {jax.device_count()} here")
     loader = make_loader(run.data_dir, "train", run.seq_len, run.rows // run.accum, run.c["seed"])
     batches = [loader.next(run.accum) for _ in range(run.steps)]
     vocab = hf_vocab_size(run.model_dir)
     if max(int(x.max()) for x, _ in batches) >= vocab:
-        raise ValueError(f"{run.data_dir} holds token ids >= the model's vocab_size {vocab}")
+        raise UsageError(f"{run.data_dir} holds token ids >= the model's vocab_size {vocab}")
     return batches
 
 
@@ -346,8 +347,8 @@ def report(run, results, dtype="float32"):
 def hf_vocab_size(model_dir):
     path = os.path.join(model_dir, "config.json")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{model_dir} is not an HF GPT-2 directory: it needs config.json and "
-                                "model.safetensors (as written by save_pretrained)")
+        raise InputNotFound(f"{model_dir} is not an HF GPT-2 directory: it needs config.json and "
+                            "model.safetensors (as written by save_pretrained)")
     with open(path) as f:
         return json.load(f)["vocab_size"]
 
@@ -427,26 +428,26 @@ def parse_args(argv=None):
     # bad input fails here, before anything heavy is imported or written
     args.devices = args.devices or args.fsdp * args.tensor_parallel
     if min(args.steps, args.accum, args.devices, args.fsdp, args.tensor_parallel) < 1:
-        raise ValueError(f"--steps, --accum, --devices, --fsdp and --tensor_parallel must be >= 1, got {args.steps}, "
+        raise UsageError(f"--steps, --accum, --devices, --fsdp and --tensor_parallel must be >= 1, got {args.steps}, "
                          f"{args.accum}, {args.devices}, {args.fsdp}, {args.tensor_parallel}")
     if args.devices % (args.fsdp * args.tensor_parallel):
-        raise ValueError(f"--fsdp {args.fsdp} x --tensor_parallel {args.tensor_parallel} must divide --devices "
+        raise UsageError(f"--fsdp {args.fsdp} x --tensor_parallel {args.tensor_parallel} must divide --devices "
                          f"{args.devices}")
     if args.config:
         if args.model != "tiny" or args.batch_size or args.seq_len:
-            raise ValueError("--config sets the model, batch and sequence length: "
+            raise UsageError("--config sets the model, batch and sequence length: "
                              "drop --model, --batch-size, --seq-len")
         if not os.path.isfile(config_path(args.config)):
-            raise FileNotFoundError(f"no config {config_path(args.config)} (--config takes a name under config/ "
-                                    "without train_ and .py, or a config file)")
+            raise InputNotFound(f"no config {config_path(args.config)} (--config takes a name under config/ "
+                                "without train_ and .py, or a config file)")
     elif args.model != "tiny" and args.model not in HF_SIZES and not os.path.isdir(args.model):
-        raise ValueError(f"--model takes tiny, a size ({', '.join(HF_SIZES)}) or an HF GPT-2 directory, "
+        raise UsageError(f"--model takes tiny, a size ({', '.join(HF_SIZES)}) or an HF GPT-2 directory, "
                          f"got {args.model!r}")
     else:
         rows = args.batch_size or (TINY_RUN if args.model == "tiny" else LARGE_RUN)["rows"]
         shards = args.devices // args.tensor_parallel
         if rows % (args.accum * shards):
-            raise ValueError(f"{rows} rows per step do not split into --accum {args.accum} micro-batches over "
+            raise UsageError(f"{rows} rows per step do not split into --accum {args.accum} micro-batches over "
                              f"{shards} batch shards (data x fsdp): rows (--batch-size) must be divisible by "
                              "accum x data x fsdp")
     return args
@@ -462,7 +463,7 @@ def check_args(args):
 def rerun_with_fake_devices(argv, devices, have):
     """This check again in a fresh python with `devices` fake CPU devices (XLA reads the flag when jax starts)."""
     if os.environ.get("CHECK_TRAIN_FAKE_DEVICES"):
-        raise ValueError(f"--devices {devices}: only {have} device(s), even with fake CPU devices")
+        raise UsageError(f"--devices {devices}: only {have} device(s), even with fake CPU devices")
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "CHECK_TRAIN_FAKE_DEVICES": "1",
            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(),

@@ -1,9 +1,5 @@
 """What every parity check shares: pinned numerics, random HF GPT-2 checkpoints, and the diff report."""
 
-import atexit
-import os
-import sys
-
 import numpy as np
 
 # HF GPT-2 sizes (all: vocab 50257, n_positions 1024)
@@ -70,18 +66,6 @@ def print_table(rows, headers):
 def verdict(ok, what):
     print(f"{what}: {'OK' if ok else 'NOT OK'}")
     return ok
-
-
-def exit_on_bad_input(main):
-    """Run a CLI's main(); a bad-input exception becomes one line on stderr and exit code 2."""
-    try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        # that line is the whole report: a failed orbax restore (checkpoint.restore) leaves coroutines whose
-        # errors Python would print as it collects them at exit; stderr goes quiet then
-        atexit.register(os.dup2, os.open(os.devnull, os.O_WRONLY), 2)
-        sys.exit(2)
 
 
 def max_abs(a, b):

@@ -172,10 +172,13 @@ def test_rerun_with_other_options_is_refused(corpus, reference, tmp_path):
         run(corpus[0], tmp_path)
 
 
-def test_bad_jsonl_line_is_reported(tmp_path):
+def test_bad_jsonl_line_is_reported_and_a_retry_with_good_input_runs(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: no string field 'text'"):
         run(str(tmp_path / "*.jsonl"), tmp_path / "out", "--num_proc", "2")
+    (tmp_path / "good.jsonl").write_text('{"text": "fine"}\n{"text": "also fine"}\n')
+    run(str(tmp_path / "good.jsonl"), tmp_path / "out")  # the same out_dir: the bad try left nothing to resume
+    assert len(shard_files(tmp_path / "out")) == 1
 
 
 def test_uint16_check():

@@ -14,9 +14,10 @@ import pytest
 from flax import nnx
 
 import sample
+from configurator import exit_on_bad_input
 from helpers import tiny_config
 from model import GPT
-from parity.common import exit_on_bad_input, save_random_hf_model
+from parity.common import save_random_hf_model
 from tokenizer import get_encoding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
