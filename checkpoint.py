@@ -116,17 +116,21 @@ def model_config_from_meta(meta, dtype=None, dropout=None):
     return GPTConfig(**args)
 
 
-def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0):
-    """A GPT for inference from `init_from`: 'resume' (the latest checkpoint in out_dir), a GPT-2 name
-    (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or an HF directory. Returns (model, training config dict from
-    the checkpoint, or None for HF weights)."""
+def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0, step=None):
+    """A GPT for inference from `init_from`: 'resume' (the latest checkpoint in out_dir, or `step`), a GPT-2
+    name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), an HF directory or a nanoGPT ckpt.pt (or its out_dir).
+    Returns (model, training config dict: ours, nanoGPT's, or None for HF weights)."""
     if init_from == "scratch":
-        raise ValueError("init_from='scratch' has no weights to load: use resume, a gpt2* name or an HF directory")
+        raise ValueError("init_from='scratch' has no weights to load: use resume, a gpt2* name, an HF directory "
+                         "or a nanoGPT ckpt.pt")
     if init_from != "resume":
-        return GPT.from_pretrained(init_from, dropout=dropout, dtype=dtype), None
-    meta = restore(out_dir)["meta"]
+        from weights import load_pretrained
+
+        return load_pretrained(init_from, dropout=dropout, dtype=dtype)
+    step = latest_step(out_dir) if step is None else step
+    meta = restore(out_dir, step=step)["meta"]
     model = nnx.eval_shape(lambda: GPT(model_config_from_meta(meta, dtype, dropout), nnx.Rngs(0)))
-    params = restore(out_dir, params=nnx.state(model))["params"]
+    params = restore(out_dir, params=nnx.state(model), step=step)["params"]
     nnx.update(model, params)
     return model, meta["config"]
 
