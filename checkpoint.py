@@ -1,5 +1,6 @@
 """
-Checkpoints, and the one place that resolves `init_from` for train.py, sample.py and hellaswag.py.
+Checkpoints, the one place that resolves `init_from` for train.py, sample.py and hellaswag.py, and the
+persistent compilation cache their processes share.
 
 On disk (orbax CheckpointManager): out_dir/ckpt/<iter>/{params, opt_state, meta}. `meta` is JSON:
 iter_num, best_val_loss, model_args (GPTConfig), config (the training settings), loader (data position),
@@ -48,7 +49,8 @@ def _reader(path):
     return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False))
 
 
-def latest_step(out_dir):
+def all_steps(out_dir):
+    """The saved steps in out_dir, oldest first; none is an error naming the fix."""
     path = ckpt_dir(out_dir)
     steps = []
     if os.path.isdir(path):
@@ -56,7 +58,7 @@ def latest_step(out_dir):
             steps = mngr.all_steps()
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {path}: train first (python train.py ...) or check --out_dir")
-    return max(steps)
+    return sorted(steps)
 
 
 def _abstract(tree, sharding):
@@ -67,7 +69,11 @@ def _abstract(tree, sharding):
 def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
     """Read the latest (or `step`) checkpoint: {'meta': dict, 'params': ..., 'opt_state': ...}. `params`
     and `opt_state` are templates (abstract or concrete) of what to read; None skips that item."""
-    step = latest_step(out_dir) if step is None else step
+    steps = all_steps(out_dir)
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise CheckpointError(f"no checkpoint of step {step} in {ckpt_dir(out_dir)}: it has steps "
+                              f"{', '.join(map(str, steps))}")
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     items = {"meta": ocp.args.JsonRestore()}
     if params is not None:
@@ -127,12 +133,24 @@ def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0, step=None
         from weights import load_pretrained
 
         return load_pretrained(init_from, dropout=dropout, dtype=dtype)
-    step = latest_step(out_dir) if step is None else step
+    step = all_steps(out_dir)[-1] if step is None else step
     meta = restore(out_dir, step=step)["meta"]
     model = nnx.eval_shape(lambda: GPT(model_config_from_meta(meta, dtype, dropout), nnx.Rngs(0)))
     params = restore(out_dir, params=nnx.state(model), step=step)["params"]
     nnx.update(model, params)
     return model, meta["config"]
+
+
+def use_compilation_cache():
+    """JAX's persistent compilation cache, on by default, so that a second run of a command compiles nothing:
+    in $JAX_COMPILATION_CACHE_DIR (JAX's own setting: set it to move the cache, set it empty to turn it off),
+    else in nanogpt-jax/jax under the user's cache directory ($XDG_CACHE_HOME or ~/.cache). Call it before
+    anything is compiled."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache, "nanogpt-jax", "jax"))
+    # every compilation, not only those over 1 s (JAX's default): start-up is many small ones
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def meta_for(model_config: GPTConfig, config: dict, iter_num, best_val_loss, loader_state):

@@ -50,7 +50,7 @@ DEFAULTS = dict(
     hellaswag_interval=0,  # HellaSwag (val, all devices) every N iterations and at the end; 0 = off
     hellaswag_path="",  # a local hellaswag_val.jsonl; "" = download it once (online)
     keep_checkpoints=3,  # the last K checkpoints are kept
-    init_from="scratch",  # 'scratch' | 'resume' | 'gpt2*' | an HF GPT-2 directory
+    init_from="scratch",  # 'scratch' | 'resume' | 'gpt2*' | an HF GPT-2 directory | a nanoGPT ckpt.pt (or its out_dir)
     # wandb logging
     wandb_log=False,
     wandb_project="owt",
@@ -69,6 +69,7 @@ DEFAULTS = dict(
     vocab_size=0,  # 0: from data/<dataset>/meta.pkl, else GPT-2's 50257 padded to 50304
     dropout=0.0,  # for pretraining 0 is good, for finetuning try 0.1+
     bias=False,  # do we use bias inside LayerNorm and Linear layers?
+    gelu="tanh",  # 'tanh': GPT-2's GELU | 'exact': nanoGPT's (erf; what export.py --format=nanogpt needs)
     # adamw optimizer
     learning_rate=6e-4,  # max learning rate
     max_iters=600000,  # total number of training iterations
@@ -280,7 +281,7 @@ class Trainer:
             print(f"found vocab_size = {vocab_size} (inside {meta_path})")
         return GPTConfig(block_size=c["block_size"], vocab_size=vocab_size or 50304, n_layer=c["n_layer"],
                          n_head=c["n_head"], n_embd=c["n_embd"], dropout=c["dropout"], bias=c["bias"],
-                         dtype=c["dtype"])
+                         gelu=c["gelu"], dtype=c["dtype"])
 
     def _load_hellaswag(self):
         """At start-up, so that a missing file fails now rather than at step 5000."""
@@ -453,6 +454,7 @@ def setup_distributed():
 
 def main(argv=None):
     config = configure(DEFAULTS, sys.argv[1:] if argv is None else argv)
+    checkpoint.use_compilation_cache()
     setup_distributed()
     keep_freed_memory()
     Trainer(config).run()

@@ -74,10 +74,9 @@ def state_dict(model: GPT, zero_biases=False):
     state = {hf: np.asarray(_variable(model, ours)[...]) for hf, ours, _ in weight_map(model.config.n_layer,
                                                                                        model.config.bias)}
     if zero_biases and not model.config.bias:
-        for hf, ours, _ in weight_map(model.config.n_layer):
-            if hf not in state:
-                like = ours.replace(".bias", ".scale" if ".ln_" in ours else ".kernel")
-                state[hf] = np.zeros(_variable(model, like).shape[-1], np.float32)
+        for hf, _, _ in weight_map(model.config.n_layer):
+            if hf not in state:  # a bias is as long as its weight's last axis (HF's layout: out)
+                state[hf] = np.zeros(state[hf.replace(".bias", ".weight")].shape[-1], np.float32)
     return state
 
 
@@ -304,10 +303,11 @@ def save_nanogpt(model: GPT, path, iter_num=0, best_val_loss=None, config=None):
         raise ValueError("nanoGPT's model computes the exact GELU and this model uses GPT-2's tanh one: export it "
                          "with --format=hf, or train with --gelu=exact")
     linear = {hf for hf, _, is_linear in weight_map(c.n_layer, c.bias) if is_linear}
-    state = {k: torch.from_numpy(np.ascontiguousarray(v.T if k in linear else v))
+    state = {k: torch.from_numpy(np.array(v.T if k in linear else v, order="C"))
              for k, v in state_dict(model).items()}
     state[TIED_KEY] = state["transformer.wte.weight"]  # tied: nanoGPT's state dict has both names, one tensor
     model_args = {k: getattr(c, k) for k in NANOGPT_ARGS}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     torch.save({"model": state, "optimizer": None, "model_args": model_args, "iter_num": iter_num,
                 "best_val_loss": best_val_loss, "config": dict(config or {})}, path)
 
