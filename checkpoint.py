@@ -16,7 +16,6 @@ from contextlib import closing, contextmanager
 from dataclasses import asdict
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from model import GPT, GPTConfig
@@ -33,12 +32,15 @@ def ckpt_dir(out_dir):
 
 
 def manager(out_dir, max_to_keep=3):
+    import orbax.checkpoint as ocp  # here, not at the top: a process that loads HF weights never pays its import
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
     return ocp.CheckpointManager(ckpt_dir(out_dir), options=options)
 
 
 def save(mngr, iter_num, params, opt_state, meta):
     """Write one checkpoint (async: the host goes on; `mngr.wait_until_finished()` before exit)."""
+    import orbax.checkpoint as ocp
+
     mngr.save(iter_num, force=True, args=ocp.args.Composite(
         params=ocp.args.StandardSave(params),
         opt_state=ocp.args.StandardSave(opt_state),
@@ -46,6 +48,8 @@ def save(mngr, iter_num, params, opt_state, meta):
 
 
 def _reader(path):
+    import orbax.checkpoint as ocp
+
     return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False))
 
 
@@ -74,6 +78,8 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
     if step not in steps:
         raise CheckpointError(f"no checkpoint of step {step} in {ckpt_dir(out_dir)}: it has steps "
                               f"{', '.join(map(str, steps))}")
+    import orbax.checkpoint as ocp
+
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     items = {"meta": ocp.args.JsonRestore()}
     if params is not None:
