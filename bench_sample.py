@@ -93,7 +93,8 @@ model.generation_config.eos_token_id = None  # 200 tokens, as sample.py
 torch.manual_seed(1337)
 x = torch.tensor([get_encoding().encode("\\n")])
 with torch.no_grad():
-    y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=200, do_sample=True, top_k=200, pad_token_id=0)
+    y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=200, do_sample=True, top_k=200,
+                       pad_token_id=0)
 print(get_encoding().decode(y[0].tolist()))
 """
 

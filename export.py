@@ -2,7 +2,7 @@
 A checkpoint of ours out of the project: an HF GPT-2 directory, or a nanoGPT ckpt.pt.
 
     python export.py --out_dir=out-shakespeare-char --format=hf --to=hf-shakespeare   # GPT2LMHeadModel.from_pretrained
-    python export.py --out_dir=out-shakespeare-char --format=nanogpt --to=nano-out    # nanoGPT: sample.py --out_dir=nano-out
+    python export.py --out_dir=out-shakespeare-char --format=nanogpt --to=nano-out    # nanoGPT's sample.py --out_dir
     python export.py --out_dir=out --step=2000 --format=nanogpt --to=ckpt-2000.pt     # one step, to a file
 
 --step: a saved step (default: the latest). --to: a directory for hf; for nanogpt a directory (ckpt.pt goes in

@@ -251,7 +251,8 @@ def save_hf(model: GPT, out_dir):
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config_for(model.config), f, indent=2)
     # lm_head.weight is left out, as transformers' save_pretrained leaves out a tied weight
-    save_file(state_dict(model, zero_biases=True), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(state_dict(model, zero_biases=True), os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
 
 
 # ---------------------------------------------------------------------------------------------------
