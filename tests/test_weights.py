@@ -35,22 +35,26 @@ def rel_diff(a, b):
     return np.abs(a - b).max() / np.abs(b).max()
 
 
-@pytest.mark.parametrize("activation", ["gelu_new", "gelu"])
-def test_hf_directory_loads_without_torch_bit_identical_to_transformers(tmp_path, activation):
-    hf_dir = save_random_hf_model(tmp_path / "hf", seed=7, activation_function=activation, **TINY_HF)
+def test_hf_directories_load_without_torch_bit_identical_to_transformers(tmp_path):
+    """A tanh-GELU and an exact-GELU directory, loaded in one process where torch and transformers cannot be
+    imported; the params equal what transformers reads, bit for bit."""
+    dirs = {act: str(save_random_hf_model(tmp_path / act, seed=7, activation_function=act, **TINY_HF))
+            for act in ("gelu_new", "gelu")}
     script = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
               "import numpy as np; from model import GPT; from weights import state_dict\n"
-              f"m = GPT.from_pretrained({str(hf_dir)!r}); print(m.config.gelu)\n"
-              f"np.savez({str(tmp_path / 'ours.npz')!r}, **state_dict(m))\n")
+              f"for name, path in {dirs!r}.items():\n"
+              "    m = GPT.from_pretrained(path); print(name, m.config.gelu)\n"
+              f"    np.savez(f'{tmp_path}/{{name}}.npz', **state_dict(m))\n")
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == {"gelu_new": "tanh", "gelu": "exact"}[activation]
-    ours = dict(np.load(tmp_path / "ours.npz"))
-    reference = {k: v.numpy() for k, v in load_hf_model(str(hf_dir)).state_dict().items()
-                 if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))}
-    assert ours.keys() == reference.keys()
-    for k in ours:
-        np.testing.assert_array_equal(ours[k], reference[k], err_msg=k)
+    assert out.stdout.split() == ["gelu_new", "tanh", "gelu", "exact"]
+    for act, path in dirs.items():
+        ours = dict(np.load(tmp_path / f"{act}.npz"))
+        reference = {k: v.numpy() for k, v in load_hf_model(path).state_dict().items()
+                     if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        assert ours.keys() == reference.keys()
+        for k in ours:
+            np.testing.assert_array_equal(ours[k], reference[k], err_msg=k)
 
 
 def test_exact_gelu_logits_match_transformers(tmp_path):
