@@ -41,15 +41,11 @@ def synthetic_examples(n, seed=0):
 
 def gpt_from_hf(hf_model):
     """Our GPT with the HF model's weights, in memory (GPT.from_pretrained without the disk round trip)."""
-    from flax import nnx
-
-    from model import GPT, HF_TIED_KEY, config_from_hf, load_state_dict
+    from weights import MASK_BUFFERS, TIED_KEY, config_from_hf, model_from
 
     state = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()
-             if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != HF_TIED_KEY}
-    model = nnx.eval_shape(lambda: GPT(config_from_hf(hf_model.config), nnx.Rngs(0)))
-    load_state_dict(model, state)
-    return model
+             if not k.endswith(MASK_BUFFERS) and k != TIED_KEY}
+    return model_from(config_from_hf(hf_model.config.to_dict()), state)
 
 
 def timed(fn, *args, **kwargs):

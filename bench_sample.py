@@ -3,6 +3,7 @@ Sampling speed, side by side in one run: our KV-cache generate, transformers' ge
 
     python bench_sample.py                                   # gpt2-shaped random weights, batch 1 and 8, 500 tokens
     python bench_sample.py --size gpt2-medium --batch 1 --new-tokens 100
+    python bench_sample.py --startup                         # whole processes: sample.py vs a transformers script
 
 Greedy decoding in float32 from an 8-token prompt, on whatever JAX and torch run on (CPU here). Compile
 time is reported apart from speed: ours is the time the first call spends tracing and compiling (JAX's
@@ -10,10 +11,17 @@ compile events), and its tokens/s is the rest of that call. transformers gets a 
 its faster torch thread count (1 or all cores; shown in brackets).
 Our no-cache path forwards the same fixed window of min(prompt + new, block_size) tokens every step, so
 its tokens/s is timed over its last --nocache-steps steps at the full length and holds for every step.
+
+--startup times whole processes, one after the other, in --repeats rounds: `python sample.py --init_from=DIR
+--max_new_tokens=200 --num_samples=1 --temperature=1.0 --top_k=200` on a cold JAX compilation cache (a new,
+empty one) and on a warm one (the same command again), and a transformers process that loads DIR and calls
+generate(max_new_tokens=200, do_sample=True, top_k=200); the medians of ours / transformers.
 """
 
 import argparse
 import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -75,6 +83,53 @@ def time_hf(hf_model, idx, new_tokens, probe_tokens=16):
     return threads, warmup, time.perf_counter() - t0, out
 
 
+SAMPLE_ARGS = ["--max_new_tokens=200", "--num_samples=1", "--temperature=1.0", "--top_k=200"]
+# the transformers process: the same work as sample.py's command (GPT-2 BPE, "\n" prompt, top-k 200 sampling)
+TRANSFORMERS_SCRIPT = """
+import sys, torch
+from transformers import GPT2LMHeadModel
+from tokenizer import get_encoding
+model = GPT2LMHeadModel.from_pretrained(sys.argv[1]).eval()
+model.generation_config.eos_token_id = None  # 200 tokens, as sample.py
+torch.manual_seed(1337)
+x = torch.tensor([get_encoding().encode("\\n")])
+with torch.no_grad():
+    y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=200, do_sample=True, top_k=200,
+                       pad_token_id=0)
+print(get_encoding().decode(y[0].tolist()))
+"""
+
+
+def wall(cmd, env):
+    t0 = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def startup(size, repeats):
+    """Whole processes, one after the other: ours cold, ours warm, transformers, `repeats` times."""
+    rows, ratios = [], {"cold": [], "warm": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.path.join(tmp, "model")
+        random_hf_model(0, **HF_SIZES[size]).save_pretrained(model_dir)
+        for i in range(repeats):
+            env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(tmp, f"jax-cache-{i}"))  # new: cold
+            ours = [sys.executable, "sample.py", f"--init_from={model_dir}", *SAMPLE_ARGS]
+            cold, warm = wall(ours, env), wall(ours, env)
+            theirs = wall([sys.executable, "-c", TRANSFORMERS_SCRIPT, model_dir], env)
+            ratios["cold"].append(cold / theirs)
+            ratios["warm"].append(warm / theirs)
+            rows.append([str(i), cold, warm, theirs, f"{cold / theirs:.2f}x", f"{warm / theirs:.2f}x"])
+            print(f"round {i}: sample.py cold {cold:.1f}s, warm {warm:.1f}s; transformers {theirs:.1f}s", flush=True)
+    print(f"\n{size}-shaped random weights; `python sample.py --init_from=DIR {' '.join(SAMPLE_ARGS)}` vs "
+          f"transformers from_pretrained + generate(200, do_sample, top_k=200); {os.cpu_count()} cores")
+    print_table(rows, ["round", "ours cold s", "ours warm s", "transformers s", "cold / transformers",
+                       "warm / transformers"])
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    print(f"median: cold {median(ratios['cold']):.2f}x, warm {median(ratios['warm']):.2f}x transformers' time")
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,7 +137,11 @@ def main(argv=None):
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--new-tokens", type=int, default=500)
     p.add_argument("--nocache-steps", type=int, default=1, help="steps timed on the no-cache path")
+    p.add_argument("--startup", action="store_true", help="time whole processes instead (see above)")
+    p.add_argument("--repeats", type=int, default=3, help="--startup: rounds")
     args = p.parse_args(argv)
+    if args.startup:
+        return startup(args.size, args.repeats)
     if args.new_tokens < 1 or min(args.batch) < 1 or args.nocache_steps < 1:
         raise UsageError("--new-tokens, --batch and --nocache-steps must be >= 1")
     if args.nocache_steps > args.new_tokens:

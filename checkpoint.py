@@ -1,5 +1,6 @@
 """
-Checkpoints, and the one place that resolves `init_from` for train.py, sample.py and hellaswag.py.
+Checkpoints, the one place that resolves `init_from` for train.py, sample.py and hellaswag.py, and the
+persistent compilation cache their processes share.
 
 On disk (orbax CheckpointManager): out_dir/ckpt/<iter>/{params, opt_state, meta}. `meta` is JSON:
 iter_num, best_val_loss, model_args (GPTConfig), config (the training settings), loader (data position),
@@ -17,7 +18,6 @@ from contextlib import closing, contextmanager
 from dataclasses import asdict
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 import sharding as sharding_  # `sharding` is restore's argument
@@ -38,6 +38,7 @@ def ckpt_dir(out_dir):
 
 
 def manager(out_dir, max_to_keep=3):
+    import orbax.checkpoint as ocp  # here, not at the top: a process that loads HF weights never pays its import
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
     return ocp.CheckpointManager(ckpt_dir(out_dir), options=options)
 
@@ -45,6 +46,8 @@ def manager(out_dir, max_to_keep=3):
 def save(mngr, iter_num, params, opt_state, meta):
     """Write one checkpoint (async: the host goes on; `wait_saved(mngr)` before exit). A failure, now or in the
     background, stops the run with one line (see check_saved)."""
+    import orbax.checkpoint as ocp
+
     with _save_errors(mngr):
         mngr.save(iter_num, force=True, args=ocp.args.Composite(
             params=ocp.args.StandardSave(params),
@@ -79,10 +82,13 @@ def _first_line(e):
 
 
 def _reader(path):
+    import orbax.checkpoint as ocp
+
     return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False))
 
 
-def latest_step(out_dir):
+def all_steps(out_dir):
+    """The saved steps in out_dir, oldest first; none is an error naming the fix."""
     path = ckpt_dir(out_dir)
     steps = []
     if os.path.isdir(path):
@@ -90,7 +96,7 @@ def latest_step(out_dir):
             steps = mngr.all_steps()
     if not steps:
         raise InputNotFound(f"no checkpoint in {path}: train first (python train.py ...) or check --out_dir")
-    return max(steps)
+    return sorted(steps)
 
 
 def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
@@ -98,7 +104,13 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
     and `opt_state` are templates (abstract or concrete) of what to read; None skips that item. `sharding`:
     where the arrays go, whatever mesh saved them: one Sharding for all (default: the first device), or
     {'params': tree of shardings, 'opt_state': tree of shardings}. Each process reads only its shards."""
-    step = latest_step(out_dir) if step is None else step
+    steps = all_steps(out_dir)
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise CheckpointError(f"no checkpoint of step {step} in {ckpt_dir(out_dir)}: it has steps "
+                              f"{', '.join(map(str, steps))}")
+    import orbax.checkpoint as ocp
+
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     per_item = (lambda k: sharding) if isinstance(sharding, jax.sharding.Sharding) else sharding.__getitem__
     items = {"meta": ocp.args.JsonRestore()}
@@ -194,19 +206,35 @@ def model_config_from_meta(meta, dtype=None, dropout=None):
     return GPTConfig(**args)
 
 
-def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0):
-    """A GPT for inference from `init_from`: 'resume' (the latest checkpoint in out_dir), a GPT-2 name
-    (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or an HF directory. Returns (model, training config dict from
-    the checkpoint, or None for HF weights)."""
+def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0, step=None):
+    """A GPT for inference from `init_from`: 'resume' (the latest checkpoint in out_dir, or `step`), a GPT-2
+    name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), an HF directory or a nanoGPT ckpt.pt (or its out_dir).
+    Returns (model, training config dict: ours, nanoGPT's, or None for HF weights)."""
     if init_from == "scratch":
-        raise UsageError("init_from='scratch' has no weights to load: use resume, a gpt2* name or an HF directory")
+        raise UsageError("init_from='scratch' has no weights to load: use resume, a gpt2* name, an HF directory "
+                         "or a nanoGPT ckpt.pt")
     if init_from != "resume":
-        return GPT.from_pretrained(init_from, dropout=dropout, dtype=dtype), None
-    meta = restore(out_dir)["meta"]
+        from weights import load_pretrained
+
+        return load_pretrained(init_from, dropout=dropout, dtype=dtype)
+    step = all_steps(out_dir)[-1] if step is None else step
+    meta = restore(out_dir, step=step)["meta"]
     model = nnx.eval_shape(lambda: GPT(model_config_from_meta(meta, dtype, dropout), nnx.Rngs(0)))
-    params = restore(out_dir, params=nnx.state(model))["params"]
+    params = restore(out_dir, params=nnx.state(model), step=step)["params"]
     nnx.update(model, params)
     return model, meta["config"]
+
+
+def use_compilation_cache():
+    """JAX's persistent compilation cache, on by default, so that a second run of a command compiles nothing:
+    in $JAX_COMPILATION_CACHE_DIR (JAX's own setting: set it to move the cache, set it empty to turn it off),
+    else in nanogpt-jax/jax under the user's cache directory ($XDG_CACHE_HOME or ~/.cache). Call it before
+    anything is compiled."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache, "nanogpt-jax", "jax"))
+    # every compilation, not only those over 1 s (JAX's default): start-up is many small ones
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def meta_for(model_config: GPTConfig, config: dict, iter_num, best_val_loss, loader_state):

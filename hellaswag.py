@@ -390,16 +390,16 @@ def evaluate_torch(hf_model, examples, progress=False):
 
 def load_torch_model(init_from, out_dir):
     """GPT2LMHeadModel for the torch backend: a hub name or HF directory directly; our own checkpoint
-    (resume) through an HF export to a temporary directory."""
-    from model import load_hf_model
+    (resume) or a nanoGPT ckpt.pt through an HF export to a temporary directory."""
+    from weights import load_hf_model, nanogpt_checkpoint
 
-    if init_from != "resume":
+    if init_from != "resume" and not nanogpt_checkpoint(init_from):
         return load_hf_model(init_from)
     import tempfile
 
     from checkpoint import load_model
 
-    model, _ = load_model("resume", out_dir)
+    model, _ = load_model(init_from, out_dir)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         return load_hf_model(tmp)
@@ -408,7 +408,8 @@ def load_torch_model(init_from, out_dir):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--init_from", default="gpt2", help="resume (from --out_dir) | gpt2* | an HF GPT-2 directory")
+    p.add_argument("--init_from", default="gpt2",
+                   help="resume (from --out_dir) | gpt2* | an HF GPT-2 directory | a nanoGPT ckpt.pt")
     p.add_argument("--out_dir", default="out", help="checkpoint directory for --init_from=resume")
     p.add_argument("--split", default="val", choices=["train", "val", "test"], help="which file to download")
     p.add_argument("--path", default=None, help="a local HellaSwag jsonl (no download)")
@@ -432,8 +433,9 @@ def main(argv=None):
     if args.backend == "jax":
         import jax
 
-        from checkpoint import load_model
+        from checkpoint import load_model, use_compilation_cache
 
+        use_compilation_cache()
         model, _ = load_model(args.init_from, args.out_dir, args.dtype)
         block_size, n_params = model.config.block_size, model.num_params() / 1e6
         where = f"jax {args.dtype} on {jax.device_count()} {jax.devices()[0].platform} device(s)"

@@ -1,14 +1,12 @@
 """
-GPT-2 in JAX (flax nnx), numerically GPT-2's: tanh GELU, LayerNorm eps 1e-5, tied lm_head.
+GPT-2 in JAX (flax nnx), numerically GPT-2's: tanh GELU (or nanoGPT's exact one), LayerNorm eps 1e-5, tied lm_head.
 References:
 1) OpenAI's GPT-2 TensorFlow implementation: https://github.com/openai/gpt-2/blob/master/src/model.py
 2) huggingface/transformers GPT2LMHeadModel (the parity reference), and karpathy/nanoGPT's model.py.
 """
 
 import functools
-import json
 import math
-import os
 from dataclasses import asdict, dataclass
 
 import jax
@@ -18,8 +16,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import sharding
-
-from configurator import InputNotFound, UsageError
 
 
 @dataclass
@@ -31,6 +27,7 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0  # residual, embedding and attention dropout (HF: resid/embd/attn_pdrop)
     bias: bool = True  # biases in Linears and LayerNorms (GPT-2: True)
+    gelu: str = "tanh"  # 'tanh': GPT-2's approximation (HF gelu_new) | 'exact': erf, nanoGPT's F.gelu (HF gelu)
     dtype: str = "float32"  # compute dtype, 'float32' | 'bfloat16'; params are always float32
 
     def __post_init__(self):
@@ -38,6 +35,8 @@ class GPTConfig:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.gelu not in ("tanh", "exact"):
+            raise ValueError(f"gelu must be 'tanh' (GPT-2) or 'exact' (nanoGPT), got {self.gelu!r}")
 
     @property
     def compute_dtype(self):
@@ -152,15 +151,16 @@ class CausalSelfAttention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
         self.dropout = config.dropout
+        self.approximate_gelu = config.gelu == "tanh"
         self.c_fc = linear(config.n_embd, 4 * config.n_embd, config, rngs)
         self.c_proj = linear(4 * config.n_embd, config.n_embd, config, rngs, std=0.02 / math.sqrt(2 * config.n_layer),
                              row_parallel=True)
 
     def __call__(self, x, key=None):
-        # GPT-2's gelu is the tanh approximation (HF "gelu_new"); nanoGPT's exact erf GELU is not GPT-2
+        # GPT-2's gelu is the tanh approximation (HF "gelu_new"); nanoGPT's is the exact erf GELU (config.gelu)
         B, T, C = x.shape
         # 2-D matmuls: XLA:CPU fuses the GELU into a (B, T, C) matmul badly (4x slower); free elsewhere
-        h = jax.nn.gelu(self.c_fc(x.reshape(B * T, C)), approximate=True)  # (B*T, 4C)
+        h = jax.nn.gelu(self.c_fc(x.reshape(B * T, C)), approximate=self.approximate_gelu)  # (B*T, 4C)
         return dropout(self.c_proj(h), self.dropout, key).reshape(B, T, C)
 
 
@@ -325,26 +325,19 @@ class GPT(nnx.Module):
     def from_pretrained(cls, name_or_path, dropout=0.0, dtype="float32", mesh=None):
         """GPT-2 weights from the HF hub by name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; the local HF
         cache is used when present) or from a local directory written by `save_pretrained`. With a `mesh`,
-        each tensor goes straight into its shards (sharding.PARAM_SPECS)."""
-        hf_config, state = load_hf_state_dict(name_or_path)
-        config = config_from_hf(hf_config, dropout=dropout, dtype=dtype)
-        model = nnx.eval_shape(lambda: cls(config, nnx.Rngs(0)))
-        load_state_dict(model, state, mesh)
-        return model
+        cache is used when present), a local HF directory (as `save_pretrained` writes it) or a nanoGPT
+        ckpt.pt (the file or its out_dir). No torch, except for a .pt or a pytorch_model.bin (weights.py). With a
+        `mesh`, each tensor goes straight into its shards (sharding.PARAM_SPECS)."""
+        from weights import load_pretrained
+
+        return load_pretrained(name_or_path, dropout=dropout, dtype=dtype, mesh=mesh)[0]
 
     def save_pretrained(self, out_dir):
         """Write an HF GPT-2 directory (config.json + model.safetensors) that
         transformers.GPT2LMHeadModel.from_pretrained(out_dir) loads."""
-        import torch
-        from transformers import GPT2LMHeadModel
+        from weights import save_hf
 
-        hf_model = GPT2LMHeadModel(hf_config_from(self.config))
-        state = {k: torch.from_numpy(np.array(v)) for k, v in state_dict(self).items()}
-        state["lm_head.weight"] = state["transformer.wte.weight"]
-        missing, unexpected = hf_model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]
-        assert not missing and not unexpected, (missing, unexpected)
-        hf_model.save_pretrained(out_dir)
+        save_hf(self, out_dir)
 
 
 def check_tokens(idx, config: GPTConfig):
@@ -393,7 +386,9 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     of the tokens more likely than it is < top_p (HF's TopPLogitsWarper rule)."""
     logits = logits.astype(jnp.float32) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # (B, 1)
+        # the k-th largest as the min of the top k: slicing the last one out of top_k made XLA:CPU sort the
+        # whole vocabulary (~13 ms a step at 50257, against 0.2 ms)
+        kth = jnp.min(jax.lax.top_k(logits, top_k)[0], axis=-1, keepdims=True)  # (B, 1)
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if top_p is not None and top_p < 1.0:
         desc = -jnp.sort(-logits, axis=-1)  # (B, V), most likely first
@@ -485,142 +480,3 @@ PEAK_BF16_FLOPS = [
 def peak_flops(device):
     kind = getattr(device, "device_kind", "")
     return next((flops for name, flops in PEAK_BF16_FLOPS if name in kind), None)
-
-
-# ---------------------------------------------------------------------------------------------------
-# HF GPT-2 <-> ours. The one weight map: (HF name, our path). HF's Conv1D stores weights as (in, out),
-# the layout of nnx.Linear kernels, so nothing is transposed (a torch nn.Linear checkpoint, such as
-# nanoGPT's, would need .T). HF's lm_head.weight is the same tensor as wte.weight: one row here.
-# "{i}" is the layer index.
-HF_WEIGHT_MAP = [
-    ("transformer.wte.weight", "wte.embedding"),
-    ("transformer.wpe.weight", "wpe.embedding"),
-    ("transformer.h.{i}.ln_1.weight", "h.{i}.ln_1.scale"),
-    ("transformer.h.{i}.ln_1.bias", "h.{i}.ln_1.bias"),
-    ("transformer.h.{i}.attn.c_attn.weight", "h.{i}.attn.c_attn.kernel"),
-    ("transformer.h.{i}.attn.c_attn.bias", "h.{i}.attn.c_attn.bias"),
-    ("transformer.h.{i}.attn.c_proj.weight", "h.{i}.attn.c_proj.kernel"),
-    ("transformer.h.{i}.attn.c_proj.bias", "h.{i}.attn.c_proj.bias"),
-    ("transformer.h.{i}.ln_2.weight", "h.{i}.ln_2.scale"),
-    ("transformer.h.{i}.ln_2.bias", "h.{i}.ln_2.bias"),
-    ("transformer.h.{i}.mlp.c_fc.weight", "h.{i}.mlp.c_fc.kernel"),
-    ("transformer.h.{i}.mlp.c_fc.bias", "h.{i}.mlp.c_fc.bias"),
-    ("transformer.h.{i}.mlp.c_proj.weight", "h.{i}.mlp.c_proj.kernel"),
-    ("transformer.h.{i}.mlp.c_proj.bias", "h.{i}.mlp.c_proj.bias"),
-    ("transformer.ln_f.weight", "ln_f.scale"),
-    ("transformer.ln_f.bias", "ln_f.bias"),
-]
-HF_TIED_KEY = "lm_head.weight"  # == transformer.wte.weight
-HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-
-
-def weight_map(n_layer, bias=True):
-    """[(HF name, our path)] for a model with n_layer blocks."""
-    rows = []
-    for hf, ours in HF_WEIGHT_MAP:
-        if not bias and hf.endswith(".bias"):
-            continue
-        for i in range(n_layer) if "{i}" in hf else [None]:
-            rows.append((hf.format(i=i), ours.format(i=i)))
-    return rows
-
-
-def _variable(model, path):
-    obj = model
-    for part in path.split("."):
-        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-    return obj
-
-
-def state_dict(model: GPT):
-    """Our params as {HF name: numpy array}, HF's layout."""
-    return {hf: np.asarray(_variable(model, ours)[...]) for hf, ours in weight_map(model.config.n_layer, model.config.bias)}
-
-
-def load_state_dict(model: GPT, state, mesh=None):
-    """Copy {HF name: array} into the model in place; key sets and shapes must match exactly. With a mesh,
-    each array is split by its spec as it is placed (each device receives only its shard)."""
-    rows = weight_map(model.config.n_layer, model.config.bias)
-    expected = {hf for hf, _ in rows}
-    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
-    if missing or unexpected:
-        raise UsageError(f"GPT-2 weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for hf, ours in rows:
-        var = _variable(model, ours)
-        value = np.asarray(state[hf], dtype=np.float32)
-        if value.shape != tuple(var.shape):
-            raise UsageError(f"shape mismatch for {hf}: checkpoint {value.shape}, model {tuple(var.shape)}")
-        if mesh is None:
-            var.set_value(jnp.asarray(value))
-        else:
-            spec = sharding.spec_for(ours, value.shape, mesh)
-            var.set_value(jax.device_put(value, jax.sharding.NamedSharding(mesh, spec)))
-
-
-def config_from_hf(hf_config, dropout=0.0, dtype="float32"):
-    """GPTConfig from a transformers GPT2Config; refuses the variants our model does not compute."""
-    unsupported = {
-        "activation_function": ("gelu_new", hf_config.activation_function),
-        "layer_norm_epsilon": (1e-5, hf_config.layer_norm_epsilon),
-        "n_inner": (None, hf_config.n_inner if hf_config.n_inner != 4 * hf_config.n_embd else None),
-        "scale_attn_weights": (True, hf_config.scale_attn_weights),
-        "scale_attn_by_inverse_layer_idx": (False, hf_config.scale_attn_by_inverse_layer_idx),
-        "tie_word_embeddings": (True, hf_config.tie_word_embeddings),
-    }
-    bad = {k: got for k, (want, got) in unsupported.items() if got != want}
-    if bad:
-        raise UsageError(f"not a GPT-2 architecture this model computes: {bad}")
-    return GPTConfig(block_size=hf_config.n_positions, vocab_size=hf_config.vocab_size, n_layer=hf_config.n_layer,
-                     n_head=hf_config.n_head, n_embd=hf_config.n_embd, dropout=dropout, bias=True, dtype=dtype)
-
-
-def hf_config_from(config: GPTConfig):
-    from transformers import GPT2Config
-
-    if not config.bias:
-        raise UsageError("HF GPT-2 always has biases: a bias=False model cannot be exported")
-    return GPT2Config(n_positions=config.block_size, vocab_size=config.vocab_size, n_layer=config.n_layer,
-                      n_head=config.n_head, n_embd=config.n_embd, activation_function="gelu_new",
-                      layer_norm_epsilon=1e-5, resid_pdrop=config.dropout, embd_pdrop=config.dropout,
-                      attn_pdrop=config.dropout, tie_word_embeddings=True,
-                      # <|endoftext|>, where the vocabulary has it (tiny test vocabularies do not)
-                      bos_token_id=50256 if config.vocab_size > 50256 else None,
-                      eos_token_id=50256 if config.vocab_size > 50256 else None)
-
-
-def load_hf_model(name_or_path):
-    """transformers.GPT2LMHeadModel (float32, eval) from a hub name or a local directory, with one-line
-    errors for an unknown name, an incomplete directory, or no network."""
-    from transformers import GPT2LMHeadModel
-
-    if os.path.isdir(name_or_path):
-        has_weights = any(os.path.exists(os.path.join(name_or_path, f))
-                          for f in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
-        if not os.path.exists(os.path.join(name_or_path, "config.json")) or not has_weights:
-            raise InputNotFound(f"{name_or_path} is not an HF GPT-2 directory: it needs config.json and "
-                                "model.safetensors (as written by save_pretrained)")
-        with open(os.path.join(name_or_path, "config.json")) as f:
-            model_type = json.load(f).get("model_type")
-        if model_type != "gpt2":
-            raise UsageError(f"{name_or_path} holds a {model_type!r} model, not gpt2")
-    elif name_or_path not in HF_NAMES:
-        raise UsageError(f"unknown model {name_or_path!r}: use one of {', '.join(HF_NAMES)} or a local HF directory")
-    try:
-        model = GPT2LMHeadModel.from_pretrained(name_or_path, dtype="float32", attn_implementation="eager")
-    except OSError as e:
-        if os.path.isdir(name_or_path):
-            raise
-        raise InputNotFound(f"could not load {name_or_path!r} from the HF hub or the local HF cache (offline?); "
-                            "pass a local directory written by save_pretrained instead") from e
-    return model.eval()
-
-
-def load_hf_state_dict(name_or_path):
-    """(GPT2Config, {HF name: float32 numpy array}) without the attention-mask buffers."""
-    hf_model = load_hf_model(name_or_path)
-    state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()
-             if not k.endswith((".attn.bias", ".attn.masked_bias"))}
-    lm_head = state.pop(HF_TIED_KEY, None)
-    if lm_head is not None and not np.array_equal(lm_head, state["transformer.wte.weight"]):
-        raise UsageError(f"{name_or_path}: lm_head.weight differs from wte.weight; GPT-2 ties them")
-    return hf_model.config, state

@@ -5,6 +5,7 @@ Sample from a trained model: nanoGPT's sample.py, decoding all samples together 
     python sample.py --init_from=gpt2-xl --start="What is the answer to life, the universe, and everything?" \\
         --num_samples=5 --max_new_tokens=100
     python sample.py --init_from=DIR --start=FILE:prompt.txt --temperature=0     # an HF GPT-2 directory, greedy
+    python sample.py --init_from=../nanoGPT/out-shakespeare-char                  # a nanoGPT run's ckpt.pt
     python sample.py --init_from=gpt2 --num_samples=1 --stream                    # tokens printed as they come
 
 Settings as nanoGPT: an optional config file, then --key=value (configurator.py); --stream is --stream=True.
@@ -20,12 +21,13 @@ import time
 import jax
 import numpy as np
 
-from checkpoint import load_model
+from checkpoint import load_model, use_compilation_cache
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
 from tokenizer import get_encoding
 
 defaults = dict(
-    init_from="resume",  # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, or an HF directory
+    init_from="resume",  # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory, or
+    # a nanoGPT ckpt.pt (or its out_dir; a character-level run decodes with its dataset's meta.pkl)
     out_dir="out",  # ignored unless init_from is 'resume'
     start="\n",  # or "<|endoftext|>" or etc. Can also specify a file, use as: "FILE:prompt.txt"
     num_samples=10,  # number of samples to draw, decoded together as one batch
@@ -131,6 +133,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     cfg = configure(defaults, ["--stream=True" if a == "--stream" else a for a in argv])
     check_settings(cfg)
+    use_compilation_cache()
     start = read_start(cfg["start"])
 
     t0 = time.time()

@@ -51,7 +51,7 @@ DEFAULTS = dict(
     hellaswag_interval=0,  # HellaSwag (val, all devices) every N iterations and at the end; 0 = off
     hellaswag_path="",  # a local hellaswag_val.jsonl; "" = download it once (online)
     keep_checkpoints=3,  # the last K checkpoints are kept
-    init_from="scratch",  # 'scratch' | 'resume' | 'gpt2*' | an HF GPT-2 directory
+    init_from="scratch",  # 'scratch' | 'resume' | 'gpt2*' | an HF GPT-2 directory | a nanoGPT ckpt.pt (or its out_dir)
     # wandb logging
     wandb_log=False,
     wandb_project="owt",
@@ -70,6 +70,7 @@ DEFAULTS = dict(
     vocab_size=0,  # 0: from data/<dataset>/meta.pkl, else GPT-2's 50257 padded to 50304
     dropout=0.0,  # for pretraining 0 is good, for finetuning try 0.1+
     bias=False,  # do we use bias inside LayerNorm and Linear layers?
+    gelu="tanh",  # 'tanh': GPT-2's GELU | 'exact': nanoGPT's (erf; what export.py --format=nanogpt needs)
     # adamw optimizer
     learning_rate=6e-4,  # max learning rate
     max_iters=600000,  # total number of training iterations
@@ -364,7 +365,7 @@ class Trainer:
             print(f"found vocab_size = {vocab_size} (inside {meta_path})")
         return GPTConfig(block_size=c["block_size"], vocab_size=vocab_size or 50304, n_layer=c["n_layer"],
                          n_head=c["n_head"], n_embd=c["n_embd"], dropout=c["dropout"], bias=c["bias"],
-                         dtype=c["dtype"])
+                         gelu=c["gelu"], dtype=c["dtype"])
 
     def _load_hellaswag(self):
         """At start-up, so that a missing file fails now rather than at step 5000."""
@@ -601,6 +602,7 @@ def main(argv=None):
     # orbax logs a failed background save as a traceback from each of its threads (24 for a full disk); the
     # run reports that failure itself, in one line (checkpoint.check_saved)
     logging.getLogger("absl").addFilter(lambda record: record.levelno < logging.ERROR)
+    checkpoint.use_compilation_cache()
     setup_distributed()
     keep_freed_memory()
     Trainer(config).run()

@@ -278,7 +278,8 @@ def main(argv=None):
     pin_numerics()
     import jax
 
-    from model import GPT, load_hf_model
+    from model import GPT
+    from weights import load_hf_model
 
     results, (bf16_name, bf16) = run_cases(CASES, args.seed)
     if args.model:

@@ -91,7 +91,8 @@ def check(model_path, dtype="float32", text="Hello, I'm a language model,", seq_
     """Run both frameworks on `model_path` (HF name or directory); print the report; return (ok, figures)."""
     import jax
 
-    from model import GPT, load_hf_model
+    from model import GPT
+    from weights import load_hf_model
 
     pin_numerics()
     hf_model = load_hf_model(model_path)

@@ -144,7 +144,7 @@ class JaxTrainer:
     def state_dict(self):
         from flax import nnx
 
-        from model import state_dict
+        from weights import state_dict
 
         return state_dict(nnx.merge(self.graphdef, self.params))
 

@@ -57,7 +57,7 @@ class TorchTrainer:
     """The model and optimizer of nanoGPT's train.py on an HF GPT-2 directory; step() is one iteration."""
 
     def __init__(self, model_dir, c, autocast_bf16=False):
-        from model import load_hf_model
+        from weights import load_hf_model
 
         self.c, self.autocast_bf16 = c, autocast_bf16
         self.model = load_hf_model(model_dir).train()  # float32; c["dropout"] must be 0: RNGs differ across frameworks

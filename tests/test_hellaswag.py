@@ -178,7 +178,7 @@ def test_scorer_matches_numpy_from_full_logits(model, examples, jax_score):
 
 
 def test_jax_matches_torch_reference(hf_dir, examples, jax_score):
-    from model import load_hf_model
+    from weights import load_hf_model
 
     ref = hellaswag.evaluate_torch(load_hf_model(hf_dir), examples)
     assert [(x.pred, x.pred_norm) for x in jax_score.results] == [(x.pred, x.pred_norm) for x in ref.results]
@@ -200,7 +200,8 @@ MULTI_DEVICE = textwrap.dedent("""
     import jax, numpy as np
     from flax import nnx
     import hellaswag
-    from model import GPT, GPTConfig, load_state_dict
+    from model import GPT, GPTConfig
+    from weights import load_state_dict
 
     weights, out = sys.argv[1], sys.argv[2]
     config = GPTConfig(**json.load(open(weights + ".json")))
@@ -221,7 +222,7 @@ MULTI_DEVICE = textwrap.dedent("""
 def test_eight_devices_give_the_same_losses(model, jax_score, tmp_path):
     from dataclasses import asdict
 
-    from model import state_dict
+    from weights import state_dict
 
     weights = tmp_path / "w.npz"
     np.savez(weights, **state_dict(model))

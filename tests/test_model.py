@@ -15,10 +15,11 @@ import torch
 from flax import nnx
 
 from helpers import assert_close, tiny_config
-from model import GPT, GPTConfig, cross_entropy, load_hf_model
+from model import GPT, GPTConfig, cross_entropy
 from parity.check_logits import check
 from parity.common import save_random_hf_model
 from tokenizer import get_encoding
+from weights import load_hf_model
 
 
 @pytest.mark.parametrize("hf_kwargs, text", [
@@ -45,13 +46,13 @@ def test_bf16_parity_judged_against_fp32(tmp_path):
 def test_parity_detects_a_swapped_mapping(tmp_path, monkeypatch):
     """With every tensor random, swapping two rows of the weight map must fail the check (a check that
     cannot fail proves nothing; HF's own init, biases 0, would hide this swap)."""
-    import model as model_module
+    import weights
 
     path = save_random_hf_model(tmp_path / "hf", seed=3, n_layer=2, n_head=2, n_embd=64, n_positions=32,
                                 vocab_size=128)
-    table = [(hf, ours.replace("ln_1.bias", "LN1").replace("ln_2.bias", "ln_1.bias").replace("LN1", "ln_2.bias"))
-             for hf, ours in model_module.HF_WEIGHT_MAP]
-    monkeypatch.setattr(model_module, "HF_WEIGHT_MAP", table)
+    table = [(hf, ours.replace("ln_1.bias", "LN1").replace("ln_2.bias", "ln_1.bias").replace("LN1", "ln_2.bias"), linear)
+             for hf, ours, linear in weights.WEIGHT_MAP]
+    monkeypatch.setattr(weights, "WEIGHT_MAP", table)
     ok, figures = check(str(path), text="", batch=1)
     assert not ok and figures["max_rel"] > 1e-3
 

@@ -74,7 +74,7 @@ def test_token_ids_beyond_the_vocabulary_are_one_error_naming_the_data(dataset, 
                                          r"\(vocab_size 32\)|val.bin holds token id 63, .*\(vocab_size 32\)"):
         run(dataset, tmp_path, "--vocab_size=32", "--max_iters=2")
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
-        checkpoint.latest_step(tmp_path)
+        checkpoint.all_steps(tmp_path)[-1]
 
 
 def test_an_unexpected_error_in_the_loop_keeps_its_traceback(dataset, tmp_path):
@@ -145,7 +145,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_previous_checkpoint_loads
     message = str(e.value)
     assert "\n" not in message and "No space left on device" in message and "Checkpoint 2 is intact" in message
     assert t.iter_num in (5, 6)  # the failed save at 4 is reported after the next step, or at the latest at the next save
-    assert checkpoint.latest_step(tmp_path) == 2
+    assert checkpoint.all_steps(tmp_path)[-1] == 2
     restored = checkpoint.restore(tmp_path, params=t.params)
     assert restored["meta"]["iter_num"] == 2
 
@@ -195,7 +195,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resume_conti
         assert p.returncode == 0, err[-3000:]
         stopped += [int(line.split("iter ")[1].split(";")[0]) for line in stdout.splitlines()
                     if line.startswith("SIGTERM: checkpoint saved at iter")]
-    assert len(stopped) == 2 and stopped[0] == stopped[1] == checkpoint.latest_step(out), stopped
+    assert len(stopped) == 2 and stopped[0] == stopped[1] == checkpoint.all_steps(out)[-1], stopped
     n = stopped[0]
 
     port = free_port()

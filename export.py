@@ -1,0 +1,77 @@
+"""
+A checkpoint of ours out of the project: an HF GPT-2 directory, or a nanoGPT ckpt.pt.
+
+    python export.py --out_dir=out-shakespeare-char --format=hf --to=hf-shakespeare   # GPT2LMHeadModel.from_pretrained
+    python export.py --out_dir=out-shakespeare-char --format=nanogpt --to=nano-out    # nanoGPT's sample.py --out_dir
+    python export.py --out_dir=out --step=2000 --format=nanogpt --to=ckpt-2000.pt     # one step, to a file
+
+--step: a saved step (default: the latest). --to: a directory for hf; for nanogpt a directory (ckpt.pt goes in
+it, nanoGPT's out_dir layout) or a file ending in .pt. Bad input (no checkpoint, an unwritable target, a model
+the format cannot hold) fails with one line, exit code 2, and writes nothing.
+"""
+
+import os
+import sys
+
+from configurator import UsageError, configure, exit_on_bad_input
+
+defaults = dict(
+    out_dir="out",  # our training run's out_dir
+    step=-1,  # the saved step to export; -1: the latest
+    format="hf",  # 'hf' | 'nanogpt'
+    to="",  # where to write (see above)
+)
+
+
+class ExportError(UsageError):
+    pass
+
+
+def target(cfg):
+    """The path that will be written: checked writable before anything is loaded or written."""
+    to = cfg["to"]
+    if not to:
+        raise ExportError("--to is required: where to write the export")
+    if cfg["format"] not in ("hf", "nanogpt"):
+        raise ExportError(f"--format must be 'hf' or 'nanogpt', got {cfg['format']!r}")
+    path = to if cfg["format"] == "hf" or to.endswith(".pt") else os.path.join(to, "ckpt.pt")
+    directory = to if cfg["format"] == "hf" else os.path.dirname(path)
+    if os.path.exists(directory or ".") and not os.path.isdir(directory or "."):
+        raise ExportError(f"cannot write to {to}: {directory} is a file, not a directory")
+    if os.path.isdir(path):
+        raise ExportError(f"cannot write to {path}: it is a directory")
+    existing = os.path.abspath(directory or ".")
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise ExportError(f"cannot write to {to}: {existing} is not a writable directory")
+    return path
+
+
+def main(argv=None):
+    cfg = configure(defaults, sys.argv[1:] if argv is None else argv)
+    path = target(cfg)
+
+    import checkpoint
+    import weights
+
+    step = None if cfg["step"] == -1 else cfg["step"]
+    meta = checkpoint.restore(cfg["out_dir"], step=step)["meta"]
+    model, train_config = checkpoint.load_model("resume", cfg["out_dir"], step=meta["iter_num"])  # the same step
+    c = model.config
+    if cfg["format"] == "hf":
+        weights.save_hf(model, path)
+        if not c.bias:
+            print("bias=False: written with zero biases (HF's GPT-2 always has them; the same function)")
+        if c.vocab_size > 50257:
+            print(f"vocab_size {c.vocab_size} kept: GPT-2's 50257 padded, ids 50257+ are no tokens (sample.py never "
+                  "samples them; transformers' generate can)")
+    else:
+        weights.save_nanogpt(model, path, meta["iter_num"], meta["best_val_loss"], train_config)
+    print(f"wrote {path} ({cfg['format']}, step {meta['iter_num']} of {cfg['out_dir']}, "
+          f"{model.num_params() / 1e6:.2f}M params)")
+    return 0
+
+
+if __name__ == "__main__":
+    exit_on_bad_input(main)

@@ -1,0 +1,187 @@
+"""python -m pytest tests/test_weights.py -q
+
+Interop (weights.py, export.py): HF directories load without torch, bit for bit as transformers reads them;
+the exact-GELU setting; nanoGPT's ckpt.pt in (against a faithful torch nanoGPT, parity/nanogpt_reference.py)
+and out; export.py to HF (bias and no bias) and back; export.py's bad input."""
+
+import dataclasses
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import checkpoint
+import export
+import sample
+from helpers import assert_close, tiny_config
+from model import GPT
+from parity import nanogpt_reference as nanogpt
+from parity.check_logits import check
+from configurator import exit_on_bad_input
+from parity.common import random_hf_model, save_random_hf_model
+from weights import load_hf_model, model_from, read_hf_weights, state_dict
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FP32_LOGITS_TOL = 3e-6  # max |Δlogit| / max |logit|, the fp32 parity bar (parity.check_logits)
+TINY_HF = dict(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
+
+
+def rel_diff(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
+def test_hf_directories_load_without_torch_bit_identical_to_transformers(tmp_path):
+    """A tanh-GELU and an exact-GELU directory, loaded in one process where torch and transformers cannot be
+    imported; the params equal what transformers reads, bit for bit."""
+    dirs = {act: str(save_random_hf_model(tmp_path / act, seed=7, activation_function=act, **TINY_HF))
+            for act in ("gelu_new", "gelu")}
+    script = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+              "import numpy as np; from model import GPT; from weights import state_dict\n"
+              f"for name, path in {dirs!r}.items():\n"
+              "    m = GPT.from_pretrained(path); print(name, m.config.gelu)\n"
+              f"    np.savez(f'{tmp_path}/{{name}}.npz', **state_dict(m))\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["gelu_new", "tanh", "gelu", "exact"]
+    for act, path in dirs.items():
+        ours = dict(np.load(tmp_path / f"{act}.npz"))
+        reference = {k: v.numpy() for k, v in load_hf_model(path).state_dict().items()
+                     if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        assert ours.keys() == reference.keys()
+        for k in ours:
+            np.testing.assert_array_equal(ours[k], reference[k], err_msg=k)
+
+
+def test_exact_gelu_logits_match_transformers(tmp_path):
+    """HF's activation_function="gelu" computes the exact GELU; so must the model loaded from it (with the
+    tanh one the logits differ far beyond the bar: the check can fail)."""
+    hf_model = random_hf_model(seed=8, activation_function="gelu", **TINY_HF)
+    with torch.no_grad():  # MLP inputs of order 1, where the two GELUs differ (at 0.02-scale weights they agree)
+        for block in hf_model.transformer.h:
+            block.mlp.c_fc.weight.mul_(30)
+    hf_dir = tmp_path / "hf"
+    hf_model.save_pretrained(hf_dir)
+    ok, figures = check(str(hf_dir), text="", batch=2)
+    assert ok and figures["max_rel"] < FP32_LOGITS_TOL, figures
+    exact = GPT.from_pretrained(str(hf_dir))
+    tanh = model_from(dataclasses.replace(exact.config, gelu="tanh"), read_hf_weights(str(hf_dir)))
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 16))
+    assert rel_diff(tanh(tokens)[0], exact(tokens)[0]) > 10 * FP32_LOGITS_TOL
+
+
+def random_nanogpt(seed=0, bias=True, flash=True, **kw):
+    """nanoGPT's GPT with every tensor random (its init leaves biases 0 and LayerNorms 1)."""
+    torch.manual_seed(seed)
+    config = nanogpt.GPTConfig(**{"block_size": 32, "vocab_size": 65, "n_layer": 2, "n_head": 2, "n_embd": 48,
+                                  "bias": bias, **kw})
+    model = nanogpt.GPT(config, flash=flash).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            base = 1.0 if ("ln_" in name and name.endswith(".weight")) else 0.0
+            p.copy_(base + (0.1 if "ln_" in name else 0.02) * torch.randn(p.shape))
+    return model
+
+
+def nanogpt_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens), torch.from_numpy(tokens))[0].numpy()  # all positions
+
+
+@pytest.mark.parametrize("bias, flash, compiled", [(True, True, True), (False, False, False)])
+def test_nanogpt_ckpt_in_gives_its_logits(tmp_path, bias, flash, compiled):
+    """torch.compile's `_orig_mod.` prefix, no flash attention (the attn.bias mask buffer), bias=False."""
+    ref = random_nanogpt(seed=1, bias=bias, flash=flash)
+    if not flash:
+        assert "transformer.h.0.attn.bias" in ref.state_dict()
+    nanogpt.save_ckpt(ref, tmp_path / "ckpt.pt", config={"dataset": "shakespeare_char"}, compiled=compiled)
+    model, train_config = checkpoint.load_model(str(tmp_path))  # a nanoGPT out_dir
+    assert model.config.gelu == "exact" and model.config.bias == bias and model.config.vocab_size == 65
+    assert train_config == {"dataset": "shakespeare_char"}
+    tokens = np.random.default_rng(0).integers(0, 65, (2, 32))
+    assert rel_diff(model(tokens)[0], nanogpt_logits(ref, tokens)) < FP32_LOGITS_TOL
+
+
+def save_ours(out_dir, model, config, iter_num=5):
+    """A checkpoint as train.py writes it (the optimizer state is not what an export reads)."""
+    mngr = checkpoint.manager(out_dir)
+    meta = checkpoint.meta_for(model.config, config, iter_num, 1.5, {})
+    checkpoint.save(mngr, iter_num, nnx.state(model), {"count": np.zeros((), np.int32)}, meta)
+    mngr.wait_until_finished()
+    mngr.close()
+
+
+def test_export_nanogpt_loads_in_nanogpt_with_the_same_logits(tmp_path):
+    model = GPT(tiny_config(gelu="exact", bias=False, vocab_size=65), nnx.Rngs(3))
+    save_ours(tmp_path / "run", model, {"dataset": "shakespeare_char"})
+    assert export.main([f"--out_dir={tmp_path / 'run'}", "--format=nanogpt", f"--to={tmp_path / 'nano'}"]) == 0
+    ref, ckpt = nanogpt.load_ckpt(tmp_path / "nano" / "ckpt.pt")  # strict: nanoGPT's exact key set
+    assert ckpt["iter_num"] == 5 and ckpt["config"]["dataset"] == "shakespeare_char"
+    assert ckpt["model_args"] == dict(n_layer=2, n_head=2, n_embd=64, block_size=32, bias=False, vocab_size=65,
+                                      dropout=0.0)
+    tokens = np.random.default_rng(0).integers(0, 65, (2, 32))
+    assert rel_diff(nanogpt_logits(ref, tokens), model(tokens)[0]) < FP32_LOGITS_TOL
+    back, _ = checkpoint.load_model(str(tmp_path / "nano"))  # and in again: the same params, bit for bit
+    for k, v in state_dict(model).items():
+        np.testing.assert_array_equal(state_dict(back)[k], v, err_msg=k)
+
+
+def test_sample_greedy_on_a_char_level_nanogpt_ckpt_equals_nanogpt(tmp_path, capsys):
+    chars = sorted(set("\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz-&$3"))
+    assert len(chars) == 65  # shakespeare_char's vocabulary size
+    with open(tmp_path / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 65, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}, f)
+    ref = random_nanogpt(seed=2)
+    nanogpt.save_ckpt(ref, tmp_path / "ckpt.pt", config={"dataset": str(tmp_path)})
+    assert sample.main([f"--init_from={tmp_path / 'ckpt.pt'}", "--start=ROMEO:", "--temperature=0",
+                        "--num_samples=1", "--max_new_tokens=24"]) == 0
+    text = capsys.readouterr().out.split("\n" + sample.SEPARATOR)[0]
+    start = torch.tensor([[chars.index(c) for c in "ROMEO:"]])
+    expected = "".join(chars[i] for i in ref.generate(start, 24, temperature=0)[0].tolist())
+    assert text == expected
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_export_hf_gives_our_logits_in_transformers_and_round_trips(tmp_path, bias):
+    model = GPT(tiny_config(bias=bias), nnx.Rngs(4))
+    save_ours(tmp_path / "run", model, {"dataset": "x"})
+    assert export.main([f"--out_dir={tmp_path / 'run'}", "--format=hf", f"--to={tmp_path / 'hf'}"]) == 0
+    tokens = np.random.default_rng(0).integers(0, 128, (2, 32))
+    with torch.no_grad():
+        theirs = load_hf_model(str(tmp_path / "hf"))(torch.from_numpy(tokens)).logits.numpy()
+    assert rel_diff(theirs, model(tokens)[0]) < FP32_LOGITS_TOL
+    back, _ = checkpoint.load_model(str(tmp_path / "hf"))  # init_from=DIR
+    exported = state_dict(back)
+    for k, v in state_dict(model, zero_biases=True).items():
+        np.testing.assert_array_equal(exported[k], v, err_msg=k)
+    assert any(k.endswith(".bias") for k in exported) and (bias or not any(
+        exported[k].any() for k in exported if k.endswith(".bias")))
+
+
+def test_export_cli_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
+    save_ours(tmp_path / "tanh", GPT(tiny_config(), nnx.Rngs(0)), {})
+    (tmp_path / "a_file").write_text("")
+    cases = [
+        ([f"--out_dir={tmp_path / 'nothing'}", f"--to={tmp_path / 'o1'}"], "no checkpoint in"),
+        ([f"--out_dir={tmp_path / 'tanh'}", "--step=7", f"--to={tmp_path / 'o2'}"], "no checkpoint of step 7"),
+        ([f"--out_dir={tmp_path / 'tanh'}", "--format=nanogpt", f"--to={tmp_path / 'o3'}"], "exact GELU"),
+        ([f"--out_dir={tmp_path / 'tanh'}", "--format=onnx", f"--to={tmp_path / 'o4'}"], "--format must be"),
+        ([f"--out_dir={tmp_path / 'tanh'}"], "--to is required"),
+        ([f"--out_dir={tmp_path / 'tanh'}", f"--to={tmp_path / 'a_file' / 'hf'}"], "cannot write to"),
+        ([f"--out_dir={tmp_path / 'tanh'}", "--format=nanogpt", f"--to={tmp_path / 'a_file'}"], "cannot write to"),
+    ]
+    before = sorted(os.listdir(tmp_path))
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            exit_on_bad_input(lambda: export.main(argv))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and err.count("\n") == 1, (argv, err)
+    assert sorted(os.listdir(tmp_path)) == before
+    cli = subprocess.run([sys.executable, "export.py", f"--out_dir={tmp_path / 'nothing'}", "--to=x"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert cli.returncode == 2 and cli.stderr.startswith("error: no checkpoint in") and cli.stderr.count("\n") == 1

@@ -1,0 +1,344 @@
+"""
+GPT-2 weights in and out of other formats, for GPT.from_pretrained / save_pretrained and export.py:
+
+- HF GPT-2 directories (config.json + model.safetensors, or a sharded index), read and written with
+  safetensors' numpy API: no torch. By hub name they come through huggingface_hub (its cache, HF_HOME,
+  HF_HUB_OFFLINE). Only a directory holding nothing but pytorch_model.bin needs torch.
+- nanoGPT's ckpt.pt (torch.save of {'model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss',
+  'config'}): torch is needed to read or write it, imported only then.
+
+Readers return a lazy {HF name: array} mapping: a tensor is read from disk when load_state_dict places it.
+"""
+
+import json
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+from configurator import InputNotFound, UsageError
+from model import GPT, GPTConfig
+
+# The one weight map: (HF name, our path, nn.Linear weight?). HF's Conv1D stores weights as (in, out), the
+# layout of nnx.Linear kernels: copied as they are. nanoGPT's state dict has the same names, but its torch
+# nn.Linear weights are (out, in): the rows marked True are transposed to and from it. HF's and nanoGPT's
+# lm_head.weight is the same tensor as wte.weight: one row here. "{i}" is the layer index.
+WEIGHT_MAP = [
+    ("transformer.wte.weight", "wte.embedding", False),
+    ("transformer.wpe.weight", "wpe.embedding", False),
+    ("transformer.h.{i}.ln_1.weight", "h.{i}.ln_1.scale", False),
+    ("transformer.h.{i}.ln_1.bias", "h.{i}.ln_1.bias", False),
+    ("transformer.h.{i}.attn.c_attn.weight", "h.{i}.attn.c_attn.kernel", True),
+    ("transformer.h.{i}.attn.c_attn.bias", "h.{i}.attn.c_attn.bias", False),
+    ("transformer.h.{i}.attn.c_proj.weight", "h.{i}.attn.c_proj.kernel", True),
+    ("transformer.h.{i}.attn.c_proj.bias", "h.{i}.attn.c_proj.bias", False),
+    ("transformer.h.{i}.ln_2.weight", "h.{i}.ln_2.scale", False),
+    ("transformer.h.{i}.ln_2.bias", "h.{i}.ln_2.bias", False),
+    ("transformer.h.{i}.mlp.c_fc.weight", "h.{i}.mlp.c_fc.kernel", True),
+    ("transformer.h.{i}.mlp.c_fc.bias", "h.{i}.mlp.c_fc.bias", False),
+    ("transformer.h.{i}.mlp.c_proj.weight", "h.{i}.mlp.c_proj.kernel", True),
+    ("transformer.h.{i}.mlp.c_proj.bias", "h.{i}.mlp.c_proj.bias", False),
+    ("transformer.ln_f.weight", "ln_f.scale", False),
+    ("transformer.ln_f.bias", "ln_f.bias", False),
+]
+TIED_KEY = "lm_head.weight"  # == transformer.wte.weight, in HF's and nanoGPT's state dicts
+HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+# causal-mask buffers, not weights: HF's, and nanoGPT's attn.bias when torch has no flash attention
+MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
+COMPILED_PREFIX = "_orig_mod."  # torch.compile'd models save their state dict under it
+# HF activation_function -> GPTConfig.gelu. GPT-2's "gelu_new" is the tanh approximation; "gelu" is exact (erf)
+HF_GELU = {"gelu_new": "tanh", "gelu": "exact"}
+NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")  # its model_args
+
+
+def weight_map(n_layer, bias=True):
+    """[(HF name, our path, nn.Linear weight?)] for a model with n_layer blocks."""
+    rows = []
+    for hf, ours, linear in WEIGHT_MAP:
+        if not bias and hf.endswith(".bias"):
+            continue
+        for i in range(n_layer) if "{i}" in hf else [None]:
+            rows.append((hf.format(i=i), ours.format(i=i), linear))
+    return rows
+
+
+def _variable(model, path):
+    obj = model
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def state_dict(model: GPT, zero_biases=False):
+    """Our params as {HF name: float32 numpy array}, HF's layout. zero_biases: a bias=False model with the
+    biases HF's GPT-2 always has, as zeros (the same function)."""
+    state = {hf: np.asarray(_variable(model, ours)[...]) for hf, ours, _ in weight_map(model.config.n_layer,
+                                                                                       model.config.bias)}
+    if zero_biases and not model.config.bias:
+        for hf, _, _ in weight_map(model.config.n_layer):
+            if hf not in state:  # a bias is as long as its weight's last axis (HF's layout: out)
+                state[hf] = np.zeros(state[hf.replace(".bias", ".weight")].shape[-1], np.float32)
+    return state
+
+
+def load_state_dict(model: GPT, state, mesh=None):
+    """Copy {HF name: array} (HF's layout) into the model in place; key sets and shapes must match exactly.
+    The one function that puts arrays into a model: each value is read from `state` here, once. With a mesh,
+    each is split by its spec as it is placed (each device receives only its shard)."""
+    import jax
+    import jax.numpy as jnp
+
+    import sharding
+
+    rows = weight_map(model.config.n_layer, model.config.bias)
+    expected = {hf for hf, _, _ in rows}
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise UsageError(f"GPT-2 weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for hf, ours, _ in rows:
+        var = _variable(model, ours)
+        value = np.asarray(state[hf], dtype=np.float32)
+        if value.shape != tuple(var.shape):
+            raise UsageError(f"shape mismatch for {hf}: checkpoint {value.shape}, model {tuple(var.shape)}")
+        if mesh is None:
+            var.set_value(jnp.asarray(value))
+        else:
+            spec = sharding.spec_for(ours, value.shape, mesh)
+            var.set_value(jax.device_put(value, jax.sharding.NamedSharding(mesh, spec)))
+
+
+def model_from(config: GPTConfig, state, mesh=None):
+    """A GPT holding `state` ({HF name: array}), with no random init on the way."""
+    from flax import nnx
+
+    model = nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0)))
+    load_state_dict(model, state, mesh)
+    return model
+
+
+class LazyState(Mapping):
+    """{name: array} whose values are read when asked for: read(name) -> numpy array."""
+
+    def __init__(self, names, read):
+        self._names, self._read = list(names), read
+
+    def __getitem__(self, name):
+        if name not in self._names:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self):
+        return len(self._names)
+
+
+def _hf_name(name):
+    """HF's names, with the 'transformer.' prefix: GPT2LMHeadModel writes it, GPT2Model (OpenAI's gpt2 on
+    the hub) does not."""
+    return name if name.startswith("transformer.") or name == TIED_KEY else "transformer." + name
+
+
+def _untied(state, where):
+    """state without lm_head.weight, which must be wte.weight."""
+    if TIED_KEY not in state:
+        return state
+    if not np.array_equal(np.asarray(state[TIED_KEY]), np.asarray(state["transformer.wte.weight"])):
+        raise UsageError(f"{where}: lm_head.weight differs from wte.weight; GPT-2 ties them")
+    return LazyState([k for k in state if k != TIED_KEY], state.__getitem__)
+
+
+# ---------------------------------------------------------------------------------------------------
+# HF GPT-2 directories
+
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def hf_directory(name_or_path):
+    """A local HF GPT-2 directory: the path itself, or the hub model's snapshot in the HF cache (downloaded
+    once; offline with HF_HUB_OFFLINE=1)."""
+    if os.path.isdir(name_or_path):
+        if not os.path.exists(os.path.join(name_or_path, "config.json")) or not any(
+                os.path.exists(os.path.join(name_or_path, f)) for f in HF_WEIGHT_FILES):
+            raise InputNotFound(f"{name_or_path} is not an HF GPT-2 directory: it needs config.json and "
+                                    "model.safetensors (as written by save_pretrained)")
+        return name_or_path
+    if name_or_path not in HF_NAMES:
+        raise UsageError(f"unknown model {name_or_path!r}: use one of {', '.join(HF_NAMES)}, an HF directory "
+                         "or a nanoGPT ckpt.pt")
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = snapshot_download(name_or_path, allow_patterns=["config.json", "model.safetensors*"])
+    except OSError as e:  # no network, not in the cache, hub errors
+        raise InputNotFound(f"could not load {name_or_path!r} from the HF hub or the local HF cache (offline?); "
+                      "pass a local directory written by save_pretrained instead") from e
+    return path
+
+
+def read_hf_config(path):
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    if hf.get("model_type") != "gpt2":
+        raise UsageError(f"{path} holds a {hf.get('model_type')!r} model, not gpt2")
+    return hf
+
+
+def read_hf_weights(path):
+    """{HF name: array}, lazily, from model.safetensors, a sharded index, or (with torch) pytorch_model.bin;
+    without the causal-mask buffers and lm_head.weight (checked to be wte.weight)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        files = {None: os.path.join(path, "model.safetensors")}
+    elif os.path.exists(index):
+        with open(index) as f:
+            shard_of = json.load(f)["weight_map"]  # {name: shard file}
+        files = {shard: os.path.join(path, shard) for shard in set(shard_of.values())}
+    else:
+        import torch
+
+        state = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        state = {_hf_name(k): v.float().numpy() for k, v in state.items() if not k.endswith(MASK_BUFFERS)}
+        return _untied(state, path)
+    from safetensors import safe_open
+
+    handles = {shard: safe_open(file, framework="numpy") for shard, file in files.items()}
+    where = {_hf_name(name): (h, name) for h in handles.values() for name in h.keys()
+             if not name.endswith(MASK_BUFFERS)}
+
+    def read(name):
+        handle, stored = where[name]
+        return handle.get_tensor(stored)
+
+    return _untied(LazyState(where, read), path)
+
+
+def config_from_hf(hf: dict, dropout=0.0, dtype="float32"):
+    """GPTConfig from an HF GPT-2 config.json (a dict: keys left out have GPT2Config's defaults); refuses the
+    variants our model does not compute."""
+    n_embd = hf.get("n_embd", 768)
+    activation = hf.get("activation_function", "gelu_new")
+    unsupported = {
+        "activation_function": (activation if activation in HF_GELU else "gelu_new", activation),
+        "layer_norm_epsilon": (1e-5, hf.get("layer_norm_epsilon", 1e-5)),
+        "n_inner": (None, hf.get("n_inner") if hf.get("n_inner") != 4 * n_embd else None),
+        "scale_attn_weights": (True, hf.get("scale_attn_weights", True)),
+        "scale_attn_by_inverse_layer_idx": (False, hf.get("scale_attn_by_inverse_layer_idx", False)),
+        "tie_word_embeddings": (True, hf.get("tie_word_embeddings", True)),
+    }
+    bad = {k: got for k, (want, got) in unsupported.items() if got != want}
+    if bad:
+        raise UsageError(f"not a GPT-2 architecture this model computes: {bad}")
+    return GPTConfig(block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
+                     n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd, dropout=dropout,
+                     bias=True, gelu=HF_GELU[activation], dtype=dtype)
+
+
+def hf_config_for(config: GPTConfig):
+    """config.json for transformers' GPT2LMHeadModel computing what `config` computes."""
+    eot = 50256 if config.vocab_size > 50256 else None  # <|endoftext|>, where the vocabulary has it
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_positions": config.block_size,
+            "vocab_size": config.vocab_size, "n_layer": config.n_layer, "n_head": config.n_head,
+            "n_embd": config.n_embd, "activation_function": {v: k for k, v in HF_GELU.items()}[config.gelu],
+            "layer_norm_epsilon": 1e-5, "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
+            "attn_pdrop": config.dropout, "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot,
+            "dtype": "float32"}
+
+
+def load_hf(name_or_path, dropout=0.0, dtype="float32", mesh=None):
+    path = hf_directory(name_or_path)
+    return model_from(config_from_hf(read_hf_config(path), dropout, dtype), read_hf_weights(path), mesh)
+
+
+def save_hf(model: GPT, out_dir):
+    """An HF GPT-2 directory (config.json + model.safetensors) that GPT2LMHeadModel.from_pretrained loads;
+    a bias=False model gets zero biases (HF's GPT-2 always has them: the same function)."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config_for(model.config), f, indent=2)
+    # lm_head.weight is left out, as transformers' save_pretrained leaves out a tied weight
+    save_file(state_dict(model, zero_biases=True), os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+# ---------------------------------------------------------------------------------------------------
+# nanoGPT's ckpt.pt
+
+NANOGPT_CKPT = "ckpt.pt"
+
+
+def nanogpt_checkpoint(init_from):
+    """The ckpt.pt that `init_from` names (the file, or a nanoGPT out_dir holding one), else None."""
+    if os.path.isfile(init_from) and init_from.endswith(".pt"):
+        return init_from
+    path = os.path.join(init_from, NANOGPT_CKPT)
+    return path if os.path.isdir(init_from) and os.path.isfile(path) else None
+
+
+def read_nanogpt(path, dropout=0.0, dtype="float32"):
+    """nanoGPT's ckpt.pt -> (GPTConfig: its model_args with the exact GELU, {HF name: array} in HF's layout,
+    lazily transposed, its training config dict)."""
+    import torch
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        args, model_state = ckpt["model_args"], ckpt["model"]
+    except Exception as e:  # torch raises many kinds for a file that is not a checkpoint
+        raise UsageError(f"{path} is not a nanoGPT checkpoint ({type(e).__name__}: {str(e)[:200]})") from e
+    # nanoGPT's GPT computes F.gelu, the exact erf GELU
+    config = GPTConfig(**{k: args[k] for k in NANOGPT_ARGS if k != "dropout"}, dropout=dropout, gelu="exact",
+                       dtype=dtype)
+    model_state = {k.removeprefix(COMPILED_PREFIX): v for k, v in model_state.items()}
+    linear = {hf for hf, _, is_linear in weight_map(config.n_layer, config.bias) if is_linear}
+    names = [k for k in model_state if not k.endswith(MASK_BUFFERS)]
+
+    def read(name):  # (out, in) nn.Linear weights -> (in, out)
+        value = model_state[name].float().numpy()
+        return value.T if name in linear else value
+
+    return config, _untied(LazyState(names, read), path), ckpt.get("config") or {}
+
+
+def save_nanogpt(model: GPT, path, iter_num=0, best_val_loss=None, config=None):
+    """A ckpt.pt that nanoGPT's model.py and sample.py load: its key names, nn.Linear layout, lm_head.weight,
+    model_args; `config` (the training settings, with `dataset`: its sample.py finds meta.pkl through it).
+    No optimizer state: an export holds the weights."""
+    import torch
+
+    c = model.config
+    if c.gelu != "exact":
+        raise UsageError("nanoGPT's model computes the exact GELU and this model uses GPT-2's tanh one: export it "
+                         "with --format=hf, or train with --gelu=exact")
+    linear = {hf for hf, _, is_linear in weight_map(c.n_layer, c.bias) if is_linear}
+    state = {k: torch.from_numpy(np.array(v.T if k in linear else v, order="C"))
+             for k, v in state_dict(model).items()}
+    state[TIED_KEY] = state["transformer.wte.weight"]  # tied: nanoGPT's state dict has both names, one tensor
+    model_args = {k: getattr(c, k) for k in NANOGPT_ARGS}
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.save({"model": state, "optimizer": None, "model_args": model_args, "iter_num": iter_num,
+                "best_val_loss": best_val_loss, "config": dict(config or {})}, path)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+def load_pretrained(name_or_path, dropout=0.0, dtype="float32", mesh=None):
+    """(GPT, training config or None) from a GPT-2 hub name, an HF directory, or a nanoGPT ckpt.pt (a file or
+    a nanoGPT out_dir): the config carries a nanoGPT run's dataset, for its meta.pkl."""
+    ckpt = nanogpt_checkpoint(name_or_path)
+    if ckpt is None:
+        return load_hf(name_or_path, dropout, dtype, mesh), None
+    config, state, train_config = read_nanogpt(ckpt, dropout, dtype)
+    return model_from(config, state, mesh), train_config
+
+
+def load_hf_model(name_or_path):
+    """transformers.GPT2LMHeadModel (float32, eval) from a hub name or an HF directory: the torch reference
+    of parity/ and hellaswag.py's torch backend."""
+    from transformers import GPT2LMHeadModel
+
+    path = hf_directory(name_or_path)
+    read_hf_config(path)  # a directory of another model type fails with one line
+    return GPT2LMHeadModel.from_pretrained(path, dtype="float32", attn_implementation="eager").eval()
