@@ -18,7 +18,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from model import GPT, GPTConfig
+from model import GPT, RUNTIME_FIELDS, GPTConfig
 
 CKPT_SUBDIR = "ckpt"
 
@@ -107,13 +107,11 @@ def _stderr_into(file):
         os.close(saved)
 
 
-def model_config_from_meta(meta, dtype=None, dropout=None):
-    args = dict(meta["model_args"])
-    if dtype is not None:
-        args["dtype"] = dtype
-    if dropout is not None:
-        args["dropout"] = dropout
-    return GPTConfig(**args)
+def model_config_from_meta(meta, **settings):
+    """The architecture from the checkpoint; the run's choices (model.RUNTIME_FIELDS: dtype, dropout, attention,
+    remat, loss_chunk) from `settings` or GPTConfig's defaults, never the checkpoint's: a run saved with
+    attention='cudnn' on a GPU must resume or sample on a CPU."""
+    return GPTConfig(**{k: v for k, v in meta["model_args"].items() if k not in RUNTIME_FIELDS}, **settings)
 
 
 def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0):
@@ -125,7 +123,7 @@ def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0):
     if init_from != "resume":
         return GPT.from_pretrained(init_from, dropout=dropout, dtype=dtype), None
     meta = restore(out_dir)["meta"]
-    model = nnx.eval_shape(lambda: GPT(model_config_from_meta(meta, dtype, dropout), nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: GPT(model_config_from_meta(meta, dtype=dtype, dropout=dropout), nnx.Rngs(0)))
     params = restore(out_dir, params=nnx.state(model))["params"]
     nnx.update(model, params)
     return model, meta["config"]

@@ -149,14 +149,16 @@ def test_keep_freed_memory_serves_big_blocks_from_the_heap():
     assert before >= 64 and after < 64
 
 
-def test_batch_loss_in_halves_is_the_models_loss():
+@pytest.mark.parametrize("loss_chunk", [0, 5])
+def test_batch_loss_in_halves_is_the_models_loss(loss_chunk):
     """train.batch_loss forwards the rows as two halves on one CPU device: still one mean over every valid
-    target, also when the halves hold different numbers of ignored (-1) targets."""
+    target, also when the halves hold different numbers of ignored (-1) targets, and with the chunked loss."""
     from flax import nnx
 
     from model import GPT, GPTConfig
 
-    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32), nnx.Rngs(0))
+    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32, loss_chunk=loss_chunk),
+                nnx.Rngs(0))
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, 32, (4, 16)).astype(np.int32) for _ in range(2))
     y[:2, :12] = -1  # the first half keeps 8 targets, the second 32
@@ -164,6 +166,17 @@ def test_batch_loss_in_halves_is_the_models_loss():
     dots = lambda f, *args: f.lower(*args).compile().as_text().count(" dot(")
     assert dots(loss_fn, x, y) >= 2 * dots(jax.jit(lambda x: model(x)[0]), x)  # the model twice: halves
     assert_close(loss_fn(x, y), model(x, y)[1], rtol=1e-6, what="loss in halves")
+
+
+def test_restore_takes_compute_settings_from_the_run_not_the_checkpoint():
+    """model_args hold the settings a checkpoint was trained with; a restore keeps its architecture only, so that
+    attention='cudnn' saved on a GPU cannot stop a resume or a sample on a CPU."""
+    import checkpoint
+    from model import GPTConfig
+
+    saved = GPTConfig(n_layer=3, dtype="bfloat16", dropout=0.1, attention="cudnn", remat="block", loss_chunk=64)
+    meta = json.loads(json.dumps(checkpoint.meta_for(saved, {}, 0, 0.0, {})))
+    assert checkpoint.model_config_from_meta(meta, remat="dots") == GPTConfig(n_layer=3, remat="dots")
 
 
 def test_loss_goes_down_and_log_is_written(dataset, tmp_path):
