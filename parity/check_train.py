@@ -8,6 +8,8 @@ weights on the same batches: loss, pre-clip grad norm and lr at every step, ever
     python -m parity.check_train --accum 4                # each step's rows as 4 micro-batches (same tokens)
     python -m parity.check_train --devices 8              # 8-way data parallel (fake CPU devices when needed)
     python -m parity.check_train --dtype bfloat16         # bf16 against the fp32 reference, next to torch autocast's
+    python -m parity.check_train --remat block            # each setting of ours the same: --attention, --remat,
+    python -m parity.check_train --loss-chunk 8           # --loss-chunk (train.py's settings of the same names)
     python -m parity.check_train --model gpt2 --steps 3   # gpt2-shaped random weights (124M; slow on a CPU)
     python -m parity.check_train --model DIR              # any HF GPT-2 directory (save_pretrained)
     python -m parity.check_train --config shakespeare_char --steps 200   # golden run on the bundled data
@@ -96,10 +98,10 @@ class JaxTrainer:
         from jax.sharding import PartitionSpec as P
 
         import train
-        from model import GPT
+        from model import GPT, RUNTIME_FIELDS
 
         self.c = c
-        model = GPT.from_pretrained(model_dir, dropout=c["dropout"], dtype=c["dtype"])
+        model = GPT.from_pretrained(model_dir, **{k: c[k] for k in RUNTIME_FIELDS})
         self.graphdef, params = nnx.split(model)
         mesh = jax.make_mesh((devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
                              devices=jax.devices()[:devices])
@@ -316,7 +318,8 @@ def check(run, dtype="float32"):
     batches = make_batches(run)
     c = run.c
     print(f"{run.steps} steps of {run.rows} x {run.seq_len} tokens ({run.accum} micro-batch(es)), {dtype}; torch on "
-          f"cpu, ours on {run.devices} {jax.devices()[0].platform} device(s); data {run.data_dir}")
+          f"cpu, ours on {run.devices} {jax.devices()[0].platform} device(s) (attention {c['attention']}, remat "
+          f"{c['remat']}, loss_chunk {c['loss_chunk']}); data {run.data_dir}")
     print(f"AdamW lr {c['learning_rate']:g} (warmup {c['warmup_iters']}, cosine to {c['min_lr']:g} at "
           f"{c['lr_decay_iters']}{'' if c['decay_lr'] else '; decay_lr off'}), betas ({c['beta1']}, {c['beta2']}), "
           f"weight decay {c['weight_decay']:g} on >=2-D tensors, grad clip {c['grad_clip']:g}")
@@ -395,6 +398,7 @@ def make_run(args, tmp):
         os.makedirs(data_dir)
         write_tokens(os.path.join(data_dir, "train.bin"), hf_vocab_size(model_dir), seed=args.seed)
         rows, seq_len = args.batch_size or defaults["rows"], args.seq_len or defaults["seq_len"]
+    c.update(attention=args.attention, remat=args.remat, loss_chunk=args.loss_chunk)
     return Run(c, model_dir, data_dir, args.steps, rows, seq_len, args.accum, args.devices)
 
 
@@ -411,10 +415,15 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="rows per step, over all micro-batches and devices")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="random weights and data (not --config's)")
+    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"], help="ours (train.py's setting)")
+    p.add_argument("--remat", default="none", choices=["none", "block", "dots"], help="ours (train.py's setting)")
+    p.add_argument("--loss-chunk", type=int, default=0, help="ours: positions per loss chunk, 0 = none (train.py's)")
     args = p.parse_args(argv)
     # bad input fails here, before anything heavy is imported or written
     if args.steps < 1 or args.accum < 1 or args.devices < 1:
         raise ValueError(f"--steps, --accum and --devices must be >= 1, got {args.steps}, {args.accum}, {args.devices}")
+    if args.loss_chunk < 0:
+        raise ValueError(f"--loss-chunk must be >= 0 (0: no chunks), got {args.loss_chunk}")
     if args.config:
         if args.model != "tiny" or args.batch_size or args.seq_len:
             raise ValueError("--config sets the model, batch and sequence length: "
