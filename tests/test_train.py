@@ -341,7 +341,8 @@ def test_bad_input_is_one_line_and_writes_nothing(dataset, tmp_path):
 
 
 def test_train_gpt2_config_runs_tiny_on_fixture_shards(tmp_path):
-    """The real config/train_gpt2.py, tiny model overrides, on .npy shards: tokens per step stay fixed."""
+    """The real config/train_gpt2.py, tiny model overrides, on .npy shards: tokens per step stay fixed; its remat
+    and (shortened to fit block_size 32) chunked loss run on 2 devices."""
     d = tmp_path / "edu_fineweb10B"
     d.mkdir()
     rng = np.random.default_rng(0)
@@ -350,7 +351,7 @@ def test_train_gpt2_config_runs_tiny_on_fixture_shards(tmp_path):
     r = train_cli(["config/train_gpt2.py", f"--dataset={d}", f"--out_dir={tmp_path / 'out'}", "--n_layer=2",
                    "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--total_batch_size=256",
                    "--max_iters=3", "--eval_interval=2", "--eval_iters=2", "--hellaswag_interval=0",
-                   "--dtype=float32", "--warmup_iters=1"], devices=2)
+                   "--dtype=float32", "--warmup_iters=1", "--loss_chunk=12"], devices=2)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "accumulation 2 x micro-batch 4" in r.stdout and "tokens per iteration will be: 256" in r.stdout
     assert [i for i, _ in read_log(tmp_path / "out", "loss")] == [0, 1, 2]
