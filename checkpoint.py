@@ -22,7 +22,7 @@ from flax import nnx
 
 import sharding as sharding_  # `sharding` is restore's argument
 from configurator import InputNotFound, RunStopped, UsageError
-from model import GPT, GPTConfig
+from model import GPT, RUNTIME_FIELDS, GPTConfig
 
 CKPT_SUBDIR = "ckpt"
 LOCK_FILE = "run.lock"
@@ -197,13 +197,11 @@ def drop_partial_line(path):
             f.truncate(data.rfind(b"\n") + 1)
 
 
-def model_config_from_meta(meta, dtype=None, dropout=None):
-    args = dict(meta["model_args"])
-    if dtype is not None:
-        args["dtype"] = dtype
-    if dropout is not None:
-        args["dropout"] = dropout
-    return GPTConfig(**args)
+def model_config_from_meta(meta, **settings):
+    """The architecture from the checkpoint; the run's choices (model.RUNTIME_FIELDS: dtype, dropout, attention,
+    remat, loss_chunk) from `settings` or GPTConfig's defaults, never the checkpoint's: a run saved with
+    attention='cudnn' on a GPU must resume or sample on a CPU."""
+    return GPTConfig(**{k: v for k, v in meta["model_args"].items() if k not in RUNTIME_FIELDS}, **settings)
 
 
 def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0, step=None):
@@ -219,7 +217,7 @@ def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0, step=None
         return load_pretrained(init_from, dropout=dropout, dtype=dtype)
     step = all_steps(out_dir)[-1] if step is None else step
     meta = restore(out_dir, step=step)["meta"]
-    model = nnx.eval_shape(lambda: GPT(model_config_from_meta(meta, dtype, dropout), nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: GPT(model_config_from_meta(meta, dtype=dtype, dropout=dropout), nnx.Rngs(0)))
     params = restore(out_dir, params=nnx.state(model), step=step)["params"]
     nnx.update(model, params)
     return model, meta["config"]

@@ -29,6 +29,10 @@ class GPTConfig:
     bias: bool = True  # biases in Linears and LayerNorms (GPT-2: True)
     gelu: str = "tanh"  # 'tanh': GPT-2's approximation (HF gelu_new) | 'exact': erf, nanoGPT's F.gelu (HF gelu)
     dtype: str = "float32"  # compute dtype, 'float32' | 'bfloat16'; params are always float32
+    # how the run computes, not what it computes (a checkpoint's are ignored on restore, see RUNTIME_FIELDS):
+    attention: str = "auto"  # 'xla' | 'cudnn' (fused flash attention: NVIDIA Ampere+, bf16) | 'auto' (cudnn if it runs)
+    remat: str = "none"  # recompute in the backward pass instead of storing: 'none' | 'block' | 'dots' (see REMAT)
+    loss_chunk: int = 0  # the loss computes the logits this many positions at a time (all rows); 0: all at once
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -37,10 +41,59 @@ class GPTConfig:
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.gelu not in ("tanh", "exact"):
             raise ValueError(f"gelu must be 'tanh' (GPT-2) or 'exact' (nanoGPT), got {self.gelu!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION))}, got {self.attention!r}")
+        if self.remat not in REMAT:
+            raise ValueError(f"remat must be one of {', '.join(map(repr, REMAT))}, got {self.remat!r}")
+        if not (isinstance(self.loss_chunk, int) and self.loss_chunk >= 0):
+            raise ValueError(f"loss_chunk must be an integer >= 0 (0: no chunks), got {self.loss_chunk!r}")
 
     @property
     def compute_dtype(self):
         return jnp.dtype(self.dtype)
+
+
+# GPTConfig's fields that are choices of the run, not the architecture: a restored checkpoint takes them from
+# the current settings (checkpoint.model_config_from_meta), so a run saved on a GPU resumes on a CPU
+RUNTIME_FIELDS = ("dtype", "dropout", "attention", "remat", "loss_chunk")
+ATTENTION = ("auto", "xla", "cudnn")
+# remat: what each Block keeps from its forward pass for the backward (the rest is recomputed there), as a
+# jax.checkpoint policy
+REMAT = {
+    "none": None,  # no checkpointing: everything is kept
+    "block": jax.checkpoint_policies.nothing_saveable,  # only the block's input: the whole block is recomputed
+    # the Linear layers' outputs (matmuls without batch dimensions); attention, GELU, LayerNorm are recomputed
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def cuda_capability(device):
+    """(major, minor) compute capability of an NVIDIA GPU; None for any other device."""
+    if device.platform not in ("gpu", "cuda") or "cuda" not in device.client.platform_version.lower():
+        return None
+    return tuple(int(v) for v in device.compute_capability.split("."))
+
+
+def attention_implementation(setting, dtype, head_size, capability):
+    """'xla' or 'cudnn' for the `attention` setting. cuDNN's fused flash attention (dot_product_attention's
+    implementation='cudnn') runs where jax/_src/cudnn/fused_attention_stablehlo.py allows it: an NVIDIA GPU of
+    compute capability >= 8.0 (Ampere; `capability` None elsewhere), bf16 inputs, a head size that is a multiple
+    of 8 and <= 128 (<= 256 from 9.0, Hopper). 'auto' takes cudnn there, xla elsewhere; 'cudnn' elsewhere is an
+    error."""
+    head_limit = 256 if capability is not None and capability >= (9, 0) else 128
+    if capability is None:
+        reason = "it runs on NVIDIA GPUs only"
+    elif capability < (8, 0):
+        reason = f"it needs compute capability >= 8.0 (Ampere), this GPU has {capability[0]}.{capability[1]}"
+    elif dtype != "bfloat16":
+        reason = f"it computes in bfloat16 only, dtype is {dtype!r}"
+    elif head_size % 8 or head_size > head_limit:
+        reason = f"the head size (n_embd / n_head) must be a multiple of 8 and <= {head_limit}, got {head_size}"
+    else:
+        reason = None
+    if setting == "cudnn" and reason:
+        raise ValueError(f"attention='cudnn' cannot run here: {reason}; use attention='auto' or 'xla'")
+    return "cudnn" if setting != "xla" and reason is None else "xla"
 
 
 def normal(std):
@@ -100,10 +153,23 @@ def dropout(x, rate, key):
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
+def explicit_attention(q, k, v, dropout_rate, key):
+    """Causal attention with the probabilities materialized, so that dropout can act on them.
+    q, k, v (B, T, nh, hs) -> (B, T, nh, hs); scores and softmax in float32."""
+    T, hs = q.shape[1], q.shape[3]
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(hs)
+    att = jnp.where(jnp.tril(jnp.ones((T, T), bool)), att, -jnp.inf)
+    att = dropout(jax.nn.softmax(att, axis=-1), dropout_rate, key).astype(v.dtype)  # (B, nh, T, T)
+    return jnp.einsum("bhqk,bkhd->bqhd", att, v)
+
+
 class CausalSelfAttention(nnx.Module):
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
         self.n_head = config.n_head
         self.dropout = config.dropout
+        # 'xla' or 'cudnn'; a one-line error here for an attention='cudnn' that cannot run, not an XLA crash later
+        self.implementation = attention_implementation(config.attention, config.dtype, config.n_embd // config.n_head,
+                                                       cuda_capability(jax.devices()[0]))
         self.c_attn = linear(config.n_embd, 3 * config.n_embd, config, rngs)  # q, k, v for all heads
         # residual projection: GPT-2's scaled init, 0.02/sqrt(2 * n_layer)
         self.c_proj = linear(config.n_embd, config.n_embd, config, rngs, std=0.02 / math.sqrt(2 * config.n_layer),
@@ -116,19 +182,15 @@ class CausalSelfAttention(nnx.Module):
 
     def __call__(self, x, key=None):
         B, T, C = x.shape
-        hs = C // self.n_head
         q, k, v = self.qkv(x)  # (B, T, nh, hs)
         if key is None or self.dropout == 0.0:
-            # XLA's attention (jax's default implementation, on every backend); scale 1/sqrt(hs),
+            # xla: XLA's attention, scores materialized; cudnn: fused flash attention. Scale 1/sqrt(hs),
             # scores and softmax in float32
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, nh, hs)
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                             implementation=self.implementation)  # (B, T, nh, hs)
         else:
-            # dropout on the attention probabilities needs them materialized
-            att = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(hs)
-            att = jnp.where(jnp.tril(jnp.ones((T, T), bool)), att, -jnp.inf)
-            att = dropout(jax.nn.softmax(att, axis=-1), self.dropout, key).astype(v.dtype)  # (B, nh, T, T)
+            y = explicit_attention(q, k, v, self.dropout, key)
             key = jax.random.fold_in(key, 1)
-            y = jnp.einsum("bhqk,bkhd->bqhd", att, v)
         y = self.c_proj(y.reshape(B, T, C))
         return dropout(y, self.dropout, key)
 
@@ -181,6 +243,33 @@ def _barrier_bwd(_, g):
 fusion_barrier_in_grad.defvjp(lambda x: (x, None), _barrier_bwd)
 
 
+def remat(f, policy):
+    """jax.checkpoint(f, policy=policy): the backward pass recomputes what the policy does not save. On XLA:CPU that
+    alone saves nothing (measured: the same compiled temporaries): its pipeline drops jax's optimization barriers
+    early, CSE merges the recomputation back into the forward pass, and without CSE the scheduler still runs it
+    there. So on CPU the backward runs inside a conditional on the output's cotangent, as fusion_barrier_in_grad:
+    a boundary CSE does not cross, which cannot start before the backward pass reaches it."""
+    f = jax.checkpoint(f, policy=policy)
+    if jax.default_backend() != "cpu":  # jax's remat as used on GPU/TPU; there a conditional costs a host round trip
+        return f
+
+    @jax.custom_vjp
+    def g(*args):
+        return f(*args)
+
+    def bwd(f_vjp, ct):  # f_vjp holds what the policy saved; both branches recompute the rest, then backpropagate
+        return jax.lax.cond(ct.ravel()[0] > 0, lambda f, g: f(g), lambda f, g: f(g), f_vjp, ct)
+
+    g.defvjp(lambda *args: jax.vjp(f, *args), bwd)
+    return g
+
+
+def run_block(block, x, key, remat_policy):
+    """block(x, key); remat_policy (an entry of REMAT, not 'none') has its forward pass recomputed in the backward."""
+    graphdef, state = nnx.split(block)
+    return remat(lambda state, x, key: nnx.merge(graphdef, state)(x, key), remat_policy)(state, x, key)
+
+
 class Block(nnx.Module):
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
         self.ln_1 = layer_norm(config, rngs)
@@ -224,15 +313,40 @@ class GPT(nnx.Module):
         x = dropout(x, self.config.dropout, keys[0])
         states = []
         for block, k in zip(self.h, keys[1:]):
-            x = block(x, k)
+            x = block(x, k) if self.config.remat == "none" else run_block(block, x, k, REMAT[self.config.remat])
             states.append(x)
         return states, self.ln_f(x)
 
     def logits(self, x):
         """(..., C) -> (..., vocab) float32, through the tied wte (bf16 matmul, float32 accumulation)."""
-        cdt = self.config.compute_dtype
-        head = sharding.constrain(self.wte.embedding[...].astype(cdt), sharding.VOCAB)
-        return jnp.einsum("...c,vc->...v", x.astype(cdt), head, preferred_element_type=jnp.float32)
+        return tied_head(x, self.wte.embedding[...], self.config.compute_dtype)
+
+    def loss_terms(self, x, targets):
+        """ln_f's output x (B, T, C), targets (B, T) -> cross_entropy_terms of their logits. With loss_chunk > 0
+        the logits exist loss_chunk positions at a time, (B, loss_chunk, vocab), and each chunk's are recomputed
+        in the backward pass: memory O(B x loss_chunk x vocab), not (B, T, vocab) float32 logits and their
+        gradient. Chunks cut the time axis only, every row in each, so the batch axis keeps its sharding."""
+        B, T, C = x.shape
+        n, cdt, embedding = self.config.loss_chunk, self.config.compute_dtype, self.wte.embedding[...]
+        if n == 0 or n >= T:
+            return cross_entropy_terms(tied_head(x, embedding, cdt), targets)
+        pad = -T % n  # the last chunk's padding has target -1: ignored
+        xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(B, -1, n, C).swapaxes(0, 1)  # (chunks, B, n, C)
+        ys = jnp.pad(targets, ((0, 0), (0, pad)), constant_values=-1).reshape(B, -1, n).swapaxes(0, 1)  # (chunks, B, n)
+
+        # the float32 embedding goes in, cast inside: its gradient then sums over the chunks in float32
+        @jax.checkpoint  # saves the chunk's inputs only: the backward pass recomputes its logits
+        def chunk_nll(embedding, x, y):
+            return cross_entropy_terms(tied_head(x, embedding, cdt), y)[0]
+
+        total, _ = jax.lax.scan(lambda total, xy: (total + chunk_nll(embedding, *xy), None), jnp.float32(0), (xs, ys))
+        return total, jnp.sum(targets != -1)
+
+    def loss(self, idx, targets, *, key=None):
+        """The mean cross-entropy of idx (B, T) against targets (B, T) (-1 ignored), without returning the logits:
+        training's path, in chunks of loss_chunk positions (see loss_terms). `key` turns dropout on."""
+        _, x = self.hidden_states(idx, key)
+        return mean_of(*self.loss_terms(x, targets))
 
     def __call__(self, idx, targets=None, *, key=None):
         """idx (B, T) int -> logits (B, T, vocab), and the mean cross-entropy if targets (B, T) are given
@@ -322,15 +436,15 @@ class GPT(nnx.Module):
         return flops_per_token * T * fwdbwd_per_iter / dt / sum(peak)
 
     @classmethod
-    def from_pretrained(cls, name_or_path, dropout=0.0, dtype="float32", mesh=None):
+    def from_pretrained(cls, name_or_path, mesh=None, **settings):
         """GPT-2 weights from the HF hub by name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; the local HF
-        cache is used when present) or from a local directory written by `save_pretrained`. With a `mesh`,
         cache is used when present), a local HF directory (as `save_pretrained` writes it) or a nanoGPT
         ckpt.pt (the file or its out_dir). No torch, except for a .pt or a pytorch_model.bin (weights.py). With a
-        `mesh`, each tensor goes straight into its shards (sharding.PARAM_SPECS)."""
+        `mesh`, each tensor goes straight into its shards (sharding.PARAM_SPECS).
+        settings: GPTConfig's run choices (RUNTIME_FIELDS: dtype, dropout, attention, remat, loss_chunk)."""
         from weights import load_pretrained
 
-        return load_pretrained(name_or_path, dropout=dropout, dtype=dtype, mesh=mesh)[0]
+        return load_pretrained(name_or_path, mesh=mesh, **settings)[0]
 
     def save_pretrained(self, out_dir):
         """Write an HF GPT-2 directory (config.json + model.safetensors) that
@@ -355,13 +469,30 @@ def check_tokens(idx, config: GPTConfig):
             raise ValueError(f"token ids must be in [0, {config.vocab_size}), got min {lo}, max {hi}")
 
 
-def cross_entropy(logits, targets):
-    """Mean cross-entropy in float32 over the targets that are not -1 (nanoGPT's ignore_index)."""
+def tied_head(x, embedding, dtype):
+    """(..., C) -> (..., vocab) float32 logits through the token embedding (vocab, C): a matmul in the compute
+    dtype with float32 accumulation."""
+    return jnp.einsum("...c,vc->...v", x.astype(dtype), embedding.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def cross_entropy_terms(logits, targets):
+    """(sum of the cross-entropies, their number) in float32 over the targets that are not -1 (nanoGPT's
+    ignore_index)."""
     logits = logits.astype(jnp.float32)
     valid = targets != -1
     logz = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, jnp.where(valid, targets, 0)[..., None], axis=-1)[..., 0]
-    return jnp.sum(jnp.where(valid, logz - target_logit, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+    return jnp.sum(jnp.where(valid, logz - target_logit, 0.0)), jnp.sum(valid)
+
+
+def mean_of(total, count):
+    """cross_entropy_terms -> their mean (0 when every target is ignored)."""
+    return total / jnp.maximum(count, 1)
+
+
+def cross_entropy(logits, targets):
+    """Mean cross-entropy in float32 over the targets that are not -1 (nanoGPT's ignore_index)."""
+    return mean_of(*cross_entropy_terms(logits, targets))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import checkpoint
 import sharding
 from configurator import InputNotFound, RunStopped, UsageError, configure, exit_on_bad_input
 from dataloader import make_loader
-from model import GPT, GPTConfig, cross_entropy
+from model import GPT, RUNTIME_FIELDS, GPTConfig, mean_of
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText (nanoGPT's)
@@ -88,6 +88,9 @@ DEFAULTS = dict(
     tensor_parallel=1,  # split each layer's heads and MLP units over this many devices (same rows)
     # system
     dtype="auto",  # 'float32' | 'bfloat16' | 'auto' (bfloat16 on GPU/TPU, float32 on CPU)
+    attention="auto",  # 'xla' | 'cudnn' (fused flash attention: NVIDIA Ampere+, bf16) | 'auto' (cudnn where it runs)
+    remat="none",  # recompute in the backward pass to save memory: 'none' | 'block' | 'dots' (keeps matmul outputs)
+    loss_chunk=0,  # the loss's logits this many positions at a time (memory B x loss_chunk x vocab); 0: all at once
     seed=1337,
 )
 
@@ -142,15 +145,16 @@ def make_optimizer(c):
 
 
 def batch_loss(model, x, y, key=None):
-    """The model's mean loss on a batch (B, T). On a single CPU device the rows go through the model as two
-    independent halves, which XLA:CPU's executor runs side by side on two cores: ~7% faster a step than one
-    batch whose every op splits its work over the threads (bench_train.py). Same loss: one cross-entropy over
-    both halves' logits; dropout draws a key per half."""
+    """The model's mean loss on a batch (B, T) (GPT.loss: the logits in chunks where loss_chunk says so). On a
+    single CPU device the rows go through the model as two independent halves, which XLA:CPU's executor runs side
+    by side on two cores: ~7% faster a step than one batch whose every op splits its work over the threads
+    (bench_train.py). Same loss: one mean over both halves' targets; dropout draws a key per half."""
     if jax.default_backend() != "cpu" or jax.device_count() > 1 or x.shape[0] % 2:
-        return model(x, y, key=key)[1]
+        return model.loss(x, y, key=key)
     keys = jax.random.split(key) if key is not None else (None, None)
-    logits = jnp.concatenate([model(rows, key=k)[0] for rows, k in zip(jnp.split(x, 2), keys)])
-    return cross_entropy(logits, y)
+    halves = [model.loss_terms(model.hidden_states(rows, k)[1], targets)
+              for rows, targets, k in zip(jnp.split(x, 2), jnp.split(y, 2), keys)]
+    return mean_of(*(a + b for a, b in zip(*halves)))  # (total, count) of both halves
 
 
 def make_train_step(graphdef, tx, grad_clip):
@@ -234,7 +238,7 @@ def make_eval_step(graphdef, params):
 
     @jax.jit
     def eval_step(param_leaves, x, y):
-        return nnx.merge(graphdef, param_def.unflatten(param_leaves))(x, y)[1]
+        return nnx.merge(graphdef, param_def.unflatten(param_leaves)).loss(x, y)
 
     return eval_step
 
@@ -306,14 +310,14 @@ class Trainer:
             model = nnx.merge(graphdef, params)
         elif c["init_from"] == "resume":
             meta = checkpoint.restore(c["out_dir"])["meta"]
-            model_config = checkpoint.model_config_from_meta(meta, c["dtype"], c["dropout"])
+            model_config = checkpoint.model_config_from_meta(meta, **{k: c[k] for k in RUNTIME_FIELDS})
             ignored = fixed_by_checkpoint(c, meta["model_args"])
             if ignored and self.master:
                 print(f"resume: the checkpoint fixes {', '.join(f'{k}={c[k]}' for k in ignored)}; "
                       f"ignored {', '.join(f'--{k}={v}' for k, v in ignored.items())}")
             model = nnx.eval_shape(lambda: GPT(model_config, nnx.Rngs(0)))
         else:
-            model = GPT.from_pretrained(c["init_from"], dropout=c["dropout"], dtype=c["dtype"], mesh=self.mesh)
+            model = GPT.from_pretrained(c["init_from"], mesh=self.mesh, **{k: c[k] for k in RUNTIME_FIELDS})
             if c["block_size"] < model.config.block_size:
                 model.crop_block_size(c["block_size"])
         self.model_config = model.config
@@ -364,8 +368,8 @@ class Trainer:
                 vocab_size = pickle.load(f)["vocab_size"]
             print(f"found vocab_size = {vocab_size} (inside {meta_path})")
         return GPTConfig(block_size=c["block_size"], vocab_size=vocab_size or 50304, n_layer=c["n_layer"],
-                         n_head=c["n_head"], n_embd=c["n_embd"], dropout=c["dropout"], bias=c["bias"],
-                         gelu=c["gelu"], dtype=c["dtype"])
+                         n_head=c["n_head"], n_embd=c["n_embd"], bias=c["bias"], gelu=c["gelu"],
+                         **{k: c[k] for k in RUNTIME_FIELDS})
 
     def _load_hellaswag(self):
         """At start-up, so that a missing file fails now rather than at step 5000."""

@@ -246,11 +246,6 @@ def hf_config_for(config: GPTConfig):
             "dtype": "float32"}
 
 
-def load_hf(name_or_path, dropout=0.0, dtype="float32", mesh=None):
-    path = hf_directory(name_or_path)
-    return model_from(config_from_hf(read_hf_config(path), dropout, dtype), read_hf_weights(path), mesh)
-
-
 def save_hf(model: GPT, out_dir):
     """An HF GPT-2 directory (config.json + model.safetensors) that GPT2LMHeadModel.from_pretrained loads;
     a bias=False model gets zero biases (HF's GPT-2 always has them: the same function)."""
@@ -324,14 +319,19 @@ def save_nanogpt(model: GPT, path, iter_num=0, best_val_loss=None, config=None):
 
 # ---------------------------------------------------------------------------------------------------
 
-def load_pretrained(name_or_path, dropout=0.0, dtype="float32", mesh=None):
+def load_pretrained(name_or_path, mesh=None, **settings):
     """(GPT, training config or None) from a GPT-2 hub name, an HF directory, or a nanoGPT ckpt.pt (a file or
-    a nanoGPT out_dir): the config carries a nanoGPT run's dataset, for its meta.pkl."""
+    a nanoGPT out_dir): the config carries a nanoGPT run's dataset, for its meta.pkl. settings: GPTConfig's
+    run choices (model.RUNTIME_FIELDS)."""
+    from dataclasses import replace
+
     ckpt = nanogpt_checkpoint(name_or_path)
     if ckpt is None:
-        return load_hf(name_or_path, dropout, dtype, mesh), None
-    config, state, train_config = read_nanogpt(ckpt, dropout, dtype)
-    return model_from(config, state, mesh), train_config
+        path = hf_directory(name_or_path)
+        config, state, train_config = config_from_hf(read_hf_config(path)), read_hf_weights(path), None
+    else:
+        config, state, train_config = read_nanogpt(ckpt)
+    return model_from(replace(config, **settings), state, mesh), train_config
 
 
 def load_hf_model(name_or_path):

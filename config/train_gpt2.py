@@ -30,6 +30,11 @@ beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0
 dtype = "bfloat16"
+# memory: batch 64 x 1024 needs ~193 GiB of activations as is (XLA's analysis, bench_memory_model.py), 27.6 GiB
+# with these: the Linear layers' outputs kept, attention and elementwise ops recomputed in the backward pass,
+# and the loss's logits 128 positions at a time
+remat = "dots"
+loss_chunk = 128
 
 eval_interval = 250
 eval_iters = 20  # x batch_size x devices sequences of the val shard

@@ -9,6 +9,8 @@ weights on the same batches: loss, pre-clip grad norm and lr at every step, ever
     python -m parity.check_train --devices 8              # 8-way data parallel (fake CPU devices when needed)
     python -m parity.check_train --fsdp 4 --tensor_parallel 2   # sharded: 8 devices as fsdp 4 x tensor 2
     python -m parity.check_train --dtype bfloat16         # bf16 against the fp32 reference, next to torch autocast's
+    python -m parity.check_train --remat block            # each setting of ours the same: --attention, --remat,
+    python -m parity.check_train --loss-chunk 8           # --loss-chunk (train.py's settings of the same names)
     python -m parity.check_train --model gpt2 --steps 3   # gpt2-shaped random weights (124M; slow on a CPU)
     python -m parity.check_train --model DIR              # any HF GPT-2 directory (save_pretrained)
     python -m parity.check_train --config shakespeare_char --steps 200   # golden run on the bundled data
@@ -99,11 +101,11 @@ class JaxTrainer:
 
         import sharding
         import train
-        from model import GPT
+        from model import GPT, RUNTIME_FIELDS
 
         self.c = c
         mesh = sharding.make_mesh(fsdp, tensor_parallel, jax.devices()[:devices])
-        model = GPT.from_pretrained(model_dir, dropout=c["dropout"], dtype=c["dtype"], mesh=mesh)
+        model = GPT.from_pretrained(model_dir, mesh=mesh, **{k: c[k] for k in RUNTIME_FIELDS})
         sharding.check_model_fits_mesh(model.config, mesh)
         self.graphdef, params = nnx.split(model)
         self.batch_sharding = sharding.batch_sharding(mesh)
@@ -326,7 +328,8 @@ def check(run, dtype="float32"):
     c = run.c
     print(f"{run.steps} steps of {run.rows} x {run.seq_len} tokens ({run.accum} micro-batch(es)), {dtype}; torch on "
           f"cpu, ours on {run.devices} {jax.devices()[0].platform} device(s) (fsdp {run.fsdp}, tensor "
-          f"{run.tensor_parallel}); data {run.data_dir}")
+          f"{run.tensor_parallel}; attention {c['attention']}, remat {c['remat']}, loss_chunk {c['loss_chunk']}); "
+          f"data {run.data_dir}")
     print(f"AdamW lr {c['learning_rate']:g} (warmup {c['warmup_iters']}, cosine to {c['min_lr']:g} at "
           f"{c['lr_decay_iters']}{'' if c['decay_lr'] else '; decay_lr off'}), betas ({c['beta1']}, {c['beta2']}), "
           f"weight decay {c['weight_decay']:g} on >=2-D tensors, grad clip {c['grad_clip']:g}")
@@ -405,6 +408,7 @@ def make_run(args, tmp):
         os.makedirs(data_dir)
         write_tokens(os.path.join(data_dir, "train.bin"), hf_vocab_size(model_dir), seed=args.seed)
         rows, seq_len = args.batch_size or defaults["rows"], args.seq_len or defaults["seq_len"]
+    c.update(attention=args.attention, remat=args.remat, loss_chunk=args.loss_chunk)
     return Run(c, model_dir, data_dir, args.steps, rows, seq_len, args.accum, args.devices, args.fsdp,
                args.tensor_parallel)
 
@@ -424,6 +428,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="rows per step, over all micro-batches and devices")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="random weights and data (not --config's)")
+    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"], help="ours (train.py's setting)")
+    p.add_argument("--remat", default="none", choices=["none", "block", "dots"], help="ours (train.py's setting)")
+    p.add_argument("--loss-chunk", type=int, default=0, help="ours: positions per loss chunk, 0 = none (train.py's)")
     args = p.parse_args(argv)
     # bad input fails here, before anything heavy is imported or written
     args.devices = args.devices or args.fsdp * args.tensor_parallel
@@ -433,6 +440,8 @@ def parse_args(argv=None):
     if args.devices % (args.fsdp * args.tensor_parallel):
         raise UsageError(f"--fsdp {args.fsdp} x --tensor_parallel {args.tensor_parallel} must divide --devices "
                          f"{args.devices}")
+    if args.loss_chunk < 0:
+        raise UsageError(f"--loss-chunk must be >= 0 (0: no chunks), got {args.loss_chunk}")
     if args.config:
         if args.model != "tiny" or args.batch_size or args.seq_len:
             raise UsageError("--config sets the model, batch and sequence length: "

@@ -60,6 +60,18 @@ def test_tiny_fp32_matches_pytorch(tiny, capsys):
     assert f["ref_losses"][-1] < f["ref_losses"][0] - 1.0  # it trained: not a comparison of a standing model
 
 
+@pytest.mark.parametrize("setting", [dict(remat="block"), dict(remat="dots"), dict(loss_chunk=8)],
+                         ids=["remat block", "remat dots", "loss_chunk 8"])
+def test_tiny_fp32_matches_pytorch_with_each_compute_setting(setting, tiny, capsys):
+    """train.py's remat and loss_chunk settings (--remat, --loss-chunk) change how ours computes, not what: the same
+    tolerances hold (attention 'auto' is 'xla' on a CPU: the test above)."""
+    run, batches, reference = tiny
+    run = run._replace(c=dict(run.c, **setting))
+    ours = check_train.train_side(check_train.make_trainers(run, "float32")["jax"](), batches)
+    ok, _ = check_train.report(run, {"torch": reference, "jax": ours})
+    assert ok and "fp32 training parity" in capsys.readouterr().out
+
+
 def test_accumulation_changes_nothing(tiny, capsys):
     """The whole check with each step's 16 rows as 4 micro-batches of 4: OK, and the losses of one batch of 16."""
     ok, f = check_train.check(tiny[0]._replace(accum=4))
@@ -115,6 +127,7 @@ def test_bad_input_is_one_line_exit_2():
                           (["--steps", "0"], "must be >= 1"),
                           (["--model", "nowhere"], "--model takes tiny, a size"),
                           (["--config", "nope"], "no config"),
-                          (["--config", "shakespeare_char", "--model", "gpt2"], "--config sets the model")]:
+                          (["--config", "shakespeare_char", "--model", "gpt2"], "--config sets the model"),
+                          (["--loss-chunk", "-1"], "--loss-chunk must be >= 0")]:
         code, err = cli(*args)
         assert code == 2 and err.startswith("error: ") and message in err and "\n" not in err, (args, err)

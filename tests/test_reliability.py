@@ -20,7 +20,7 @@ import pytest
 import checkpoint
 import plot
 import train
-from configurator import ConfigError, RunStopped, UsageError, configure, exit_on_bad_input
+from configurator import ConfigError, RunStopped, UsageError, exit_on_bad_input
 from helpers import assert_close
 from test_train import REPO, TINY, dataset, free_port, read_log, run, settings, train_cli  # noqa: F401 (fixture)
 

@@ -149,14 +149,16 @@ def test_keep_freed_memory_serves_big_blocks_from_the_heap():
     assert before >= 64 and after < 64
 
 
-def test_batch_loss_in_halves_is_the_models_loss():
+@pytest.mark.parametrize("loss_chunk", [0, 5])
+def test_batch_loss_in_halves_is_the_models_loss(loss_chunk):
     """train.batch_loss forwards the rows as two halves on one CPU device: still one mean over every valid
-    target, also when the halves hold different numbers of ignored (-1) targets."""
+    target, also when the halves hold different numbers of ignored (-1) targets, and with the chunked loss."""
     from flax import nnx
 
     from model import GPT, GPTConfig
 
-    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32), nnx.Rngs(0))
+    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32, loss_chunk=loss_chunk),
+                nnx.Rngs(0))
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, 32, (4, 16)).astype(np.int32) for _ in range(2))
     y[:2, :12] = -1  # the first half keeps 8 targets, the second 32
@@ -164,6 +166,17 @@ def test_batch_loss_in_halves_is_the_models_loss():
     dots = lambda f, *args: f.lower(*args).compile().as_text().count(" dot(")
     assert dots(loss_fn, x, y) >= 2 * dots(jax.jit(lambda x: model(x)[0]), x)  # the model twice: halves
     assert_close(loss_fn(x, y), model(x, y)[1], rtol=1e-6, what="loss in halves")
+
+
+def test_restore_takes_compute_settings_from_the_run_not_the_checkpoint():
+    """model_args hold the settings a checkpoint was trained with; a restore keeps its architecture only, so that
+    attention='cudnn' saved on a GPU cannot stop a resume or a sample on a CPU."""
+    import checkpoint
+    from model import GPTConfig
+
+    saved = GPTConfig(n_layer=3, dtype="bfloat16", dropout=0.1, attention="cudnn", remat="block", loss_chunk=64)
+    meta = json.loads(json.dumps(checkpoint.meta_for(saved, {}, 0, 0.0, {})))
+    assert checkpoint.model_config_from_meta(meta, remat="dots") == GPTConfig(n_layer=3, remat="dots")
 
 
 def test_loss_goes_down_and_log_is_written(dataset, tmp_path):
@@ -291,7 +304,8 @@ def test_bad_input_is_one_line_and_writes_nothing(dataset, tmp_path):
 
 
 def test_train_gpt2_config_runs_tiny_on_fixture_shards(tmp_path):
-    """The real config/train_gpt2.py, tiny model overrides, on .npy shards: tokens per step stay fixed."""
+    """The real config/train_gpt2.py, tiny model overrides, on .npy shards: tokens per step stay fixed; its remat
+    and (shortened to fit block_size 32) chunked loss run on 2 devices."""
     d = tmp_path / "edu_fineweb10B"
     d.mkdir()
     rng = np.random.default_rng(0)
@@ -300,7 +314,7 @@ def test_train_gpt2_config_runs_tiny_on_fixture_shards(tmp_path):
     r = train_cli(["config/train_gpt2.py", f"--dataset={d}", f"--out_dir={tmp_path / 'out'}", "--n_layer=2",
                    "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--total_batch_size=256",
                    "--max_iters=3", "--eval_interval=2", "--eval_iters=2", "--hellaswag_interval=0",
-                   "--dtype=float32", "--warmup_iters=1"], devices=2)
+                   "--dtype=float32", "--warmup_iters=1", "--loss_chunk=12"], devices=2)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "accumulation 2 x micro-batch 4" in r.stdout and "tokens per iteration will be: 256" in r.stdout
     assert [i for i, _ in read_log(tmp_path / "out", "loss")] == [0, 1, 2]

@@ -18,7 +18,7 @@ from flax import nnx
 import checkpoint
 import export
 import sample
-from helpers import assert_close, tiny_config
+from helpers import tiny_config
 from model import GPT
 from parity import nanogpt_reference as nanogpt
 from parity.check_logits import check

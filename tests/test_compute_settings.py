@@ -1,0 +1,114 @@
+"""python -m pytest tests/test_compute_settings.py -q
+
+The run's compute settings (GPTConfig's attention, remat, loss_chunk; train.py's settings of the same names):
+which attention kernel each backend gets, the same logits, loss and gradients with every setting (fp32), and the
+memory they save by XLA's analysis of the compiled step (bench_memory_model.step_memory)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import model as model_lib
+from bench_memory_model import step_memory
+from helpers import assert_close, tiny_config
+from model import GPT, GPTConfig, attention_implementation
+
+
+def test_attention_setting_picks_cudnn_only_where_it_runs():
+    """attention_implementation(setting, dtype, head size, CUDA compute capability or None), against the limits of
+    jax/_src/cudnn/fused_attention_stablehlo.py; 'cudnn' where it cannot run is a one-line ValueError."""
+    pick = attention_implementation
+    assert pick("auto", "bfloat16", 64, (8, 0)) == "cudnn"  # A100
+    assert pick("auto", "bfloat16", 64, (9, 0)) == "cudnn"  # H100
+    assert pick("auto", "bfloat16", 64, None) == "xla"  # CPU, TPU, AMD GPU
+    assert pick("auto", "bfloat16", 64, (7, 5)) == "xla"  # Turing
+    assert pick("auto", "float32", 64, (9, 0)) == "xla"
+    assert pick("auto", "bfloat16", 160, (8, 0)) == "xla" and pick("auto", "bfloat16", 160, (9, 0)) == "cudnn"
+    assert pick("auto", "bfloat16", 288, (9, 0)) == "xla" and pick("auto", "bfloat16", 36, (9, 0)) == "xla"
+    assert pick("xla", "bfloat16", 64, (9, 0)) == "xla"
+    assert pick("cudnn", "bfloat16", 128, (8, 6)) == "cudnn"
+    for args, why in [(("bfloat16", 64, None), "NVIDIA GPUs only"), (("bfloat16", 64, (7, 5)), "this GPU has 7.5"),
+                      (("float32", 64, (9, 0)), "bfloat16 only"), (("bfloat16", 160, (8, 0)), "<= 128, got 160")]:
+        with pytest.raises(ValueError, match=f"^attention='cudnn' cannot run here: .*{why}"):
+            pick("cudnn", *args)
+    # this machine: auto is xla, cudnn fails when the model is built, not when XLA compiles it
+    assert {block.attn.implementation for block in GPT(tiny_config(), nnx.Rngs(0)).h} == {"xla"}
+    with pytest.raises(ValueError, match="NVIDIA GPUs only"):
+        GPT(tiny_config(attention="cudnn", dtype="bfloat16"), nnx.Rngs(0))
+    for bad, match in [(dict(attention="flash"), "attention must be one of"), (dict(remat="all"), "remat must be"),
+                       (dict(loss_chunk=-1), "loss_chunk must be")]:
+        with pytest.raises(ValueError, match=match):
+            tiny_config(**bad)
+
+
+def logits_loss_grads(config, idx, targets):
+    """The model's logits, and GPT.loss (training's path) and its gradients, fp32."""
+    graphdef, params = nnx.split(GPT(config, nnx.Rngs(0)))
+
+    def logits_and_loss(params):
+        model = nnx.merge(graphdef, params)
+        return model.loss(idx, targets), model(idx)[0]
+
+    (loss, logits), grads = jax.jit(jax.value_and_grad(logits_and_loss, has_aux=True))(params)
+    return logits, loss, jax.tree.leaves(grads)
+
+
+@pytest.fixture(scope="module")
+def batch_and_reference():
+    """Tokens (4, 32), targets with some -1, and the default model's logits, loss and gradients on them."""
+    rng = np.random.default_rng(0)
+    idx, targets = (rng.integers(0, 128, (4, 32)) for _ in range(2))
+    targets[0, :7] = targets[3, -2:] = -1
+    idx, targets = jnp.asarray(idx), jnp.asarray(targets)
+    return idx, targets, logits_loss_grads(tiny_config(), idx, targets)
+
+
+@pytest.mark.parametrize("setting", ["explicit attention", "remat block", "remat dots", "loss_chunk 5"])
+def test_each_setting_computes_the_same_logits_loss_and_gradients(setting, batch_and_reference, monkeypatch):
+    """Against the default (attention 'xla' on a CPU, no remat, the whole logits): within 1e-5 relative in fp32.
+    'explicit attention' is the einsum path that attention dropout takes, in place of dot_product_attention.
+    loss_chunk 5 does not divide T = 32: the last chunk is padded with ignored targets; some targets are -1."""
+    idx, targets, reference = batch_and_reference
+    calls = []
+    if setting == "explicit attention":
+        def explicit(q, k, v, is_causal, implementation):
+            calls.append(implementation)
+            return model_lib.explicit_attention(q, k, v, 0.0, None)
+        monkeypatch.setattr(jax.nn, "dot_product_attention", explicit)
+        config = tiny_config()
+    else:
+        name, value = setting.split()
+        config = tiny_config(**{name: int(value) if name == "loss_chunk" else value})
+    logits, loss, grads = logits_loss_grads(config, idx, targets)
+    assert calls or setting != "explicit attention"
+
+    assert_close(logits, reference[0], atol=1e-5 * np.abs(reference[0]).max(), what="logits")
+    assert_close(loss, reference[1], rtol=1e-5, what="loss")
+    assert len(grads) == len(reference[2])
+    for g, ref in zip(grads, reference[2]):
+        assert_close(g, ref, atol=1e-5 * np.abs(ref).max(), what="gradient")
+
+
+def test_remat_block_cuts_the_step_peak_3x():
+    """6 layers whose activations (the (B, nh, T, T) attention scores and probabilities above all) dwarf the
+    params: remat='block' keeps only each block's input, so the compiled step's peak drops >= 3x; 'dots' keeps
+    the matmul outputs too, in between."""
+    config = dict(block_size=256, vocab_size=128, n_layer=6, n_head=4, n_embd=64)
+    peak = {remat: step_memory(GPTConfig(**config, remat=remat), batch_size=8)["peak"]
+            for remat in ("none", "block", "dots")}
+    assert peak["none"] >= 3 * peak["block"], peak
+    assert peak["block"] < peak["dots"] < peak["none"], peak
+
+
+def test_chunked_loss_holds_no_whole_batch_logits():
+    """A large vocabulary on a small model, so that the (B, T, vocab) float32 logits and their gradient are most of
+    the step: the whole loss's temporaries hold at least two such buffers, the chunked loss's not one (its chunk
+    is 1/16 of one)."""
+    config = dict(block_size=128, vocab_size=16384, n_layer=2, n_head=2, n_embd=64)
+    B = 8
+    logits_bytes = B * config["block_size"] * config["vocab_size"] * 4
+    whole = step_memory(GPTConfig(**config), B)["temp"]
+    chunked = step_memory(GPTConfig(**config, loss_chunk=8), B)["temp"]
+    assert whole >= 2 * logits_bytes and chunked < logits_bytes, (whole, chunked, logits_bytes)
