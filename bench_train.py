@@ -7,7 +7,7 @@ process, so peak memory is that run's alone.
     python bench_train.py                      # nanoGPT's CPU baby config (block 64, batch 12, 4x4x128)
     python bench_train.py --preset gpt2 --dtype bfloat16 --frameworks jax   # 124M, B=16, T=1024 (GPU)
     python bench_train.py --full-run           # the README's main training command vs nanoGPT's train.py loop, 3 pairs
-    python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8
+    python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 [--remat=dots --loss_chunk=128]
 
 Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's peak is
 known, peak memory (device peak on GPU/TPU, process peak RSS on CPU) and, for ours, the compiled step's
@@ -82,7 +82,8 @@ def model_config(s):
     from model import GPTConfig
 
     return GPTConfig(block_size=s["block_size"], vocab_size=s["vocab_size"], n_layer=s["n_layer"],
-                     n_head=s["n_head"], n_embd=s["n_embd"], bias=True, dtype=s["dtype"])
+                     n_head=s["n_head"], n_embd=s["n_embd"], bias=True, dtype=s["dtype"],
+                     remat=s.get("remat", "none"), loss_chunk=s.get("loss_chunk", 0))
 
 
 def bench_memory(s):
@@ -113,7 +114,7 @@ def bench_memory(s):
 
 def memory(args):
     s = dict(PRESETS[args.preset], dtype=args.dtype, devices=args.devices or 1, fsdp=args.fsdp,
-             tensor_parallel=args.tensor_parallel)
+             tensor_parallel=args.tensor_parallel, remat=args.remat, loss_chunk=args.loss_chunk)
     if args.batch_size:
         s["batch_size"] = args.batch_size
     env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={s['devices']}"}
@@ -122,7 +123,8 @@ def memory(args):
         r = run_worker("memory", s, dict(env, JAX_PLATFORMS="cpu"))
     m = r["mesh"]
     print(f"{args.preset}, batch {s['batch_size']} x {s['block_size']} per batch shard, {s['dtype']}, "
-          f"{s['devices']} {r['backend']} device(s), mesh data {m['data']} x fsdp {m['fsdp']} x tensor {m['tensor']}")
+          f"{s['devices']} {r['backend']} device(s), mesh data {m['data']} x fsdp {m['fsdp']} x tensor {m['tensor']}, "
+          f"remat {s['remat']}, loss_chunk {s['loss_chunk']}")
     print(f"memory per device: state {r['state'] / 2**30:.2f} GiB, step peak {r['peak'] / 2**30:.2f} GiB")
 
 
@@ -381,6 +383,8 @@ def main():
     p.add_argument("--devices", type=int, default=None, help="--memory: devices (fake CPU ones if there are fewer)")
     p.add_argument("--fsdp", type=int, default=1, help="--memory: the mesh's fsdp axis")
     p.add_argument("--tensor_parallel", type=int, default=1, help="--memory: the mesh's tensor axis")
+    p.add_argument("--remat", default="none", choices=["none", "block", "dots"], help="--memory: train.py's remat")
+    p.add_argument("--loss_chunk", type=int, default=0, help="--memory: train.py's loss_chunk")
     p.add_argument("--worker", choices=["jax", "nanogpt", "transformers", "nanogpt-run", "memory"],
                    help=argparse.SUPPRESS)
     p.add_argument("--settings", help=argparse.SUPPRESS)

@@ -17,6 +17,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from configurator import UsageError
+
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")  # the axes the batch's rows are split over
 
@@ -44,7 +46,7 @@ def make_mesh(fsdp=1, tensor_parallel=1, devices=None):
     devices = jax.devices() if devices is None else list(devices)
     n = len(devices)
     if fsdp < 1 or tensor_parallel < 1 or n % (fsdp * tensor_parallel):
-        raise ValueError(f"fsdp={fsdp} x tensor_parallel={tensor_parallel} must be positive and divide the "
+        raise UsageError(f"fsdp={fsdp} x tensor_parallel={tensor_parallel} must be positive and divide the "
                          f"{n} device(s): change --fsdp or --tensor_parallel")
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))
     grid = np.array(devices, dtype=object).reshape(n // (fsdp * tensor_parallel), fsdp, tensor_parallel)
@@ -60,7 +62,7 @@ def check_model_fits_mesh(config, mesh):
     """Tensor parallelism splits heads and the MLP's hidden units: both must divide evenly."""
     tp = mesh.shape["tensor"]
     if config.n_head % tp or (4 * config.n_embd) % tp:
-        raise ValueError(f"tensor_parallel={tp} must divide n_head={config.n_head} and 4*n_embd="
+        raise UsageError(f"tensor_parallel={tp} must divide n_head={config.n_head} and 4*n_embd="
                          f"{4 * config.n_embd}: change --tensor_parallel")
 
 

@@ -541,6 +541,7 @@ class Trainer:
 
             if self.iter_num % c["log_interval"] == 0 or self.iter_num == c["max_iters"]:
                 self.check_finite()
+                checkpoint.wait_saved(mngr)  # a save still in flight fails at this log line at the latest
                 loss = float(metrics["loss"])  # the only host sync in the loop
                 dt = (time.time() - t0) / (self.iter_num - last_log_iter)
                 t0, last_log_iter = time.time(), self.iter_num
