@@ -86,7 +86,7 @@ def test_8_fake_devices_sharded(capfd):
     assert jax.device_count() < 8
     code = check_train.main([*TINY, "--fsdp", "4", "--tensor_parallel", "2", "--accum", "2"])
     out = capfd.readouterr().out
-    assert "running on 8 fake CPU devices" in out and "ours on 8 cpu device(s) (fsdp 4, tensor 2)" in out
+    assert "running on 8 fake CPU devices" in out and "ours on 8 cpu device(s) (fsdp 4, tensor 2;" in out
     assert code == 0 and "fp32 training parity" in out and ": OK" in out, out[-3000:]
 
 
