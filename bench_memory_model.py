@@ -24,6 +24,7 @@ def step_memory(config, batch_size):
     import jax.numpy as jnp
     from flax import nnx
 
+    import sharding
     from model import GPT
 
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))  # params: ShapeDtypeStructs
@@ -32,11 +33,10 @@ def step_memory(config, batch_size):
     def loss(params, x, y):
         return nnx.merge(graphdef, params).loss(x, y)
 
-    m = jax.jit(jax.value_and_grad(loss)).lower(params, tokens, tokens).compile().memory_analysis()
-    figures = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
-               "temp": m.temp_size_in_bytes, "alias": m.alias_size_in_bytes}
-    figures["peak"] = figures["argument"] + figures["output"] + figures["temp"] - figures["alias"]
-    return figures
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, tokens, tokens).compile()
+    m = compiled.memory_analysis()
+    return {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes, "temp": m.temp_size_in_bytes,
+            "alias": m.alias_size_in_bytes, "peak": sharding.step_peak_bytes(compiled)}
 
 
 def main(argv=None):

@@ -53,8 +53,10 @@ def bench_jax(s):
     opt_state = jax.jit(tx.init, out_shardings=sharding.shardings_for(jax.eval_shape(tx.init, params), mesh))(params)
     rows = s["batch_size"] * sharding.batch_shards(mesh)
     batch_sharding = sharding.batch_sharding(mesh)
+    t_compile = time.perf_counter()
     step, _, _ = train.compile_step(train.make_train_step(graphdef, tx, grad_clip=1.0), params, opt_state,
                                     (s["accum"], rows, s["block_size"]), batch_sharding)
+    compile_s = time.perf_counter() - t_compile
     # XLA's own account of the step's scratch memory (activations, grads in flight): exact, on any backend
     temp = step.memory_analysis().temp_size_in_bytes
     params, opt_state = jax.tree.leaves(params), jax.tree.leaves(opt_state)  # as train.py's loop holds them
@@ -72,7 +74,7 @@ def bench_jax(s):
     peak = stats.get("peak_bytes_in_use")
     dt = float(np.median(times[s["warmup"]:]))
     mfu = model.estimate_mfu(s["accum"] * rows, dt)
-    return {"ms": dt * 1000, "compile_s": times[0], "peak_mb": (peak or rss_bytes()) / 2**20,
+    return {"ms": dt * 1000, "compile_s": compile_s, "peak_mb": (peak or rss_bytes()) / 2**20,
             "memory": "device" if peak else "RSS", "mfu": mfu, "device": jax.devices()[0].device_kind,
             "temp_mb": temp / 2**20,
             "tokens": s["accum"] * rows * s["block_size"]}
@@ -129,60 +131,11 @@ def memory(args):
 
 
 def nanogpt_model(block_size, vocab_size, n_layer, n_head, n_embd, dropout=0.0, bias=True):
-    """nanoGPT's GPT (karpathy/nanoGPT model.py), condensed: same modules, init, weight tying and loss."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
+    """nanoGPT's GPT (parity/nanogpt_reference.py: its model.py's modules, init, weight tying, loss)."""
+    from parity.nanogpt_reference import GPT, GPTConfig
 
-    class LayerNorm(nn.Module):
-        def __init__(self, n):
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(n))
-            self.bias = nn.Parameter(torch.zeros(n)) if bias else None
-
-        def forward(self, x):
-            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln_1, self.ln_2 = LayerNorm(n_embd), LayerNorm(n_embd)
-            self.c_attn, self.attn_proj = nn.Linear(n_embd, 3 * n_embd, bias), nn.Linear(n_embd, n_embd, bias)
-            self.c_fc, self.mlp_proj = nn.Linear(n_embd, 4 * n_embd, bias), nn.Linear(4 * n_embd, n_embd, bias)
-            self.drop = nn.Dropout(dropout)
-
-        def forward(self, x):
-            B, T, C = x.size()
-            q, k, v = (a.view(B, T, n_head, C // n_head).transpose(1, 2) for a in self.c_attn(self.ln_1(x)).split(C, 2))
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout if self.training else 0, is_causal=True)
-            x = x + self.drop(self.attn_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
-            return x + self.drop(self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)))))
-
-    class GPT(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
-            self.drop, self.ln_f = nn.Dropout(dropout), LayerNorm(n_embd)
-            self.h = nn.ModuleList([Block() for _ in range(n_layer)])
-            self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-            self.wte.weight = self.lm_head.weight
-            for m in self.modules():
-                if isinstance(m, (nn.Linear, nn.Embedding)):
-                    nn.init.normal_(m.weight, std=0.02)
-                if isinstance(m, nn.Linear) and m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            for name, p in self.named_parameters():
-                if name.endswith("proj.weight"):
-                    nn.init.normal_(p, std=0.02 / (2 * n_layer) ** 0.5)
-
-        def forward(self, idx, targets):
-            x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device)))
-            for block in self.h:
-                x = block(x)
-            logits = self.lm_head(self.ln_f(x))
-            return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-
-    return GPT()
+    return GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
+                         n_embd=n_embd, dropout=dropout, bias=bias))
 
 
 def torch_model(s, device):

@@ -136,8 +136,7 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
             log.seek(0)
             sys.stderr.write(log.read().decode(errors="replace"))
             return {k: restored[k] for k in items}
-    with closing(_reader(ckpt_dir(out_dir))) as mngr:
-        earlier = [s for s in mngr.all_steps() if s < step]
+    earlier = [s for s in steps if s < step]
     fallback = (f"move it away to resume from step {max(earlier)}" if earlier
                 else "no earlier checkpoint to fall back on")
     raise CheckpointError(f"checkpoint {os.path.join(ckpt_dir(out_dir), str(step))} did not restore ({error}); "

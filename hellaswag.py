@@ -242,21 +242,22 @@ def make_batch(examples, n_examples, L, E):
     return Batch(tokens, pos, targets, valid)
 
 
-def plan_batches(examples, batch_size, block_size, n_data=1):
+def plan_batches(examples, batch_size, block_size, n_shards=1):
     """[(L, E, n, [example indices])]: the examples sorted by padded length, then cut into batches of
-    n = batch_size * n_data examples (batch_size per device), each padded to L tokens per row and E ending
-    tokens; the last batch gets the next power of two per device instead (few shapes, little padding)."""
+    n = batch_size * n_shards examples (batch_size per batch shard: data x fsdp), each padded to L tokens per
+    row and E ending tokens; the last batch gets the next power of two per shard instead (few shapes, little
+    padding)."""
     def shape(r):
         longest = max(len(e) for e in r.endings)
         return bucket(len(r.ctx) + longest, LENGTH_BUCKETS, block_size), longest
 
     order = sorted(range(len(examples)), key=lambda i: shape(examples[i]))
     plan = []
-    for k in range(0, len(order), batch_size * n_data):
-        chunk = order[k: k + batch_size * n_data]
+    for k in range(0, len(order), batch_size * n_shards):
+        chunk = order[k: k + batch_size * n_shards]
         L, longest = max(shape(examples[i]) for i in chunk)
-        per_device = min(batch_size, 1 << (-(-len(chunk) // n_data) - 1).bit_length())
-        plan.append((L, bucket(longest, ENDING_BUCKETS, L), per_device * n_data, chunk))
+        per_shard = min(batch_size, 1 << (-(-len(chunk) // n_shards) - 1).bit_length())
+        plan.append((L, bucket(longest, ENDING_BUCKETS, L), per_shard * n_shards, chunk))
     return plan
 
 
@@ -285,36 +286,41 @@ def _jitted_ending_losses(mesh):
 
 
 def make_mesh(devices=None):
-    """A mesh with a 'data' axis for the scorer: over `devices` (a list; default all), or the devices of a
-    given Mesh with its axis names. Axes are Auto (the compiler propagates shardings): under jax.make_mesh's
-    default Explicit axes, the embedding gather of a 'data'-sharded batch does not type-check."""
-    import jax
-    from jax.sharding import AxisType, Mesh
+    """The scorer's mesh (sharding.py's): train.py's mesh as it is, its params already in their shards; else a
+    data-parallel one over `devices` (a list, or the devices of any other Mesh; default all)."""
+    from jax.sharding import Mesh
+
+    import sharding
 
     if isinstance(devices, Mesh):
-        return Mesh(devices.devices, devices.axis_names, axis_types=(AxisType.Auto,) * len(devices.axis_names))
-    return Mesh(np.array(jax.devices() if devices is None else list(devices)), ("data",))
+        if devices.axis_names == sharding.AXES:
+            return devices
+        devices = list(devices.devices.flat)
+    return sharding.make_mesh(devices=devices)
 
 
 def put_batch(batch: Batch, mesh):
-    """The batch on the mesh, rows split over 'data'. Every process holds the whole batch and hands over the
-    rows of its own devices (so this works across hosts too)."""
+    """The batch on the mesh, rows split over data x fsdp. Every process holds the whole batch and hands over
+    the rows of its own devices (so this works across hosts too)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    sharding = NamedSharding(mesh, P("data"))
-    return tuple(jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index]) for a in batch)
+    import sharding
+
+    rows = NamedSharding(mesh, P(sharding.BATCH))
+    return tuple(jax.make_array_from_callback(a.shape, rows, lambda index, a=a: a[index]) for a in batch)
 
 
 def evaluate(model, examples, mesh=None, batch_size=8, progress=False):
-    """Score rendered examples with an nnx GPT, data parallel over `mesh` (a Mesh with a 'data' axis, a list
-    of devices, or None for all devices): batch_size examples (4 rows each) per device per batch, parameters
-    replicated (the caller's model is left as it is). Returns Score(acc, acc_norm, count, results), results
-    in the order of `examples`."""
+    """Score rendered examples with an nnx GPT over `mesh` (see make_mesh: train.py's, another Mesh, a list of
+    devices, or None for all devices): batch_size examples (4 rows each) per batch shard (data x fsdp) per batch,
+    parameters split by sharding.PARAM_SPECS (the caller's model is left as it is). Returns Score(acc, acc_norm,
+    count, results), results in the order of `examples`."""
     import jax
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
     from tqdm import tqdm
+
+    import sharding
 
     if not examples:
         raise UsageError("no examples to score")
@@ -329,12 +335,13 @@ def evaluate(model, examples, mesh=None, batch_size=8, progress=False):
         raise UsageError(f"batch_size must be >= 1, got {batch_size}")
     mesh = make_mesh(mesh)
     graphdef, state = nnx.split(model)
-    model = nnx.merge(graphdef, jax.device_put(state, NamedSharding(mesh, P())))  # replicated; no-op if already
+    model = nnx.merge(graphdef, jax.device_put(state, sharding.shardings_for(state, mesh)))  # no-op if in place
     score = _jitted_ending_losses(mesh)
 
     sums = np.zeros((len(examples), 4), np.float64)
-    plan = plan_batches(examples, batch_size, c.block_size, mesh.shape["data"])
-    with tqdm(total=len(examples), unit="ex", desc="hellaswag", disable=not progress) as bar:
+    plan = plan_batches(examples, batch_size, c.block_size, sharding.batch_shards(mesh))
+    # the model's sharding constraints apply where the scorer is traced under the mesh
+    with jax.set_mesh(mesh), tqdm(total=len(examples), unit="ex", desc="hellaswag", disable=not progress) as bar:
         pending = None  # batch k + 1 is dispatched before batch k is read back: packing overlaps compute
         for item in plan + [None]:
             launched = None

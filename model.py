@@ -471,8 +471,9 @@ def check_tokens(idx, config: GPTConfig):
 
 def tied_head(x, embedding, dtype):
     """(..., C) -> (..., vocab) float32 logits through the token embedding (vocab, C): a matmul in the compute
-    dtype with float32 accumulation."""
-    return jnp.einsum("...c,vc->...v", x.astype(dtype), embedding.astype(dtype), preferred_element_type=jnp.float32)
+    dtype with float32 accumulation; under a mesh, the embedding split by vocabulary over 'tensor'."""
+    head = sharding.constrain(embedding.astype(dtype), sharding.VOCAB)
+    return jnp.einsum("...c,vc->...v", x.astype(dtype), head, preferred_element_type=jnp.float32)
 
 
 def cross_entropy_terms(logits, targets):

@@ -221,6 +221,8 @@ def compile_step(step, params, opt_state, batch_shape, batch_sharding):
         lowered = jitted.lower(jax.tree.leaves(params), jax.tree.leaves(opt_state), batch, batch, jax.random.key(0))
     compiled = lowered.compile()
     return compiled, sharding.bytes_per_device([params, opt_state]), sharding.step_peak_bytes(compiled)
+
+
 @jax.jit
 def first_nonfinite(so_far, iter_num, finite):
     """The first iteration whose step was not finite (-1: none yet), combined on device: no host sync a step."""
@@ -305,7 +307,6 @@ class Trainer:
         meta = None
         if c["init_from"] == "scratch":
             model_config = self._model_config()
-            sharding.check_model_fits_mesh(model_config, self.mesh)
             graphdef, params = sharded_model(lambda: GPT(model_config, nnx.Rngs(c["seed"])), self.mesh)
             model = nnx.merge(graphdef, params)
         elif c["init_from"] == "resume":
@@ -408,7 +409,7 @@ class Trainer:
             step, params, opt_state, (self.accum, self.rows, self.c["block_size"]), self.batch_sharding)
         limit = sharding.device_memory_limit()
         if limit is not None and self.step_peak_bytes > limit:
-            raise ValueError(f"the train step needs {self.step_peak_bytes / 2**30:.2f} GiB per device, the device "
+            raise UsageError(f"the train step needs {self.step_peak_bytes / 2**30:.2f} GiB per device, the device "
                              f"has {limit / 2**30:.2f} GiB: lower --batch_size (raise gradient_accumulation_steps "
                              "to keep the tokens per step), or raise --fsdp / --tensor_parallel")
         return compiled
@@ -574,6 +575,8 @@ def sharded_model(make_model, mesh):
     graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
     params = jax.jit(lambda: nnx.split(make_model())[1], out_shardings=sharding.shardings_for(abstract, mesh))()
     return graphdef, params
+
+
 def sigint_as_sigterm(signum, frame):
     """Ctrl-C on one process of several: a preemption notice like SIGTERM, so that all stop at one step."""
     os.kill(os.getpid(), signal.SIGTERM)

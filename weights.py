@@ -162,7 +162,7 @@ def hf_directory(name_or_path):
         if not os.path.exists(os.path.join(name_or_path, "config.json")) or not any(
                 os.path.exists(os.path.join(name_or_path, f)) for f in HF_WEIGHT_FILES):
             raise InputNotFound(f"{name_or_path} is not an HF GPT-2 directory: it needs config.json and "
-                                    "model.safetensors (as written by save_pretrained)")
+                                "model.safetensors (as written by save_pretrained)")
         return name_or_path
     if name_or_path not in HF_NAMES:
         raise UsageError(f"unknown model {name_or_path!r}: use one of {', '.join(HF_NAMES)}, an HF directory "
@@ -173,7 +173,7 @@ def hf_directory(name_or_path):
         path = snapshot_download(name_or_path, allow_patterns=["config.json", "model.safetensors*"])
     except OSError as e:  # no network, not in the cache, hub errors
         raise InputNotFound(f"could not load {name_or_path!r} from the HF hub or the local HF cache (offline?); "
-                      "pass a local directory written by save_pretrained instead") from e
+                            "pass a local directory written by save_pretrained instead") from e
     return path
 
 
@@ -214,7 +214,7 @@ def read_hf_weights(path):
     return _untied(LazyState(where, read), path)
 
 
-def config_from_hf(hf: dict, dropout=0.0, dtype="float32"):
+def config_from_hf(hf: dict):
     """GPTConfig from an HF GPT-2 config.json (a dict: keys left out have GPT2Config's defaults); refuses the
     variants our model does not compute."""
     n_embd = hf.get("n_embd", 768)
@@ -231,8 +231,8 @@ def config_from_hf(hf: dict, dropout=0.0, dtype="float32"):
     if bad:
         raise UsageError(f"not a GPT-2 architecture this model computes: {bad}")
     return GPTConfig(block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
-                     n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd, dropout=dropout,
-                     bias=True, gelu=HF_GELU[activation], dtype=dtype)
+                     n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd, bias=True,
+                     gelu=HF_GELU[activation])
 
 
 def hf_config_for(config: GPTConfig):
@@ -273,7 +273,7 @@ def nanogpt_checkpoint(init_from):
     return path if os.path.isdir(init_from) and os.path.isfile(path) else None
 
 
-def read_nanogpt(path, dropout=0.0, dtype="float32"):
+def read_nanogpt(path):
     """nanoGPT's ckpt.pt -> (GPTConfig: its model_args with the exact GELU, {HF name: array} in HF's layout,
     lazily transposed, its training config dict)."""
     import torch
@@ -284,8 +284,7 @@ def read_nanogpt(path, dropout=0.0, dtype="float32"):
     except Exception as e:  # torch raises many kinds for a file that is not a checkpoint
         raise UsageError(f"{path} is not a nanoGPT checkpoint ({type(e).__name__}: {str(e)[:200]})") from e
     # nanoGPT's GPT computes F.gelu, the exact erf GELU
-    config = GPTConfig(**{k: args[k] for k in NANOGPT_ARGS if k != "dropout"}, dropout=dropout, gelu="exact",
-                       dtype=dtype)
+    config = GPTConfig(**{k: args[k] for k in NANOGPT_ARGS if k != "dropout"}, gelu="exact")
     model_state = {k.removeprefix(COMPILED_PREFIX): v for k, v in model_state.items()}
     linear = {hf for hf, _, is_linear in weight_map(config.n_layer, config.bias) if is_linear}
     names = [k for k in model_state if not k.endswith(MASK_BUFFERS)]

@@ -200,6 +200,7 @@ MULTI_DEVICE = textwrap.dedent("""
     import jax, numpy as np
     from flax import nnx
     import hellaswag
+    import sharding
     from model import GPT, GPTConfig
     from weights import load_state_dict
 
@@ -208,8 +209,8 @@ MULTI_DEVICE = textwrap.dedent("""
     model = nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0)))
     load_state_dict(model, dict(np.load(weights)))
     examples = hellaswag.load_examples(sys.argv[3], max_len=config.block_size)
-    mesh = jax.make_mesh((8,), ("data",))  # as train.py would make it (Explicit axes by default)
-    L, E, n, idx = hellaswag.plan_batches(examples, 1, config.block_size, mesh.shape["data"])[0]
+    mesh = sharding.make_mesh(fsdp=2)  # as train.py makes it with --fsdp=2: params split, rows over data x fsdp
+    L, E, n, idx = hellaswag.plan_batches(examples, 1, config.block_size, sharding.batch_shards(mesh))[0]
     tokens = hellaswag.put_batch(hellaswag.make_batch([examples[i] for i in idx], n, L, E), mesh)[0]
     score = hellaswag.evaluate(model, examples, mesh, batch_size=1)  # 1 example (4 rows) per device
     np.save(out, np.array([r.sum_losses + r.mean_losses for r in score.results]))
