@@ -140,7 +140,8 @@ VOCAB = P("tensor", None)  # wte as the tied head: logits split by vocabulary
 def constrain(x, spec):
     """x pinned to `spec` on the mesh in context, any axis that does not divide its dimension dropped."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not {a for a in spec if a} <= set(mesh.axis_names):
+    # one device: nothing to place, and the annotation would only stand between XLA:CPU's fusions
+    if mesh.empty or mesh.size == 1 or not {a for a in spec if a} <= set(mesh.axis_names):
         return x
     return jax.lax.with_sharding_constraint(
         x, P(*(a if a is None or dim % mesh.shape[a] == 0 else None for a, dim in zip(spec, x.shape))))
