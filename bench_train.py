@@ -7,7 +7,8 @@ process, so peak memory is that run's alone.
     python bench_train.py                      # nanoGPT's CPU baby config (block 64, batch 12, 4x4x128)
     python bench_train.py --preset gpt2 --dtype bfloat16 --frameworks jax   # 124M, B=16, T=1024 (GPU)
     python bench_train.py --full-run           # the README's main training command vs nanoGPT's train.py loop, 3 pairs
-    python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 [--remat=dots --loss_chunk=128]
+    python bench_train.py --memory --preset gpt2 --batch_size=64 --dtype=bfloat16   # remat, loss_chunk: config/train_gpt2.py's
+    python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 [--remat=none --loss_chunk=0]
 
 Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's peak is
 known, peak memory (device peak on GPU/TPU, process peak RSS on CPU) and, for ours, the compiled step's
@@ -33,6 +34,9 @@ PRESETS = {
     # finetuning HF's gpt2-xl (its vocabulary, unpadded)
     "gpt2-xl": dict(block_size=1024, batch_size=1, n_layer=48, n_head=25, n_embd=1600, vocab_size=50257),
 }
+# --memory's remat and loss_chunk unless given: the run each preset stands for
+PRESET_CONFIGS = {"baby": "config/train_shakespeare_char.py", "gpt2": "config/train_gpt2.py",
+                  "gpt2-xl": "config/finetune_shakespeare.py"}
 
 
 def bench_jax(s):
@@ -114,9 +118,22 @@ def bench_memory(s):
     return {"state": state, "peak": peak, "backend": jax.default_backend(), "mesh": dict(mesh.shape)}
 
 
+def compute_settings(args):
+    """(remat, loss_chunk, where from): as given, else as the preset's config file sets them for its run."""
+    if args.remat is not None and args.loss_chunk is not None:
+        return args.remat, args.loss_chunk, ""
+    from configurator import configure
+    from train import DEFAULTS
+
+    config = configure(DEFAULTS, [PRESET_CONFIGS[args.preset]])
+    return (config["remat"] if args.remat is None else args.remat,
+            config["loss_chunk"] if args.loss_chunk is None else args.loss_chunk, f" (from {PRESET_CONFIGS[args.preset]})")
+
+
 def memory(args):
+    remat, loss_chunk, source = compute_settings(args)
     s = dict(PRESETS[args.preset], dtype=args.dtype, devices=args.devices or 1, fsdp=args.fsdp,
-             tensor_parallel=args.tensor_parallel, remat=args.remat, loss_chunk=args.loss_chunk)
+             tensor_parallel=args.tensor_parallel, remat=remat, loss_chunk=loss_chunk)
     if args.batch_size:
         s["batch_size"] = args.batch_size
     env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={s['devices']}"}
@@ -126,7 +143,7 @@ def memory(args):
     m = r["mesh"]
     print(f"{args.preset}, batch {s['batch_size']} x {s['block_size']} per batch shard, {s['dtype']}, "
           f"{s['devices']} {r['backend']} device(s), mesh data {m['data']} x fsdp {m['fsdp']} x tensor {m['tensor']}, "
-          f"remat {s['remat']}, loss_chunk {s['loss_chunk']}")
+          f"remat {s['remat']}, loss_chunk {s['loss_chunk']}{source}")
     print(f"memory per device: state {r['state'] / 2**30:.2f} GiB, step peak {r['peak'] / 2**30:.2f} GiB")
 
 
@@ -159,6 +176,20 @@ def torch_model(s, device):
     return model, loss_fn
 
 
+def torch_mfu(model, s, dt, device_name):
+    """nanoGPT's estimate_mfu for a torch model (6N + 12·L·H·Q·T FLOPs per token, N without the position
+    embeddings) over the device's bf16 peak (model.PEAK_BF16_FLOPS); None where the peak is unknown (CPU)."""
+    from model import peak_flops_of
+
+    peak = peak_flops_of(device_name)
+    if peak is None:
+        return None
+    wpe = next(p for name, p in model.named_parameters() if "wpe" in name)
+    n = sum(p.numel() for p in model.parameters()) - wpe.numel()
+    L, H, Q, T = s["n_layer"], s["n_head"], s["n_embd"] // s["n_head"], s["block_size"]
+    return (6 * n + 12 * L * H * Q * T) * T * s["accum"] * s["batch_size"] / dt / peak
+
+
 def bench_torch(s):
     import numpy as np
     import torch
@@ -172,7 +203,7 @@ def bench_torch(s):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, loss_fn = torch_model(s, device)
     opt = configure_optimizers(model, dict(learning_rate=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95))
-    if device == "cuda" and s["framework"] == "nanogpt":  # as nanoGPT's train.py runs on a GPU
+    if (device == "cuda" or s["as_on_gpu"]) and s["framework"] == "nanogpt":  # as nanoGPT's train.py on a GPU
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         opt = torch.optim.AdamW(opt.param_groups, lr=1e-3, betas=(0.9, 0.95), fused=True)
         loss_fn = torch.compile(loss_fn)
@@ -194,9 +225,10 @@ def bench_torch(s):
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     dt = float(np.median(times[s["warmup"]:]))
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     return {"ms": dt * 1000, "compile_s": None, "peak_mb": (peak or rss_bytes()) / 2**20,
-            "memory": "device" if peak else "RSS", "mfu": None, "temp_mb": None,
-            "device": torch.cuda.get_device_name() if peak else "cpu",
+            "memory": "device" if peak else "RSS", "mfu": torch_mfu(model, s, dt, name), "temp_mb": None,
+            "device": name,
             "tokens": s["accum"] * s["batch_size"] * s["block_size"]}
 
 
@@ -336,8 +368,11 @@ def main():
     p.add_argument("--devices", type=int, default=None, help="--memory: devices (fake CPU ones if there are fewer)")
     p.add_argument("--fsdp", type=int, default=1, help="--memory: the mesh's fsdp axis")
     p.add_argument("--tensor_parallel", type=int, default=1, help="--memory: the mesh's tensor axis")
-    p.add_argument("--remat", default="none", choices=["none", "block", "dots"], help="--memory: train.py's remat")
-    p.add_argument("--loss_chunk", type=int, default=0, help="--memory: train.py's loss_chunk")
+    p.add_argument("--remat", choices=["none", "block", "dots"], help="ours: train.py's remat (default: the preset's "
+                   "config file's: gpt2 config/train_gpt2.py, gpt2-xl config/finetune_shakespeare.py)")
+    p.add_argument("--loss_chunk", type=int, help="ours: train.py's loss_chunk (default: as --remat)")
+    p.add_argument("--reference-as-on-gpu", action="store_true",
+                   help="run nanoGPT's reference as on a GPU (torch.compile, fused AdamW, TF32) on any device")
     p.add_argument("--worker", choices=["jax", "nanogpt", "transformers", "nanogpt-run", "memory"],
                    help=argparse.SUPPRESS)
     p.add_argument("--settings", help=argparse.SUPPRESS)
@@ -352,10 +387,12 @@ def main():
     if args.memory:
         return memory(args)
 
-    s = dict(PRESETS[args.preset], dtype=args.dtype, steps=args.steps, warmup=args.warmup, accum=1)
+    remat, loss_chunk, source = compute_settings(args)
+    s = dict(PRESETS[args.preset], dtype=args.dtype, steps=args.steps, warmup=args.warmup, accum=1, remat=remat,
+             loss_chunk=loss_chunk, as_on_gpu=args.reference_as_on_gpu)
     if args.batch_size:
         s["batch_size"] = args.batch_size
-    print(f"preset {args.preset}: {s}")
+    print(f"preset {args.preset}: {s}{source}")
     rows = []
     for fw in args.frameworks.split(","):
         rows.append((fw, 1, run_worker(fw, s)))

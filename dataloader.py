@@ -7,10 +7,13 @@ batch_size * device_count, and each process materializes only its own rows. The 
 - BinLoader (nanoGPT): random windows from a memory-mapped uint16 `{split}.bin`.
 - ShardLoader (build-nanogpt): sequential over sorted uint16 `*{split}*.npy` shards.
 Their state (`state_dict()`) goes into the checkpoint so that resume neither skips nor repeats data.
+Prefetcher reads the training batches on a background thread, ahead of the step.
 """
 
 import glob
 import os
+import queue
+import threading
 
 import numpy as np
 
@@ -153,3 +156,48 @@ def make_loader(data_dir, split, block_size, rows, seed, row_slice=None, shuffle
     if shards:
         return ShardLoader(shards, block_size, rows, seed, row_slice, shuffle_shards and split == "train")
     raise InputNotFound(f"no {split}.bin or *{split}*.npy shards in {data_dir}: run `{prepare_hint(data_dir)}` first")
+
+
+class Prefetcher:
+    """The training batches, read and put on the devices by a background thread `depth` batches ahead of the
+    step, so that the devices never wait for the host's reads and copies. `put` makes a device array of one
+    process-local (accum, rows, T) array. Each batch carries the loader's state after it: `state` is that of
+    the last batch taken, what a checkpoint saves, so a resume continues after it, whatever was read ahead.
+    An error while reading (a bad token id) is raised by the next() that would have returned its batch."""
+
+    def __init__(self, loader, accum, put, depth=2):
+        self.loader, self.accum, self.put = loader, accum, put
+        self.state = loader.state_dict()
+        self._queue = queue.Queue(maxsize=depth)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="prefetch", daemon=True)
+        self._thread.start()
+
+    def _fill(self):
+        try:
+            while not self._closed.is_set():
+                x, y = self.loader.next(self.accum)
+                self._offer((self.put(x), self.put(y), self.loader.state_dict()))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            self._offer(e)
+
+    def _offer(self, item):
+        while not self._closed.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def next(self):
+        """(x, y) of the next step, on the devices."""
+        item = self._queue.get()
+        if isinstance(item, Exception):
+            self.close()
+            raise item
+        x, y, self.state = item
+        return x, y
+
+    def close(self):
+        self._closed.set()
+        self._thread.join()

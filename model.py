@@ -430,10 +430,13 @@ class GPT(nnx.Module):
         peak = [peak_flops(d) for d in devices]
         if None in peak:
             return None
+        return self.flops_per_token() * self.config.block_size * fwdbwd_per_iter / dt / sum(peak)
+
+    def flops_per_token(self):
+        """Training FLOPs (forward and backward) per token at full context: nanoGPT's 6N + 12·L·H·Q·T."""
         c = self.config
         N, L, H, Q, T = self.num_params(), c.n_layer, c.n_head, c.n_embd // c.n_head, c.block_size
-        flops_per_token = 6 * N + 12 * L * H * Q * T
-        return flops_per_token * T * fwdbwd_per_iter / dt / sum(peak)
+        return 6 * N + 12 * L * H * Q * T
 
     @classmethod
     def from_pretrained(cls, name_or_path, mesh=None, **settings):
@@ -610,5 +613,10 @@ PEAK_BF16_FLOPS = [
 
 
 def peak_flops(device):
-    kind = getattr(device, "device_kind", "")
+    """A JAX device's bf16 peak FLOP/s, or None where unknown (CPU)."""
+    return peak_flops_of(getattr(device, "device_kind", ""))
+
+
+def peak_flops_of(kind):
+    """By a device's name (jax's device_kind, torch.cuda.get_device_name())."""
     return next((flops for name, flops in PEAK_BF16_FLOPS if name in kind), None)

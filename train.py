@@ -34,8 +34,8 @@ from jax.experimental import multihost_utils
 import checkpoint
 import sharding
 from configurator import InputNotFound, RunStopped, UsageError, configure, exit_on_bad_input
-from dataloader import make_loader
-from model import GPT, RUNTIME_FIELDS, GPTConfig, mean_of
+from dataloader import Prefetcher, make_loader
+from model import GPT, RUNTIME_FIELDS, GPTConfig, mean_of, peak_flops
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText (nanoGPT's)
@@ -91,6 +91,7 @@ DEFAULTS = dict(
     attention="auto",  # 'xla' | 'cudnn' (fused flash attention: NVIDIA Ampere+, bf16) | 'auto' (cudnn where it runs)
     remat="none",  # recompute in the backward pass to save memory: 'none' | 'block' | 'dots' (keeps matmul outputs)
     loss_chunk=0,  # the loss's logits this many positions at a time (memory B x loss_chunk x vocab); 0: all at once
+    profile="",  # 'START:STOP': a jax.profiler trace of iterations START..STOP-1 in out_dir/profile (TensorBoard, Perfetto)
     seed=1337,
 )
 
@@ -117,9 +118,23 @@ def validate(c):
         if not 0.0 <= c[key] < 1.0:
             raise UsageError(f"{key} must be in [0, 1), got {c[key]}")
     resolve_dtype(c["dtype"])
+    profile_range(c["profile"])
     if os.path.isfile(c["dataset"]):
         raise UsageError(f"--dataset={c['dataset']} is a file: give the folder holding train.bin and val.bin "
                          "(or the .npy shards), or a name under data/")
+
+
+def profile_range(profile):
+    """--profile=START:STOP -> (START, STOP), or None for ''."""
+    if not profile:
+        return None
+    try:
+        start, stop = (int(part) for part in str(profile).split(":"))
+    except ValueError:
+        start = stop = -1
+    if not 0 <= start < stop:
+        raise UsageError(f"profile must be START:STOP, the iterations to trace (0 <= START < STOP), got {profile!r}")
+    return start, stop
 
 
 def get_lr(it, c):
@@ -157,10 +172,11 @@ def batch_loss(model, x, y, key=None):
     return mean_of(*(a + b for a, b in zip(*halves)))  # (total, count) of both halves
 
 
-def make_train_step(graphdef, tx, grad_clip):
+def make_train_step(graphdef, tx, grad_clip, lr_schedule=None):
     """The one step: scan over micro-batches (memory flat in their number), average the grads, clip by
     global norm as torch.nn.utils.clip_grad_norm_ does, apply AdamW. x, y: (accum, B, T). Jitted by
-    on_leaves with the state's shardings pinned."""
+    on_leaves with the state's shardings pinned. With `lr_schedule` (tx's), the metrics hold the step's
+    learning rate, so that the loop never computes it on the host."""
 
     def loss_fn(params, x, y, key):
         return batch_loss(nnx.merge(graphdef, params), x, y, key)
@@ -181,13 +197,22 @@ def make_train_step(graphdef, tx, grad_clip):
         if grad_clip > 0.0:
             scale = jnp.minimum(1.0, grad_clip / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale, grads)
+        metrics = {"loss": jnp.mean(losses), "grad_norm": grad_norm}
+        if lr_schedule is not None:
+            metrics["lr"] = lr_schedule(schedule_count(opt_state))
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        loss = jnp.mean(losses)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)  # read on the host only at log steps and saves
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+        # read on the host only at log steps and saves
+        metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+        return params, opt_state, metrics
 
     return train_step
+
+
+def schedule_count(opt_state):
+    """The number of updates AdamW's learning-rate schedule has counted (the step's iteration number)."""
+    is_schedule = lambda s: isinstance(s, optax.ScaleByScheduleState)  # noqa: E731
+    return next(s.count for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s))
 
 
 def on_leaves(step, params, opt_state, batch_sharding=None):
@@ -298,7 +323,8 @@ class Trainer:
         row_slice = sharding.process_rows(self.batch_sharding, (self.accum, self.rows, c["block_size"]), row_axis=1)
         loader = partial(make_loader, self.data_dir, block_size=c["block_size"], rows=self.rows, seed=c["seed"],
                          row_slice=row_slice, shuffle_shards=c["shuffle_shards"])
-        self.loaders = {"train": loader("train"), "val": loader("val")}
+        self.loaders = {"train": loader("train"), "val": loader("val")}  # estimate_loss's
+        self.train_loader = loader("train")  # the steps' own: read ahead on a thread (run: Prefetcher)
         self.iter_num, self.best_val_loss, self.last_saved = 0, float("inf"), None
 
         # model + optimizer state, from scratch, a checkpoint or GPT-2 weights, each array created or read
@@ -323,7 +349,7 @@ class Trainer:
                 model.crop_block_size(c["block_size"])
         self.model_config = model.config
         sharding.check_model_fits_mesh(self.model_config, self.mesh)
-        for loader in self.loaders.values():
+        for loader in (*self.loaders.values(), self.train_loader):
             loader.vocab_size = self.model_config.vocab_size
         if c["block_size"] > self.model_config.block_size:
             raise UsageError(f"block_size={c['block_size']} exceeds the model's {self.model_config.block_size}")
@@ -340,16 +366,25 @@ class Trainer:
             params, opt_state = restored["params"], restored["opt_state"]
             self.iter_num, self.best_val_loss = meta["iter_num"], meta["best_val_loss"]
             self.last_saved = self.iter_num
-            self.loaders["train"].load_state_dict(meta["loader"])
+            self.train_loader.load_state_dict(meta["loader"])
         self.graphdef = graphdef
         self._param_def, self._opt_def = jax.tree.structure(params), jax.tree.structure(opt_state)
         self._param_leaves, self._opt_leaves = jax.tree.leaves(params), jax.tree.leaves(opt_state)
-        self.model = nnx.merge(graphdef, params)  # for num_params / estimate_mfu
+        self.model = nnx.merge(graphdef, params)  # for num_params
+        # MFU's numerator per iteration (sequences over all devices) and denominator, once; None off GPU/TPU
+        self.flops_per_iter = self.model.flops_per_token() * c["block_size"] * self.accum * self.rows
+        peaks = [peak_flops(d) for d in self.mesh.devices.flat]
+        self.peak_flops = None if None in peaks else sum(peaks)
         self.hellaswag_examples = self._load_hellaswag() if c["hellaswag_interval"] > 0 else None
-        self.train_step = self._compile_step(make_train_step(graphdef, tx, c["grad_clip"]), params, opt_state)
+        step = make_train_step(graphdef, tx, c["grad_clip"], lr_schedule=partial(get_lr, c=c))
+        self.train_step = self._compile_step(step, params, opt_state)
         self.eval_step = make_eval_step(graphdef, params)
         self.stop_requested = None
         self._first_nonfinite = jax.device_put(jnp.int32(-1), sharding.replicated(self.mesh))
+        self.batches = None  # the Prefetcher, while run() runs
+        self._unlogged = None  # a log step's (iter, metrics, first non-finite iter so far), read one step late
+        self.profile = profile_range(c["profile"]) or (-1, -1)
+        self.profile_dir, self._profiling = os.path.join(c["out_dir"], "profile"), False
 
     # the loop holds params and optimizer state as lists of arrays (see on_leaves)
     @property
@@ -436,10 +471,11 @@ class Trainer:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
-    def check_finite(self, params=False):
+    def check_finite(self, params=False, first_nonfinite=None):
         """Stop at the first non-finite step, before any checkpoint of it: reads one scalar (at log steps, saves
-        and the end); `params`: also the params, whose last update may overflow where its loss did not."""
-        bad = int(self._first_nonfinite)
+        and the end; `first_nonfinite`: that scalar as of an earlier step); `params`: also the params, whose last
+        update may overflow where its loss did not."""
+        bad = int(self._first_nonfinite if first_nonfinite is None else first_nonfinite)
         if bad < 0 and params and not all_finite(self._param_leaves):
             bad = self.iter_num - 1
         if bad >= 0:
@@ -454,8 +490,8 @@ class Trainer:
         self.check_finite(params=True)
         checkpoint.check_saved(mngr)  # the previous save, before the next one can rotate its predecessor out
         self.last_saved = self.iter_num
-        meta = checkpoint.meta_for(self.model_config, self.c, self.iter_num, self.best_val_loss,
-                                   self.loaders["train"].state_dict())
+        loader_state = self.batches.state if self.batches is not None else self.train_loader.state_dict()
+        meta = checkpoint.meta_for(self.model_config, self.c, self.iter_num, self.best_val_loss, loader_state)
         checkpoint.save(mngr, self.iter_num, self.params, self.opt_state, meta)
         if self.master:
             print(f"saving checkpoint to {checkpoint.ckpt_dir(self.c['out_dir'])}/{self.iter_num}")
@@ -507,67 +543,112 @@ class Trainer:
         if jax.process_count() == 1:
             signal.signal(signal.SIGTERM, self._request_stop)
 
+        self.batches = Prefetcher(self.train_loader, self.accum, partial(self._put, sharding=self.batch_sharding))
+        try:
+            self._loop(mngr)
+        finally:
+            self.batches.close()
+            self._stop_profile()
+        checkpoint.wait_saved(mngr)
+        mngr.close()
+        return self
+
+    def _loop(self, mngr):
+        """The steps, dispatched ahead of the host: nothing in a step waits for the device except the log line,
+        which reads the metrics of the step before the one just dispatched (one step late), and evals/saves."""
+        c = self.c
         base_key = jax.random.key(c["seed"])
-        t0, last_log_iter, mfu = time.time(), self.iter_num, -1.0
+        self._t0, self._last_log_iter, self._mfu = time.time(), self.iter_num, -1.0
         while True:
             last_step = self.iter_num == c["max_iters"]
             if self.iter_num % c["eval_interval"] == 0 or last_step:
-                self.check_finite()  # no eval of a diverged run
-                losses = self.estimate_loss()
-                if self.master:
-                    print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                self.log({"iter": self.iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
-                          "lr": float(get_lr(self.iter_num, c))})
-                improved = losses["val"] < self.best_val_loss
-                self.best_val_loss = min(self.best_val_loss, losses["val"])
-                if self.iter_num > 0 and (improved or c["always_save_checkpoint"] or last_step):
-                    self.save(mngr)
-                t0, last_log_iter = time.time(), self.iter_num  # eval time is not step time
+                self._log_unlogged(mngr)
+                self.evaluate(mngr, last_step)
+                self._t0, self._last_log_iter = time.time(), self.iter_num  # eval time is not step time
             if self.hellaswag_examples and (self.iter_num % c["hellaswag_interval"] == 0 or last_step):
+                self._log_unlogged(mngr)
                 self.eval_hellaswag()
-                t0, last_log_iter = time.time(), self.iter_num
-            if c["eval_only"]:
-                break
-            if self.iter_num >= c["max_iters"]:
-                break
+                self._t0, self._last_log_iter = time.time(), self.iter_num
+            if c["eval_only"] or self.iter_num >= c["max_iters"]:
+                self._log_unlogged(mngr)
+                return
 
-            x, y = self.loaders["train"].next(self.accum)
+            if self.iter_num == self.profile[0]:
+                self._log_unlogged(mngr)  # the trace holds the steps alone
+                jax.profiler.start_trace(self.profile_dir, create_perfetto_trace=True)
+                self._profiling = True
+            x, y = self.batches.next()
             key = jax.random.fold_in(base_key, self.iter_num)  # dropout: a function of (seed, iter), resumable
             self._param_leaves, self._opt_leaves, metrics = self.train_step(
-                self._param_leaves, self._opt_leaves, self._put(x, self.batch_sharding),
-                self._put(y, self.batch_sharding), key)
+                self._param_leaves, self._opt_leaves, x, y, key)
             self._first_nonfinite = first_nonfinite(self._first_nonfinite, self.iter_num, metrics["finite"])
             self.iter_num += 1
             checkpoint.check_saved(mngr)  # a failed save stops the run before the next step
-
+            self._log_unlogged(mngr)  # the previous log step's, while this step runs
+            if self.iter_num == self.profile[1]:
+                self._stop_profile(metrics)
             if self.iter_num % c["log_interval"] == 0 or self.iter_num == c["max_iters"]:
-                self.check_finite()
-                checkpoint.wait_saved(mngr)  # a save still in flight fails at this log line at the latest
-                loss = float(metrics["loss"])  # the only host sync in the loop
-                dt = (time.time() - t0) / (self.iter_num - last_log_iter)
-                t0, last_log_iter = time.time(), self.iter_num
-                step_mfu = self.model.estimate_mfu(c["gradient_accumulation_steps"] * c["batch_size"], dt)
-                if step_mfu is not None and self.iter_num > 5:  # the first steps include compilation
-                    mfu = step_mfu if mfu < 0 else 0.9 * mfu + 0.1 * step_mfu
-                lr = float(get_lr(self.iter_num - 1, c))
-                if self.master:
-                    print(f"iter {self.iter_num - 1}: loss {loss:.4f}, time {dt * 1000:.2f}ms, "
-                          f"tok/s {self.tokens_per_iter / dt:,.0f}, mfu {f'{mfu * 100:.2f}%' if mfu >= 0 else 'n/a'}")
-                self.log({"iter": self.iter_num - 1, "loss": loss, "lr": lr, "grad_norm": float(metrics["grad_norm"]),
-                          "ms": dt * 1000, "tok_per_s": self.tokens_per_iter / dt,
-                          "mfu": mfu if mfu >= 0 else None})
+                self._unlogged = (self.iter_num - 1, metrics, self._first_nonfinite)
             if c["checkpoint_interval"] and self.iter_num % c["checkpoint_interval"] == 0:
+                self._log_unlogged(mngr)
                 self.save(mngr)
             stop = self._stop_agreed()
             if stop:
+                self._log_unlogged(mngr)
                 self.save(mngr)
                 checkpoint.wait_saved(mngr)
                 print(f"{stop}: checkpoint saved at iter {self.iter_num}; "  # every process: each host's own log
                       f"resume with --init_from=resume --out_dir={c['out_dir']}")
-                break
-        checkpoint.wait_saved(mngr)
-        mngr.close()
-        return self
+                return
+
+    def _stop_profile(self, metrics=None):
+        """Ends a trace begun at profile's START: after the last traced step has run (`metrics`: its outputs)."""
+        if not self._profiling:
+            return
+        jax.block_until_ready(metrics)
+        jax.profiler.stop_trace()
+        self._profiling = False
+        if self.master:
+            print(f"profile of iterations {self.profile[0]}..{self.iter_num - 1} written to {self.profile_dir}: "
+                  f"tensorboard --logdir={self.profile_dir} (profile plugin), or its perfetto_trace.json.gz in "
+                  "ui.perfetto.dev")
+
+    def evaluate(self, mngr, last_step):
+        """Train and val loss, logged; a checkpoint when val improved (or always_save_checkpoint, or at the end)."""
+        c = self.c
+        self.check_finite()  # no eval of a diverged run
+        losses = self.estimate_loss()
+        if self.master:
+            print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        self.log({"iter": self.iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
+                  "lr": float(get_lr(self.iter_num, c))})
+        improved = losses["val"] < self.best_val_loss
+        self.best_val_loss = min(self.best_val_loss, losses["val"])
+        if self.iter_num > 0 and (improved or c["always_save_checkpoint"] or last_step):
+            self.save(mngr)
+
+    def _log_unlogged(self, mngr):
+        """The log line of the last log step, if not printed yet: the loop's only read of a step's metrics."""
+        if self._unlogged is None:
+            return
+        it, metrics, first_nonfinite_so_far = self._unlogged
+        self._unlogged = None
+        self.check_finite(first_nonfinite=first_nonfinite_so_far)
+        checkpoint.wait_saved(mngr)  # a save still in flight fails at this log line at the latest
+        metrics = jax.device_get(metrics)  # waits for step `it`, not for the one dispatched after it
+        done = it + 1
+        dt = (time.time() - self._t0) / (done - self._last_log_iter)
+        self._t0, self._last_log_iter = time.time(), done
+        if self.peak_flops is not None and done > 5:  # the first steps include compilation
+            step_mfu = self.flops_per_iter / dt / self.peak_flops
+            self._mfu = step_mfu if self._mfu < 0 else 0.9 * self._mfu + 0.1 * step_mfu
+        mfu = self._mfu if self._mfu >= 0 else None
+        if self.master:
+            print(f"iter {it}: loss {metrics['loss']:.4f}, time {dt * 1000:.2f}ms, "
+                  f"tok/s {self.tokens_per_iter / dt:,.0f}, mfu {f'{mfu * 100:.2f}%' if mfu is not None else 'n/a'}")
+        self.log({"iter": it, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
+                  "grad_norm": float(metrics["grad_norm"]), "ms": dt * 1000, "tok_per_s": self.tokens_per_iter / dt,
+                  "mfu": mfu})
 
 
 def sharded_model(make_model, mesh):

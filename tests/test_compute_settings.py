@@ -2,7 +2,7 @@
 
 The run's compute settings (GPTConfig's attention, remat, loss_chunk; train.py's settings of the same names):
 which attention kernel each backend gets, the same logits, loss and gradients with every setting (fp32), and the
-memory they save by XLA's analysis of the compiled step (bench_memory_model.step_memory)."""
+memory they save by XLA's analysis of the compiled gradient computation (step_memory)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +11,22 @@ import pytest
 from flax import nnx
 
 import model as model_lib
-from bench_memory_model import step_memory
+import sharding
 from helpers import assert_close, tiny_config
 from model import GPT, GPTConfig, attention_implementation
+
+
+def step_memory(config, batch_size):
+    """{temp, peak} bytes of jit(value_and_grad(GPT.loss)) on (batch_size, block_size) tokens: XLA's analysis of
+    the compiled computation, from ShapeDtypeStructs (train.py's whole step: bench_train.py --memory)."""
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
+    tokens = jax.ShapeDtypeStruct((batch_size, config.block_size), jnp.int32)
+
+    def loss(params, x, y):
+        return nnx.merge(graphdef, params).loss(x, y)
+
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, tokens, tokens).compile()
+    return {"temp": compiled.memory_analysis().temp_size_in_bytes, "peak": sharding.step_peak_bytes(compiled)}
 
 
 def test_attention_setting_picks_cudnn_only_where_it_runs():

@@ -1,12 +1,13 @@
 """python -m pytest tests/test_dataloader.py -q
 
 The loaders: determinism, per-process rows composing the global batch, shard order, wrap-around across
-shards, exact resume position, and the missing-data errors."""
+shards, exact resume position, the missing-data errors, and the prefetching thread."""
 
 import numpy as np
 import pytest
 
-from dataloader import BinLoader, ShardLoader, make_loader
+from configurator import UsageError
+from dataloader import BinLoader, Prefetcher, ShardLoader, make_loader
 
 
 @pytest.fixture
@@ -121,3 +122,28 @@ def test_missing_data_names_the_command(tmp_path):
         make_loader(str(tmp_path / "edu_fineweb10B"), "train", 8, 2, 0)
     with pytest.raises(FileNotFoundError, match=r"no train.bin .* run `python data/nope/prepare.py` first"):
         make_loader("data/nope", "train", 8, 2, 0)
+
+
+def test_prefetcher_gives_the_loaders_batches_and_the_position_after_the_last_taken(shards):
+    _, paths = shards
+    direct = ShardLoader(paths, block_size=4, rows=2, seed=0)
+    ahead = Prefetcher(ShardLoader(paths, block_size=4, rows=2, seed=0), accum=3, put=np.copy, depth=2)
+    try:
+        for _ in range(5):  # wraps around the shards
+            x, y = ahead.next()
+            want = direct.next(3)
+            np.testing.assert_array_equal(x, want[0])
+            np.testing.assert_array_equal(y, want[1])
+            assert ahead.state == direct.state_dict()  # though the thread has read further
+    finally:
+        ahead.close()
+
+
+def test_prefetcher_raises_a_read_error_at_the_batch_that_hit_it(tmp_path):
+    np.full(200, 70, np.uint16).tofile(tmp_path / "train.bin")
+    loader = BinLoader(str(tmp_path / "train.bin"), block_size=4, rows=2, seed=0)
+    loader.vocab_size = 64  # every id (70) is outside it
+    ahead = Prefetcher(loader, accum=1, put=np.copy)
+    with pytest.raises(UsageError, match="outside the model's vocabulary"):
+        ahead.next()
+    assert not ahead._thread.is_alive()

@@ -44,6 +44,7 @@ BAD_SETTINGS = {
     "--keep_checkpoints=0": "keep_checkpoints must be >= 1", "--checkpoint_interval=-1": r"must be >= 0 \(0: off\)",
     "--dropout=1.5": r"dropout must be in \[0, 1\)", "--learning_rate=-1.0": "learning_rate must be >= 0",
     "--beta2=1.0": r"beta2 must be in \[0, 1\)", "--dtype=float16": "dtype must be",
+    "--profile=5:2": "profile must be START:STOP", "--profile=a:b": "profile must be START:STOP",
 }
 
 

@@ -188,7 +188,56 @@ def test_loss_goes_down_and_log_is_written(dataset, tmp_path):
     assert t.best_val_loss == min(v for _, v in evals)
 
 
+def test_loop_reads_the_device_only_at_log_steps(dataset, tmp_path, monkeypatch):
+    """The device never waits for the host: between log lines (and evals, saves) the loop reads no device value.
+    The loop runs under JAX's device-to-host transfer guard, which fires on GPU/TPU; XLA:CPU's reads are
+    zero-copy and pass it (jax#16602), so here every read of a jax.Array's value fails the same way."""
+    from jax._src.array import ArrayImpl
+
+    guarded = {"on": False}
+    read_value = ArrayImpl._value.fget
+
+    def value(self):
+        assert not guarded["on"], "the training loop read a device value outside a log step, eval or save"
+        return read_value(self)
+
+    def with_guard(method, on):
+        def wrapped(*args, **kwargs):
+            before, guarded["on"] = guarded["on"], on
+            try:
+                with jax.transfer_guard_device_to_host("disallow_explicit" if on else "allow"):
+                    return method(*args, **kwargs)
+            finally:
+                guarded["on"] = before
+        return wrapped
+
+    monkeypatch.setattr(ArrayImpl, "_value", property(value))
+    monkeypatch.setattr(train.Trainer, "_loop", with_guard(train.Trainer._loop, True))
+    for allowed in ("_log_unlogged", "evaluate", "save"):
+        monkeypatch.setattr(train.Trainer, allowed, with_guard(getattr(train.Trainer, allowed), False))
+    run(dataset, tmp_path, "--max_iters=8", "--log_interval=3", "--eval_interval=4", "--checkpoint_interval=5")
+    assert [i for i, _ in read_log(tmp_path, "loss")] == [2, 5, 7]  # each logged after the next step's dispatch
+
+
+def test_logged_learning_rate_is_the_steps(dataset, tmp_path):
+    """The step returns its learning rate (the loop computes none on the host): get_lr of its iteration."""
+    run(dataset, tmp_path, "--max_iters=5")
+    c = configure(train.DEFAULTS, TINY)
+    assert [(i, pytest.approx(lr, rel=1e-6)) for i, lr in read_log(tmp_path, "lr")[1:-1]] == \
+        [(i, float(train.get_lr(i, c))) for i in range(5)]
+
+
+def test_profile_writes_a_trace_of_the_steps_asked_for(dataset, tmp_path, capsys):
+    run(dataset, tmp_path, "--max_iters=5", "--profile=2:4")
+    assert "profile of iterations 2..3 written to" in capsys.readouterr().out
+    [trace] = os.listdir(tmp_path / "profile" / "plugins" / "profile")
+    files = os.listdir(tmp_path / "profile" / "plugins" / "profile" / trace)
+    assert "perfetto_trace.json.gz" in files and any(f.endswith(".xplane.pb") for f in files)
+
+
 def test_exact_resume_bit_for_bit(dataset, tmp_path):
+    """The prefetching loader has read two batches past the stop; the checkpoint holds the position after the last
+    batch a step took, so the resumed run sees the same batches as the uninterrupted one."""
     extra = ["--dropout=0.1", "--eval_interval=3", "--always_save_checkpoint=True"]
     straight = run(dataset, tmp_path / "a", "--max_iters=6", *extra)
     run(dataset, tmp_path / "b", "--max_iters=3", *extra)
