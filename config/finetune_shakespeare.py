@@ -22,3 +22,10 @@ max_iters = 20
 # finetune at constant LR
 learning_rate = 3e-5
 decay_lr = False
+
+# memory: gpt2-xl's step at batch 1 x 1024 needs 40.3 GiB per device as a replica, 25.1 GiB with --fsdp=8, and
+# 9.5 GiB with --fsdp=8 and these (bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1
+# --dtype=bfloat16 --devices=8): the Linear layers' outputs kept, the rest recomputed in the backward pass, the
+# loss's logits 128 positions at a time: it fits 16 GB devices
+remat = "dots"
+loss_chunk = 128

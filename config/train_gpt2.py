@@ -30,9 +30,9 @@ beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0
 dtype = "bfloat16"
-# memory: batch 64 x 1024 needs ~193 GiB of activations as is (XLA's analysis, bench_memory_model.py), 27.6 GiB
-# with these: the Linear layers' outputs kept, attention and elementwise ops recomputed in the backward pass,
-# and the loss's logits 128 positions at a time
+# memory: the step at batch 64 x 1024 needs 191.8 GiB per device as is, 21.6 GiB with these (XLA's analysis:
+# bench_train.py --memory --preset gpt2 --batch_size=64 --dtype=bfloat16): the Linear layers' outputs kept,
+# attention and elementwise ops recomputed in the backward pass, the loss's logits 128 positions at a time
 remat = "dots"
 loss_chunk = 128
 

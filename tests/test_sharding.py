@@ -114,6 +114,24 @@ def test_resume_across_meshes(mesh_runs):
         assert_close([v for _, v in log[2:]], [v for _, v in whole[2:]], rtol=1e-5, atol=0, what=resumed)
 
 
+def test_sample_and_hellaswag_load_a_checkpoint_of_any_mesh(mesh_runs, dataset):
+    """sample.py's and hellaswag.py's loader (checkpoint.load_model) reads the checkpoint saved under fsdp 4 x
+    tensor 2 on 1 device: the weights train.py's resume restores from it."""
+    from flax import nnx
+
+    from weights import state_dict
+
+    tmp, _ = mesh_runs
+    model, config = checkpoint.load_model("resume", str(tmp / "half"))
+    assert config["fsdp"] == 4 and config["tensor_parallel"] == 2
+    resumed = train.Trainer(settings(dataset, tmp / "half", *WIDE, f"--batch_size={ROWS}", "--init_from=resume"))
+    want = state_dict(nnx.merge(resumed.graphdef, resumed.params))
+    got = state_dict(model)
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
 def test_two_processes_fsdp_spanning_both(mesh_runs, dataset, tmp_path):
     """2 processes x 4 devices with fsdp 8 across both (jax.distributed on loopback), saving at step 2 and
     resuming on both: the same losses as 1 process x 8 devices with fsdp 8."""
