@@ -7,8 +7,8 @@ process, so peak memory is that run's alone.
     python bench_train.py                      # nanoGPT's CPU baby config (block 64, batch 12, 4x4x128)
     python bench_train.py --preset gpt2 --dtype bfloat16 --frameworks jax   # 124M, B=16, T=1024 (GPU)
     python bench_train.py --full-run           # the README's main training command vs nanoGPT's train.py loop, 3 pairs
-    python bench_train.py --memory --preset gpt2 --batch_size=64 --dtype=bfloat16   # remat, loss_chunk: config/train_gpt2.py's
-    python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 [--remat=none --loss_chunk=0]
+    python bench_train.py --memory --preset gpt2 --batch_size=64 --dtype=bfloat16   # config/train_gpt2.py's remat
+    python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 --remat=none
 
 Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's peak is
 known, peak memory (device peak on GPU/TPU, process peak RSS on CPU) and, for ours, the compiled step's
@@ -125,9 +125,10 @@ def compute_settings(args):
     from configurator import configure
     from train import DEFAULTS
 
-    config = configure(DEFAULTS, [PRESET_CONFIGS[args.preset]])
+    path = PRESET_CONFIGS[args.preset]
+    config = configure(DEFAULTS, [path])
     return (config["remat"] if args.remat is None else args.remat,
-            config["loss_chunk"] if args.loss_chunk is None else args.loss_chunk, f" (from {PRESET_CONFIGS[args.preset]})")
+            config["loss_chunk"] if args.loss_chunk is None else args.loss_chunk, f" (from {path})")
 
 
 def memory(args):

@@ -91,7 +91,7 @@ DEFAULTS = dict(
     attention="auto",  # 'xla' | 'cudnn' (fused flash attention: NVIDIA Ampere+, bf16) | 'auto' (cudnn where it runs)
     remat="none",  # recompute in the backward pass to save memory: 'none' | 'block' | 'dots' (keeps matmul outputs)
     loss_chunk=0,  # the loss's logits this many positions at a time (memory B x loss_chunk x vocab); 0: all at once
-    profile="",  # 'START:STOP': a jax.profiler trace of iterations START..STOP-1 in out_dir/profile (TensorBoard, Perfetto)
+    profile="",  # 'START:STOP': a jax.profiler trace of iterations START..STOP-1 to out_dir/profile
     seed=1337,
 )
 
