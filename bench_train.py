@@ -89,7 +89,7 @@ def model_config(s):
 
     return GPTConfig(block_size=s["block_size"], vocab_size=s["vocab_size"], n_layer=s["n_layer"],
                      n_head=s["n_head"], n_embd=s["n_embd"], bias=True, dtype=s["dtype"],
-                     remat=s.get("remat", "none"), loss_chunk=s.get("loss_chunk", 0))
+                     remat=s["remat"], loss_chunk=s["loss_chunk"])
 
 
 def bench_memory(s):
@@ -178,17 +178,17 @@ def torch_model(s, device):
 
 
 def torch_mfu(model, s, dt, device_name):
-    """nanoGPT's estimate_mfu for a torch model (6N + 12·L·H·Q·T FLOPs per token, N without the position
-    embeddings) over the device's bf16 peak (model.PEAK_BF16_FLOPS); None where the peak is unknown (CPU)."""
-    from model import peak_flops_of
+    """nanoGPT's estimate_mfu for a torch model over the device's bf16 peak (model.PEAK_BF16_FLOPS); None where
+    the peak is unknown (CPU)."""
+    from model import flops_per_token, peak_flops_of
 
     peak = peak_flops_of(device_name)
     if peak is None:
         return None
     wpe = next(p for name, p in model.named_parameters() if "wpe" in name)
     n = sum(p.numel() for p in model.parameters()) - wpe.numel()
-    L, H, Q, T = s["n_layer"], s["n_head"], s["n_embd"] // s["n_head"], s["block_size"]
-    return (6 * n + 12 * L * H * Q * T) * T * s["accum"] * s["batch_size"] / dt / peak
+    flops = flops_per_token(n, s["n_layer"], s["n_head"], s["n_embd"], s["block_size"])
+    return flops * s["block_size"] * s["accum"] * s["batch_size"] / dt / peak
 
 
 def bench_torch(s):

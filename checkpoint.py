@@ -214,12 +214,18 @@ def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0, step=None
         from weights import load_pretrained
 
         return load_pretrained(init_from, dropout=dropout, dtype=dtype)
+    model, meta = load_checkpoint_model(out_dir, step, dtype, dropout)
+    return model, meta["config"]
+
+
+def load_checkpoint_model(out_dir, step=None, dtype="float32", dropout=0.0):
+    """(GPT, meta) of our checkpoint in out_dir: the latest, or `step`."""
     step = all_steps(out_dir)[-1] if step is None else step
     meta = restore(out_dir, step=step)["meta"]
     model = nnx.eval_shape(lambda: GPT(model_config_from_meta(meta, dtype=dtype, dropout=dropout), nnx.Rngs(0)))
     params = restore(out_dir, params=nnx.state(model), step=step)["params"]
     nnx.update(model, params)
-    return model, meta["config"]
+    return model, meta
 
 
 def use_compilation_cache():

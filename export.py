@@ -23,28 +23,22 @@ defaults = dict(
 )
 
 
-class ExportError(UsageError):
-    pass
-
-
 def target(cfg):
     """The path that will be written: checked writable before anything is loaded or written."""
     to = cfg["to"]
     if not to:
-        raise ExportError("--to is required: where to write the export")
+        raise UsageError("--to is required: where to write the export")
     if cfg["format"] not in ("hf", "nanogpt"):
-        raise ExportError(f"--format must be 'hf' or 'nanogpt', got {cfg['format']!r}")
+        raise UsageError(f"--format must be 'hf' or 'nanogpt', got {cfg['format']!r}")
     path = to if cfg["format"] == "hf" or to.endswith(".pt") else os.path.join(to, "ckpt.pt")
     directory = to if cfg["format"] == "hf" else os.path.dirname(path)
-    if os.path.exists(directory or ".") and not os.path.isdir(directory or "."):
-        raise ExportError(f"cannot write to {to}: {directory} is a file, not a directory")
     if os.path.isdir(path):
-        raise ExportError(f"cannot write to {path}: it is a directory")
+        raise UsageError(f"cannot write to {path}: it is a directory")
     existing = os.path.abspath(directory or ".")
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        raise ExportError(f"cannot write to {to}: {existing} is not a writable directory")
+        raise UsageError(f"cannot write to {to}: {existing} is not a writable directory")
     return path
 
 
@@ -55,9 +49,7 @@ def main(argv=None):
     import checkpoint
     import weights
 
-    step = None if cfg["step"] == -1 else cfg["step"]
-    meta = checkpoint.restore(cfg["out_dir"], step=step)["meta"]
-    model, train_config = checkpoint.load_model("resume", cfg["out_dir"], step=meta["iter_num"])  # the same step
+    model, meta = checkpoint.load_checkpoint_model(cfg["out_dir"], None if cfg["step"] == -1 else cfg["step"])
     c = model.config
     if cfg["format"] == "hf":
         weights.save_hf(model, path)
@@ -67,7 +59,7 @@ def main(argv=None):
             print(f"vocab_size {c.vocab_size} kept: GPT-2's 50257 padded, ids 50257+ are no tokens (sample.py never "
                   "samples them; transformers' generate can)")
     else:
-        weights.save_nanogpt(model, path, meta["iter_num"], meta["best_val_loss"], train_config)
+        weights.save_nanogpt(model, path, meta["iter_num"], meta["best_val_loss"], meta["config"])
     print(f"wrote {path} ({cfg['format']}, step {meta['iter_num']} of {cfg['out_dir']}, "
           f"{model.num_params() / 1e6:.2f}M params)")
     return 0

@@ -287,33 +287,28 @@ def _jitted_ending_losses(mesh):
 
 def make_mesh(devices=None):
     """The scorer's mesh (sharding.py's): train.py's mesh as it is, its params already in their shards; else a
-    data-parallel one over `devices` (a list, or the devices of any other Mesh; default all)."""
+    data-parallel one over `devices` (a list; default all)."""
     from jax.sharding import Mesh
 
     import sharding
 
-    if isinstance(devices, Mesh):
-        if devices.axis_names == sharding.AXES:
-            return devices
-        devices = list(devices.devices.flat)
-    return sharding.make_mesh(devices=devices)
+    return devices if isinstance(devices, Mesh) else sharding.make_mesh(devices=devices)
 
 
 def put_batch(batch: Batch, mesh):
     """The batch on the mesh, rows split over data x fsdp. Every process holds the whole batch and hands over
     the rows of its own devices (so this works across hosts too)."""
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     import sharding
 
-    rows = NamedSharding(mesh, P(sharding.BATCH))
+    rows = sharding.batch_sharding(mesh, ndim=2)
     return tuple(jax.make_array_from_callback(a.shape, rows, lambda index, a=a: a[index]) for a in batch)
 
 
 def evaluate(model, examples, mesh=None, batch_size=8, progress=False):
-    """Score rendered examples with an nnx GPT over `mesh` (see make_mesh: train.py's, another Mesh, a list of
-    devices, or None for all devices): batch_size examples (4 rows each) per batch shard (data x fsdp) per batch,
+    """Score rendered examples with an nnx GPT over `mesh` (see make_mesh: train.py's, a list of devices, or None
+    for all devices): batch_size examples (4 rows each) per batch shard (data x fsdp) per batch,
     parameters split by sharding.PARAM_SPECS (the caller's model is left as it is). Returns Score(acc, acc_norm,
     count, results), results in the order of `examples`."""
     import jax

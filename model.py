@@ -433,10 +433,9 @@ class GPT(nnx.Module):
         return self.flops_per_token() * self.config.block_size * fwdbwd_per_iter / dt / sum(peak)
 
     def flops_per_token(self):
-        """Training FLOPs (forward and backward) per token at full context: nanoGPT's 6N + 12·L·H·Q·T."""
+        """Training FLOPs (forward and backward) per token at full context (flops_per_token below)."""
         c = self.config
-        N, L, H, Q, T = self.num_params(), c.n_layer, c.n_head, c.n_embd // c.n_head, c.block_size
-        return 6 * N + 12 * L * H * Q * T
+        return flops_per_token(self.num_params(), c.n_layer, c.n_head, c.n_embd, c.block_size)
 
     @classmethod
     def from_pretrained(cls, name_or_path, mesh=None, **settings):
@@ -610,6 +609,11 @@ PEAK_BF16_FLOPS = [
     ("TPU v6 lite", 918e12),  # v6e (Trillium)
     ("TPU v6e", 918e12),
 ]
+
+
+def flops_per_token(n_params, n_layer, n_head, n_embd, block_size):
+    """nanoGPT's estimate (PaLM appendix B): 6N + 12·L·H·Q·T, N without the position embeddings."""
+    return 6 * n_params + 12 * n_layer * n_head * (n_embd // n_head) * block_size
 
 
 def peak_flops(device):

@@ -70,13 +70,24 @@ def _path(key_path):
     return jax.tree_util.keystr(key_path, simple=True, separator=".").removesuffix(".value")
 
 
+def _names(entry):
+    """The mesh axes of one PartitionSpec entry: None, an axis, or a tuple of axes (BATCH)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def fit(spec, shape, mesh):
+    """`spec` with every entry whose axes do not divide its dimension dropped (e.g. GPT-2's vocabulary of
+    50257 over tensor 2: that dimension stays whole, the other is still split)."""
+    return P(*(entry if dim % math.prod(mesh.shape[a] for a in _names(entry)) == 0 else None
+               for entry, dim in zip(spec, shape)))
+
+
 def spec_for(path, shape, mesh):
-    """The table's spec for one array, with any axis that does not divide its dimension dropped (e.g. GPT-2's
-    vocabulary of 50257 over tensor 2: that dimension stays whole, the other is still split)."""
+    """The table's spec for one array, fitted to its shape (fit)."""
     spec = next((s for pattern, s in PARAM_SPECS if re.search(pattern, path)), P())
     if len(spec) != len(shape):  # a scalar (Adam's count) or anything the table does not describe
         return P()
-    return P(*(axis if axis is None or dim % mesh.shape[axis] == 0 else None for axis, dim in zip(spec, shape)))
+    return fit(spec, shape, mesh)
 
 
 def shardings_for(tree, mesh):
@@ -141,10 +152,9 @@ def constrain(x, spec):
     """x pinned to `spec` on the mesh in context, any axis that does not divide its dimension dropped."""
     mesh = jax.sharding.get_abstract_mesh()
     # one device: nothing to place, and the annotation would only stand between XLA:CPU's fusions
-    if mesh.empty or mesh.size == 1 or not {a for a in spec if a} <= set(mesh.axis_names):
+    if mesh.empty or mesh.size == 1 or not {a for entry in spec for a in _names(entry)} <= set(mesh.axis_names):
         return x
-    return jax.lax.with_sharding_constraint(
-        x, P(*(a if a is None or dim % mesh.shape[a] == 0 else None for a, dim in zip(spec, x.shape))))
+    return jax.lax.with_sharding_constraint(x, fit(spec, x.shape, mesh))
 
 
 def constrain_batch(x):

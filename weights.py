@@ -13,9 +13,14 @@ Readers return a lazy {HF name: array} mapping: a tensor is read from disk when 
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+import sharding
 from configurator import InputNotFound, UsageError
 from model import GPT, GPTConfig
 
@@ -85,11 +90,6 @@ def load_state_dict(model: GPT, state, mesh=None):
     """Copy {HF name: array} (HF's layout) into the model in place; key sets and shapes must match exactly.
     The one function that puts arrays into a model: each value is read from `state` here, once. With a mesh,
     each is split by its spec as it is placed (each device receives only its shard)."""
-    import jax
-    import jax.numpy as jnp
-
-    import sharding
-
     rows = weight_map(model.config.n_layer, model.config.bias)
     expected = {hf for hf, _, _ in rows}
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
@@ -109,8 +109,6 @@ def load_state_dict(model: GPT, state, mesh=None):
 
 def model_from(config: GPTConfig, state, mesh=None):
     """A GPT holding `state` ({HF name: array}), with no random init on the way."""
-    from flax import nnx
-
     model = nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0)))
     load_state_dict(model, state, mesh)
     return model
@@ -286,7 +284,7 @@ def read_nanogpt(path):
     # nanoGPT's GPT computes F.gelu, the exact erf GELU
     config = GPTConfig(**{k: args[k] for k in NANOGPT_ARGS if k != "dropout"}, gelu="exact")
     model_state = {k.removeprefix(COMPILED_PREFIX): v for k, v in model_state.items()}
-    linear = {hf for hf, _, is_linear in weight_map(config.n_layer, config.bias) if is_linear}
+    linear = linear_names(config)
     names = [k for k in model_state if not k.endswith(MASK_BUFFERS)]
 
     def read(name):  # (out, in) nn.Linear weights -> (in, out)
@@ -294,6 +292,11 @@ def read_nanogpt(path):
         return value.T if name in linear else value
 
     return config, _untied(LazyState(names, read), path), ckpt.get("config") or {}
+
+
+def linear_names(config):
+    """The HF names of the weights nanoGPT holds as torch nn.Linear, (out, in): transposed to and from it."""
+    return {hf for hf, _, is_linear in weight_map(config.n_layer, config.bias) if is_linear}
 
 
 def save_nanogpt(model: GPT, path, iter_num=0, best_val_loss=None, config=None):
@@ -306,7 +309,7 @@ def save_nanogpt(model: GPT, path, iter_num=0, best_val_loss=None, config=None):
     if c.gelu != "exact":
         raise UsageError("nanoGPT's model computes the exact GELU and this model uses GPT-2's tanh one: export it "
                          "with --format=hf, or train with --gelu=exact")
-    linear = {hf for hf, _, is_linear in weight_map(c.n_layer, c.bias) if is_linear}
+    linear = linear_names(c)
     state = {k: torch.from_numpy(np.array(v.T if k in linear else v, order="C"))
              for k, v in state_dict(model).items()}
     state[TIED_KEY] = state["transformer.wte.weight"]  # tied: nanoGPT's state dict has both names, one tensor
@@ -322,8 +325,6 @@ def load_pretrained(name_or_path, mesh=None, **settings):
     """(GPT, training config or None) from a GPT-2 hub name, an HF directory, or a nanoGPT ckpt.pt (a file or
     a nanoGPT out_dir): the config carries a nanoGPT run's dataset, for its meta.pkl. settings: GPTConfig's
     run choices (model.RUNTIME_FIELDS)."""
-    from dataclasses import replace
-
     ckpt = nanogpt_checkpoint(name_or_path)
     if ckpt is None:
         path = hf_directory(name_or_path)

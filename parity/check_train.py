@@ -19,7 +19,6 @@ Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input.
 """
 
 import argparse
-import json
 import os
 import pickle
 import re
@@ -348,12 +347,9 @@ def report(run, results, dtype="float32"):
 
 
 def hf_vocab_size(model_dir):
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.exists(path):
-        raise InputNotFound(f"{model_dir} is not an HF GPT-2 directory: it needs config.json and "
-                            "model.safetensors (as written by save_pretrained)")
-    with open(path) as f:
-        return json.load(f)["vocab_size"]
+    from weights import hf_directory, read_hf_config
+
+    return read_hf_config(hf_directory(model_dir))["vocab_size"]
 
 
 # --- the runs the CLI offers -----------------------------------------------------------------------

@@ -153,6 +153,21 @@ def test_two_processes_fsdp_spanning_both(mesh_runs, dataset, tmp_path):
                  what="losses 2 processes vs 1")
 
 
+def test_constraints_fit_the_mesh_and_pin_the_batch_rows():
+    """fit drops an entry whose axes do not divide its dimension (a tuple of axes by their product), and
+    constrain_batch pins activations' rows over data x fsdp under a mesh (it once skipped that tuple)."""
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    assert sharding.fit(P(sharding.BATCH, None), (8, 3), mesh) == P(("data", "fsdp"), None)
+    assert sharding.fit(P(sharding.BATCH, None), (6, 3), mesh) == P(None, None)
+    assert sharding.fit(P("tensor", "fsdp"), (50257, 4), mesh) == P(None, "fsdp")
+    with jax.sharding.use_abstract_mesh(mesh):
+        jaxpr = str(jax.make_jaxpr(sharding.constrain_batch)(jnp.ones((8, 3))))
+    assert "sharding_constraint" in jaxpr and "P(('data', 'fsdp'), None)" in jaxpr
+
+
 def test_mesh_settings_are_checked():
     devices = jax.devices()
     with pytest.raises(ValueError, match="fsdp=3 x tensor_parallel=1 must be positive and divide the 1 device"):
