@@ -133,6 +133,20 @@ def step_peak_bytes(compiled):
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 
+def target_platform():
+    """The platform the program being traced is for: that of the mesh in context (jax.set_mesh), else the default
+    backend's. A step compiled on a CPU for a TPU topology (bench_train.py --topology) is then the program a TPU VM
+    would run: its attention kernel, remat and workarounds are the TPU's, not the host's."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
+def target_size():
+    """Devices the program being traced runs on: the mesh in context's, else 1 (a single-device jit)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else mesh.size
+
+
 def device_memory_limit():
     """The device's usable bytes where it reports them (GPU, TPU), else None (CPU)."""
     stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None

@@ -243,7 +243,10 @@ def compile_step(step, params, opt_state, batch_shape, batch_sharding):
     jitted = on_leaves(step, params, opt_state, batch_sharding)
     batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding)
     with jax.set_mesh(batch_sharding.mesh):  # the model pins its activations to it (sharding.constrain_batch)
-        lowered = jitted.lower(jax.tree.leaves(params), jax.tree.leaves(opt_state), batch, batch, jax.random.key(0))
+        # an abstract key: a concrete one made under a mesh of devices this process cannot address (a TPU
+        # topology compiled for on a CPU) fails
+        key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.replicated(batch_sharding.mesh))
+        lowered = jitted.lower(jax.tree.leaves(params), jax.tree.leaves(opt_state), batch, batch, key)
     compiled = lowered.compile()
     return compiled, sharding.bytes_per_device([params, opt_state]), sharding.step_peak_bytes(compiled)
 
