@@ -15,14 +15,14 @@ import sys
 import tempfile
 import time
 from contextlib import closing, contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import jax
 from flax import nnx
 
 import sharding as sharding_  # `sharding` is restore's argument
 from configurator import InputNotFound, RunStopped, UsageError
-from model import GPT, RUNTIME_FIELDS, GPTConfig
+from model import GPT, RUNTIME_FIELDS, GPTConfig, relayout_blocks
 
 CKPT_SUBDIR = "ckpt"
 LOCK_FILE = "run.lock"
@@ -223,9 +223,32 @@ def load_checkpoint_model(out_dir, step=None, dtype="float32", dropout=0.0):
     step = all_steps(out_dir)[-1] if step is None else step
     meta = restore(out_dir, step=step)["meta"]
     model = nnx.eval_shape(lambda: GPT(model_config_from_meta(meta, dtype=dtype, dropout=dropout), nnx.Rngs(0)))
-    params = restore(out_dir, params=nnx.state(model), step=step)["params"]
+    params, _ = restore_state(out_dir, step, meta, model.config)
     nnx.update(model, params)
     return model, meta
+
+
+def restore_state(out_dir, step, meta, config: GPTConfig, tx=None, mesh=None):
+    """(params, optimizer state or None without `tx`) of checkpoint `step`, for a model of `config`: on `mesh`, each
+    array split by sharding.PARAM_SPECS (default: the first device). Read in the layout the checkpoint was saved
+    in, then converted to config's (scan_layers: the blocks stacked or not), so either resumes with the other."""
+    def templates(config):
+        params = nnx.state(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
+        return params, None if tx is None else jax.eval_shape(tx.init, params)
+
+    def shardings(tree):
+        return None if mesh is None or tree is None else sharding_.shardings_for(tree, mesh)
+
+    saved = replace(config, scan_layers=meta["model_args"].get("scan_layers", False))
+    params, opt_state = templates(saved)
+    where = None if mesh is None else {"params": shardings(params), "opt_state": shardings(opt_state)}
+    restored = restore(out_dir, params=params, opt_state=opt_state, sharding=where, step=step)
+    state = (restored["params"], restored.get("opt_state"))
+    if saved.scan_layers != config.scan_layers:
+        target = templates(config)
+        relayout = jax.jit(lambda state: relayout_blocks(state, target), out_shardings=shardings(target))
+        state = relayout(state) if mesh is not None else relayout_blocks(state, target)
+    return state
 
 
 def use_compilation_cache():

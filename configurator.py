@@ -58,6 +58,8 @@ def _checked(key, value, defaults, source):
         return value
     if type(default) is float and type(value) is int:  # --learning_rate=1 means 1.0
         return float(value)
+    if default == "auto" and type(value) is bool:  # an 'auto' choice made explicit: --scan_layers=True
+        return value
     if type(value) is not type(default):
         raise ConfigError(f"{key} must be {type(default).__name__} (default {default!r}), "
                           f"got {type(value).__name__} {value!r} in {source}")

@@ -7,14 +7,17 @@ References:
 
 import functools
 import math
+import re
 from dataclasses import asdict, dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+import attention
 import sharding
 
 
@@ -30,9 +33,10 @@ class GPTConfig:
     gelu: str = "tanh"  # 'tanh': GPT-2's approximation (HF gelu_new) | 'exact': erf, nanoGPT's F.gelu (HF gelu)
     dtype: str = "float32"  # compute dtype, 'float32' | 'bfloat16'; params are always float32
     # how the run computes, not what it computes (a checkpoint's are ignored on restore, see RUNTIME_FIELDS):
-    attention: str = "auto"  # 'xla' | 'cudnn' (fused flash attention: NVIDIA Ampere+, bf16) | 'auto' (cudnn if it runs)
+    attention: str = "auto"  # 'xla' | 'cudnn' (NVIDIA) | 'splash' (TPU) | 'auto': the fused kernel where it runs
     remat: str = "none"  # recompute in the backward pass instead of storing: 'none' | 'block' | 'dots' (see REMAT)
     loss_chunk: int = 0  # the loss computes the logits this many positions at a time (all rows); 0: all at once
+    scan_layers: bool = False  # the blocks' params stacked on a leading n_layer axis, run by one lax.scan
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -41,12 +45,15 @@ class GPTConfig:
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.gelu not in ("tanh", "exact"):
             raise ValueError(f"gelu must be 'tanh' (GPT-2) or 'exact' (nanoGPT), got {self.gelu!r}")
-        if self.attention not in ATTENTION:
-            raise ValueError(f"attention must be one of {', '.join(map(repr, ATTENTION))}, got {self.attention!r}")
+        if self.attention not in attention.SETTINGS:
+            raise ValueError(f"attention must be one of {', '.join(map(repr, attention.SETTINGS))}, "
+                             f"got {self.attention!r}")
         if self.remat not in REMAT:
             raise ValueError(f"remat must be one of {', '.join(map(repr, REMAT))}, got {self.remat!r}")
         if not (isinstance(self.loss_chunk, int) and self.loss_chunk >= 0):
             raise ValueError(f"loss_chunk must be an integer >= 0 (0: no chunks), got {self.loss_chunk!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers must be True or False, got {self.scan_layers!r}")
 
     @property
     def compute_dtype(self):
@@ -55,8 +62,8 @@ class GPTConfig:
 
 # GPTConfig's fields that are choices of the run, not the architecture: a restored checkpoint takes them from
 # the current settings (checkpoint.model_config_from_meta), so a run saved on a GPU resumes on a CPU
-RUNTIME_FIELDS = ("dtype", "dropout", "attention", "remat", "loss_chunk")
-ATTENTION = ("auto", "xla", "cudnn")
+ATTENTION = attention.SETTINGS  # TODO(lead): drop once bench_train/test_tpu import attention.SETTINGS
+RUNTIME_FIELDS = ("dtype", "dropout", "attention", "remat", "loss_chunk", "scan_layers")
 # remat: what each Block keeps from its forward pass for the backward (the rest is recomputed there), as a
 # jax.checkpoint policy
 REMAT = {
@@ -64,36 +71,10 @@ REMAT = {
     "block": jax.checkpoint_policies.nothing_saveable,  # only the block's input: the whole block is recomputed
     # the Linear layers' outputs (matmuls without batch dimensions); attention, GELU, LayerNorm are recomputed
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # the attention branch's matmul outputs only (q, k, v and its projection: 4C a token, dots keeps 9C); the MLP's
+    # c_fc is recomputed, an extra 8C^2 FLOPs a token a layer (~11% of the step's 72C^2)
+    "qkv_proj": jax.checkpoint_policies.save_only_these_names("qkv", "attn_proj"),
 }
-
-
-def cuda_capability(device):
-    """(major, minor) compute capability of an NVIDIA GPU; None for any other device."""
-    if device.platform not in ("gpu", "cuda") or "cuda" not in device.client.platform_version.lower():
-        return None
-    return tuple(int(v) for v in device.compute_capability.split("."))
-
-
-def attention_implementation(setting, dtype, head_size, capability):
-    """'xla' or 'cudnn' for the `attention` setting. cuDNN's fused flash attention (dot_product_attention's
-    implementation='cudnn') runs where jax/_src/cudnn/fused_attention_stablehlo.py allows it: an NVIDIA GPU of
-    compute capability >= 8.0 (Ampere; `capability` None elsewhere), bf16 inputs, a head size that is a multiple
-    of 8 and <= 128 (<= 256 from 9.0, Hopper). 'auto' takes cudnn there, xla elsewhere; 'cudnn' elsewhere is an
-    error."""
-    head_limit = 256 if capability is not None and capability >= (9, 0) else 128
-    if capability is None:
-        reason = "it runs on NVIDIA GPUs only"
-    elif capability < (8, 0):
-        reason = f"it needs compute capability >= 8.0 (Ampere), this GPU has {capability[0]}.{capability[1]}"
-    elif dtype != "bfloat16":
-        reason = f"it computes in bfloat16 only, dtype is {dtype!r}"
-    elif head_size % 8 or head_size > head_limit:
-        reason = f"the head size (n_embd / n_head) must be a multiple of 8 and <= {head_limit}, got {head_size}"
-    else:
-        reason = None
-    if setting == "cudnn" and reason:
-        raise ValueError(f"attention='cudnn' cannot run here: {reason}; use attention='auto' or 'xla'")
-    return "cudnn" if setting != "xla" and reason is None else "xla"
 
 
 def normal(std):
@@ -167,9 +148,7 @@ class CausalSelfAttention(nnx.Module):
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
         self.n_head = config.n_head
         self.dropout = config.dropout
-        # 'xla' or 'cudnn'; a one-line error here for an attention='cudnn' that cannot run, not an XLA crash later
-        self.implementation = attention_implementation(config.attention, config.dtype, config.n_embd // config.n_head,
-                                                       cuda_capability(jax.devices()[0]))
+        self.attention = config.attention  # the kernel is chosen per call shape, for the mesh in context
         self.c_attn = linear(config.n_embd, 3 * config.n_embd, config, rngs)  # q, k, v for all heads
         # residual projection: GPT-2's scaled init, 0.02/sqrt(2 * n_layer)
         self.c_proj = linear(config.n_embd, config.n_embd, config, rngs, std=0.02 / math.sqrt(2 * config.n_layer),
@@ -177,21 +156,23 @@ class CausalSelfAttention(nnx.Module):
 
     def qkv(self, x):
         B, T, C = x.shape
-        q, k, v = jnp.split(self.c_attn(x), 3, axis=-1)  # (B, T, C) each
+        q, k, v = jnp.split(checkpoint_name(self.c_attn(x), "qkv"), 3, axis=-1)  # (B, T, C) each
         return (a.reshape(B, T, self.n_head, C // self.n_head) for a in (q, k, v))  # (B, T, nh, hs)
 
     def __call__(self, x, key=None):
         B, T, C = x.shape
         q, k, v = self.qkv(x)  # (B, T, nh, hs)
         if key is None or self.dropout == 0.0:
-            # xla: XLA's attention, scores materialized; cudnn: fused flash attention. Scale 1/sqrt(hs),
-            # scores and softmax in float32
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                             implementation=self.implementation)  # (B, T, nh, hs)
+            platform = sharding.target_platform()
+            # a GPU is compiled for on itself: its capability is the host's
+            capability = attention.cuda_capability(jax.devices()[0]) if platform == "gpu" else None
+            kernel = attention.choose(self.attention, platform=platform, dtype=q.dtype, seq_len=T,
+                                      head_size=C // self.n_head, capability=capability)
+            y = attention.causal_attention(q, k, v, kernel)  # (B, T, nh, hs)
         else:
             y = explicit_attention(q, k, v, self.dropout, key)
             key = jax.random.fold_in(key, 1)
-        y = self.c_proj(y.reshape(B, T, C))
+        y = checkpoint_name(self.c_proj(y.reshape(B, T, C)), "attn_proj")
         return dropout(y, self.dropout, key)
 
     def decode(self, x, kv, pos):
@@ -250,7 +231,7 @@ def remat(f, policy):
     there. So on CPU the backward runs inside a conditional on the output's cotangent, as fusion_barrier_in_grad:
     a boundary CSE does not cross, which cannot start before the backward pass reaches it."""
     f = jax.checkpoint(f, policy=policy)
-    if jax.default_backend() != "cpu":  # jax's remat as used on GPU/TPU; there a conditional costs a host round trip
+    if sharding.target_platform() != "cpu":  # jax's remat as used on GPU/TPU; a conditional costs a host round trip
         return f
 
     @jax.custom_vjp
@@ -267,7 +248,41 @@ def remat(f, policy):
 def run_block(block, x, key, remat_policy):
     """block(x, key); remat_policy (an entry of REMAT, not 'none') has its forward pass recomputed in the backward."""
     graphdef, state = nnx.split(block)
-    return remat(lambda state, x, key: nnx.merge(graphdef, state)(x, key), remat_policy)(state, x, key)
+    return block_fn(graphdef, remat_policy)(state, x, key)
+
+
+def block_fn(graphdef, remat_policy):
+    """(block state, x, key) -> the block's output; remat_policy None: everything kept for the backward."""
+    def f(state, x, key):
+        return nnx.merge(graphdef, state)(x, key)
+    return f if remat_policy is None else remat(f, remat_policy)
+
+
+def stack_blocks(blocks):
+    """One Block whose every param has a leading layer axis (scan_layers), from a list of Blocks."""
+    graphdef = nnx.split(blocks[0])[0]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.split(b)[1] for b in blocks)))
+
+
+def relayout_blocks(tree, template):
+    """`tree` (params, or an optimizer state holding them) in the layout of the blocks in `template` (the same tree
+    with the blocks stacked, or not: scan_layers): h.{i}.x <-> row i of h.x. A checkpoint saved with one
+    scan_layers value restores into the other this way; jit it with the template's shardings."""
+    def path_of(key_path):
+        return jax.tree_util.keystr(key_path, simple=True, separator=".")
+
+    flat = {path_of(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+    def leaf(key_path, t):
+        path = path_of(key_path)
+        if path in flat:  # not a block's, or the same layout
+            return flat[path]
+        if m := re.search(r"(^|\.)h\.(\d+)\.", path):  # layer i of a stacked source
+            return flat[f"{path[:m.end(1)]}h.{path[m.end():]}"][int(m.group(2))]
+        m = sharding.STACKED.search(path)  # stacked from one source per layer
+        return jnp.stack([flat[f"{path[:m.end()]}{i}.{path[m.end():]}"] for i in range(t.shape[0])])
+
+    return jax.tree_util.tree_map_with_path(leaf, template)
 
 
 class Block(nnx.Module):
@@ -281,7 +296,7 @@ class Block(nnx.Module):
         # the residual stream stays float32; each branch computes in the compute dtype
         k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
         x = sharding.constrain_batch(x)  # rows over data x fsdp under a mesh: weights move, activations don't
-        if jax.default_backend() == "cpu":  # on GPU a conditional costs a host round trip; XLA:GPU needs no help
+        if sharding.target_platform() == "cpu":  # on GPU a conditional costs a host round trip; XLA:GPU needs no help
             x = fusion_barrier_in_grad(x)
         x = x + self.attn(self.ln_1(x), k_attn).astype(x.dtype)
         x = x + self.mlp(self.ln_2(x), k_mlp).astype(x.dtype)
@@ -300,17 +315,28 @@ class GPT(nnx.Module):
                              promote_dtype=_gathered_table, rngs=rngs)
         self.wpe = nnx.Embed(config.block_size, config.n_embd, embedding_init=normal(0.02),
                              promote_dtype=_gathered_table, rngs=rngs)
-        self.h = nnx.List([Block(config, rngs) for _ in range(config.n_layer)])
+        blocks = [Block(config, rngs) for _ in range(config.n_layer)]  # the same draws, scanned or not
+        self.h = stack_blocks(blocks) if config.scan_layers else nnx.List(blocks)
         self.ln_f = layer_norm(config, rngs)
         # no lm_head parameter: the head is wte itself (weight tying), see logits()
 
     def hidden_states(self, idx, key=None):
-        """Token ids (B, T) -> the residual stream after each block [(B, T, C)] * n_layer, then ln_f's output."""
+        """Token ids (B, T) -> the residual stream after each block ([(B, T, C)] * n_layer, or (n_layer, B, T, C)
+        with scan_layers), then ln_f's output."""
         B, T = idx.shape
         check_tokens(idx, self.config)
         x = self.wte(idx) + self.wpe(jnp.arange(T))  # (B, T, C), float32
         keys = jax.random.split(key, self.config.n_layer + 1) if key is not None else [None] * (self.config.n_layer + 1)
         x = dropout(x, self.config.dropout, keys[0])
+        if self.config.scan_layers:  # one block compiled, whatever the depth
+            graphdef, stacked = nnx.split(self.h)
+            block = block_fn(graphdef, REMAT[self.config.remat])
+
+            def layer(x, state_key):
+                x = block(state_key[0], x, state_key[1])
+                return x, x
+            x, states = jax.lax.scan(layer, x, (stacked, None if key is None else keys[1:]))
+            return states, self.ln_f(x)
         states = []
         for block, k in zip(self.h, keys[1:]):
             x = block(x, k) if self.config.remat == "none" else run_block(block, x, k, REMAT[self.config.remat])
@@ -364,6 +390,14 @@ class GPT(nnx.Module):
         # positions past block_size only occur in the padding rows of a prefill chunk: clamp them (an
         # out-of-range take would give NaNs, and NaN * 0 attention weight is still NaN)
         x = self.wte(idx) + self.wpe(jnp.minimum(pos + jnp.arange(T), self.config.block_size - 1))  # (B, T, C)
+        if self.config.scan_layers:
+            graphdef, stacked = nnx.split(self.h)
+
+            def layer(x, state_kv):
+                x, kv = nnx.merge(graphdef, state_kv[0]).decode(x, state_kv[1], pos)
+                return x, kv
+            x, cache = jax.lax.scan(layer, x, (stacked, cache))
+            return self.ln_f(x), cache
         new_cache = []
         for block, kv in zip(self.h, cache):
             x, kv = block.decode(x, kv, pos)
@@ -371,9 +405,12 @@ class GPT(nnx.Module):
         return self.ln_f(x), new_cache
 
     def init_cache(self, batch_size, length):
-        """[(k, v)] * n_layer, zeros of shape (B * nh, S, hs) in the compute dtype."""
+        """[(k, v)] * n_layer, zeros of shape (B * nh, S, hs) in the compute dtype; with scan_layers one (k, v) of
+        shape (n_layer, B * nh, S, hs)."""
         c = self.config
         shape = (batch_size * c.n_head, length, c.n_embd // c.n_head)
+        if c.scan_layers:
+            return tuple(jnp.zeros((c.n_layer, *shape), c.compute_dtype) for _ in "kv")
         return [(jnp.zeros(shape, c.compute_dtype), jnp.zeros(shape, c.compute_dtype)) for _ in range(c.n_layer)]
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, *, key=None,

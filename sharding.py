@@ -9,11 +9,19 @@ Mesh axes ('data', 'fsdp', 'tensor') over every device of every process, in proc
 fsdp 1 and tensor 1 is plain data parallelism: each device a full replica.
 """
 
+import contextlib
 import math
+import os
 import re
+import sys
+import tempfile
 
 import jax
 import numpy as np
+from jax._src import hardware_utils
+from jax._src.cloud_tpu_init import get_tpu_library_path
+from jax._src.lib import xla_client
+from jax.experimental import topologies
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -82,9 +90,16 @@ def fit(spec, shape, mesh):
                for entry, dim in zip(spec, shape)))
 
 
+# a param of the stacked blocks (model.GPTConfig.scan_layers): h.attn.c_attn.kernel, not h.3.attn.c_attn.kernel
+STACKED = re.compile(r"(^|\.)h\.(?!\d)")
+
+
 def spec_for(path, shape, mesh):
-    """The table's spec for one array, fitted to its shape (fit)."""
+    """The table's spec for one array, fitted to its shape (fit). The stacked blocks' params have a leading layer
+    axis, never split: each device holds its shard of every layer."""
     spec = next((s for pattern, s in PARAM_SPECS if re.search(pattern, path)), P())
+    if STACKED.search(path) and len(shape):
+        spec = P(None, *spec) if len(spec) else P()
     if len(spec) != len(shape):  # a scalar (Adam's count) or anything the table does not describe
         return P()
     return fit(spec, shape, mesh)
@@ -141,6 +156,11 @@ def target_platform():
     return device.platform if device is not None else jax.default_backend()
 
 
+def platform_of(mesh):
+    """'cpu', 'gpu' or 'tpu': the platform of a mesh's devices."""
+    return mesh.abstract_mesh.abstract_device.platform
+
+
 def target_size():
     """Devices the program being traced runs on: the mesh in context's, else 1 (a single-device jit)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -174,3 +194,79 @@ def constrain(x, spec):
 def constrain_batch(x):
     """Activations (B, ...): rows over data x fsdp, whole along every other axis."""
     return constrain(x, P(BATCH, *([None] * (x.ndim - 1))))
+
+
+# TPU programs without a TPU: libtpu's ahead-of-time compiler runs on any machine (jax.experimental.topologies, as
+# MaxText's train_compile.py), so a mesh of a topology's devices sizes and checks a TPU step here; nothing runs.
+HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}  # per chip: no API says
+DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v6 lite": "v6e"}  # device_kind: generation
+# one host's chips (x, y, z): a v5e-8 or v6e-8 VM is one host of 2x4, a v4-8 or v5p-8 one of 2x2x1
+HOST_BOUNDS = {"v4": (2, 2, 1), "v5p": (2, 2, 1), "v5e": (2, 4, 1), "v6e": (2, 4, 1)}
+# v4 and v5p chips have two TensorCores that a VM shows as one device (megacore); 'default' would give one per core
+CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
+TOPOLOGY = re.compile(r"(v5e|v6e):(\d+)x(\d+)|(v4|v5p):(\d+)x(\d+)x(\d+)")
+TOPOLOGY_FORMS = "v5e:2x2, v5e:2x4, v6e:2x2, v6e:2x4 (v5e, v6e: XxY chips) or v4:2x2x1, v5p:2x2x1 (v4, v5p: XxYxZ)"
+# what libtpu prints to stderr from C++ as it starts on a machine with no TPU (it looks for one, finds none)
+LIBTPU_BANNER = re.compile(r"Failed to find host bounds for accelerator type|Logging before InitGoogle\(\)|"
+                           r"unexpected worker hostname|^=== Source Location Trace: ===|libtpu_init_utils\.cc:\d+")
+
+
+def topology_devices(name):
+    """The compile-only TPU devices of a topology such as 'v5e:2x4' (a v5e-8 VM: 8 chips on one host); one host
+    where the topology fits on one, else as many hosts as it takes. A mesh of them (make_mesh(..., devices=)) takes
+    abstract inputs only: an array or a key made on it fails, there being no TPU to hold it."""
+    m = TOPOLOGY.fullmatch(name)
+    if m is None:
+        raise UsageError(f"unknown TPU topology {name!r}: give one of {TOPOLOGY_FORMS}")
+    generation, dims = (m[1], m.group(2, 3)) if m[1] else (m[4], m.group(5, 6, 7))
+    chips = (*map(int, dims), 1)[:3]  # (x, y, z)
+    if get_tpu_library_path() is None:
+        raise UsageError(f"compiling for {name} needs libtpu: pip install -r requirements-test.txt")
+    bounds = tuple(min(c, h) for c, h in zip(chips, HOST_BOUNDS[generation]))
+    try:
+        with libtpu_quiet():
+            return topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                                chip_config_name=CHIP_CONFIG[generation],
+                                                chips_per_host_bounds=bounds, num_slices=1).devices
+    except jax.errors.JaxRuntimeError as e:  # e.g. v5e:3x3, not a whole number of hosts
+        raise UsageError(f"TPU topology {name}: {str(e).splitlines()[0]}") from None
+
+
+def hbm_bytes(device):
+    """A TPU chip's HBM by its generation (HBM_BYTES), None for other devices: a topology's devices report none."""
+    return HBM_BYTES.get(DEVICE_KINDS.get(device.device_kind))
+
+
+def start_backend():
+    """Start JAX's backends: scripts call it at the top of main (after jax.distributed.initialize). On a machine with
+    libtpu installed but no TPU, libtpu's start-up banner is kept off the terminal (libtpu_quiet)."""
+    with libtpu_quiet():
+        jax.devices()
+
+
+@contextlib.contextmanager
+def libtpu_quiet():
+    """Around the code that starts libtpu (JAX's backends, a topology): where libtpu is installed on a machine with no
+    TPU, its C++ start-up lines (LIBTPU_BANNER, on fd 2) are dropped and every other line written to stderr meanwhile
+    is passed on after; and several processes may load it (libtpu's /tmp/libtpu_lockfile guards a TPU, of which
+    there is none: without ALLOW_MULTIPLE_LIBTPU_LOAD a second process's topology fails with ABORTED). On a TPU VM,
+    or once libtpu has started, nothing changes."""
+    started = xla_client.pjrt_plugin_loaded("tpu") and xla_client.pjrt_plugin_initialized("tpu")
+    if started or get_tpu_library_path() is None or hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+        yield
+        return
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            lines = f.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not LIBTPU_BANNER.search(line)))
+            sys.stderr.flush()

@@ -31,11 +31,12 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
+import attention
 import checkpoint
 import sharding
 from configurator import InputNotFound, RunStopped, UsageError, configure, exit_on_bad_input
 from dataloader import Prefetcher, make_loader
-from model import GPT, RUNTIME_FIELDS, GPTConfig, mean_of, peak_flops
+from model import GPT, REMAT, RUNTIME_FIELDS, GPTConfig, mean_of, peak_flops
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText (nanoGPT's)
@@ -89,8 +90,9 @@ DEFAULTS = dict(
     # system
     dtype="auto",  # 'float32' | 'bfloat16' | 'auto' (bfloat16 on GPU/TPU, float32 on CPU)
     attention="auto",  # 'xla' | 'cudnn' (fused flash attention: NVIDIA Ampere+, bf16) | 'auto' (cudnn where it runs)
-    remat="none",  # recompute in the backward pass to save memory: 'none' | 'block' | 'dots' (keeps matmul outputs)
+    remat="none",  # recompute in the backward to save memory: 'none' | 'block' | 'dots' (keeps matmul outputs) | 'qkv_proj'
     loss_chunk=0,  # the loss's logits this many positions at a time (memory B x loss_chunk x vocab); 0: all at once
+    scan_layers="auto",  # True: the blocks under one lax.scan (one compiled block) | False | 'auto' (on GPU/TPU)
     profile="",  # 'START:STOP': a jax.profiler trace of iterations START..STOP-1 to out_dir/profile
     seed=1337,
 )
@@ -117,7 +119,13 @@ def validate(c):
     for key in ("beta1", "beta2"):
         if not 0.0 <= c[key] < 1.0:
             raise UsageError(f"{key} must be in [0, 1), got {c[key]}")
-    resolve_dtype(c["dtype"])
+    resolve_dtype(c["dtype"], "cpu")
+    resolve_scan_layers(c["scan_layers"], "cpu")
+    for key, allowed in (("attention", attention.SETTINGS), ("remat", tuple(REMAT)), ("gelu", ("tanh", "exact"))):
+        if c[key] not in allowed:
+            raise UsageError(f"{key} must be one of {', '.join(map(repr, allowed))}, got {c[key]!r}")
+    if c["loss_chunk"] < 0:
+        raise UsageError(f"loss_chunk must be >= 0 (0: the whole sequence at once), got {c['loss_chunk']}")
     profile_range(c["profile"])
     if os.path.isfile(c["dataset"]):
         raise UsageError(f"--dataset={c['dataset']} is a file: give the folder holding train.bin and val.bin "
@@ -164,7 +172,7 @@ def batch_loss(model, x, y, key=None):
     single CPU device the rows go through the model as two independent halves, which XLA:CPU's executor runs side
     by side on two cores: ~7% faster a step than one batch whose every op splits its work over the threads
     (bench_train.py). Same loss: one mean over both halves' targets; dropout draws a key per half."""
-    if jax.default_backend() != "cpu" or jax.device_count() > 1 or x.shape[0] % 2:
+    if sharding.target_platform() != "cpu" or sharding.target_size() > 1 or x.shape[0] % 2:
         return model.loss(x, y, key=key)
     keys = jax.random.split(key) if key is not None else (None, None)
     halves = [model.loss_terms(model.hidden_states(rows, k)[1], targets)
@@ -273,12 +281,35 @@ def make_eval_step(graphdef, params):
     return eval_step
 
 
-def resolve_dtype(dtype):
+def resolve_dtype(dtype, platform):
+    """The compute dtype on `platform` (sharding.platform_of the run's mesh)."""
     if dtype == "auto":
-        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        return "float32" if platform == "cpu" else "bfloat16"
     if dtype not in ("float32", "bfloat16"):
         raise UsageError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
     return dtype
+
+
+def resolve_scan_layers(scan_layers, platform):
+    """'auto': the blocks under one scan on GPU/TPU, where it compiles one block instead of n_layer (gpt2-xl's step
+    for a TPU: README, Benchmarks); a Python loop on CPU, whose results it keeps bit for bit."""
+    if scan_layers == "auto":
+        return platform != "cpu"
+    if not isinstance(scan_layers, bool):
+        raise UsageError(f"scan_layers must be True, False or 'auto', got {scan_layers!r}")
+    return scan_layers
+
+
+def check_attention(config: GPTConfig, mesh):
+    """The attention setting where it can never run on the mesh's devices (cudnn off NVIDIA, splash with dropout
+    or a block_size it cannot take): one line, before anything is written."""
+    device = mesh.devices.flat[0]
+    try:
+        attention.check_setting(config.attention, platform=device.platform, dtype=config.dtype,
+                                head_size=config.n_embd // config.n_head, block_size=config.block_size,
+                                dropout=config.dropout, capability=attention.cuda_capability(device))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def fixed_by_checkpoint(c, model_args):
@@ -303,9 +334,11 @@ class Trainer:
     def __init__(self, config: dict):
         validate(config)
         c = self.c = dict(config)
-        c["dtype"] = resolve_dtype(c["dtype"])
         self.master = jax.process_index() == 0
         self.mesh = sharding.make_mesh(c["fsdp"], c["tensor_parallel"])
+        platform = sharding.platform_of(self.mesh)  # the program's, not the host's
+        c["dtype"] = resolve_dtype(c["dtype"], platform)
+        c["scan_layers"] = resolve_scan_layers(c["scan_layers"], platform)
         self.batch_sharding = sharding.batch_sharding(self.mesh)
         shards = sharding.batch_shards(self.mesh)  # data x fsdp: the devices of a tensor group share rows
         if c["total_batch_size"] > 0:  # build-nanogpt: fixed tokens per step, whatever the mesh
@@ -352,21 +385,18 @@ class Trainer:
                 model.crop_block_size(c["block_size"])
         self.model_config = model.config
         sharding.check_model_fits_mesh(self.model_config, self.mesh)
+        check_attention(self.model_config, self.mesh)
         for loader in (*self.loaders.values(), self.train_loader):
             loader.vocab_size = self.model_config.vocab_size
         if c["block_size"] > self.model_config.block_size:
             raise UsageError(f"block_size={c['block_size']} exceeds the model's {self.model_config.block_size}")
         graphdef, params = nnx.split(model)
-        param_shardings = sharding.shardings_for(params, self.mesh)
-        opt_shardings = sharding.shardings_for(jax.eval_shape(tx.init, params), self.mesh)
         if meta is None:
-            params = jax.device_put(params, param_shardings)  # a no-op where they are in place already
+            params = jax.device_put(params, sharding.shardings_for(params, self.mesh))  # a no-op where in place
+            opt_shardings = sharding.shardings_for(jax.eval_shape(tx.init, params), self.mesh)
             opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
         else:
-            opt_template = jax.eval_shape(tx.init, params)
-            restored = checkpoint.restore(c["out_dir"], params=params, opt_state=opt_template,
-                                          sharding={"params": param_shardings, "opt_state": opt_shardings})
-            params, opt_state = restored["params"], restored["opt_state"]
+            params, opt_state = checkpoint.restore_state(c["out_dir"], None, meta, self.model_config, tx, self.mesh)
             self.iter_num, self.best_val_loss = meta["iter_num"], meta["best_val_loss"]
             self.last_saved = self.iter_num
             self.train_loader.load_state_dict(meta["loader"])
@@ -528,6 +558,8 @@ class Trainer:
             print(f"{n_dev} device(s) ({jax.devices()[0].device_kind}) on {n_proc} process(es); "
                   f"accumulation {self.accum} x micro-batch {self.rows} ({c['batch_size']} per batch shard)")
             print(f"tokens per iteration will be: {self.tokens_per_iter:,}")
+            if c["attention"] == "splash" and sharding.platform_of(self.mesh) != "tpu":
+                print("attention='splash' off a TPU: the same kernel in Pallas interpret mode (slow: for tests)")
             print(f"number of parameters: {self.model.num_params() / 1e6:.2f}M; dtype {c['dtype']}")
             print(f"mesh: data {self.mesh.shape['data']} x fsdp {self.mesh.shape['fsdp']} x tensor "
                   f"{self.mesh.shape['tensor']}; memory per device: state {self.state_bytes / 2**30:.2f} GiB, "

@@ -74,11 +74,22 @@ def _variable(model, path):
     return obj
 
 
+def _slot(model, ours):
+    """(our variable, layer index or None) for a path of the map: with scan_layers, h.{i}.x is row i of h.x."""
+    if model.config.scan_layers and ours.startswith("h."):
+        i, rest = ours[2:].split(".", 1)
+        return _variable(model, "h." + rest), int(i)
+    return _variable(model, ours), None
+
+
 def state_dict(model: GPT, zero_biases=False):
     """Our params as {HF name: float32 numpy array}, HF's layout. zero_biases: a bias=False model with the
     biases HF's GPT-2 always has, as zeros (the same function)."""
-    state = {hf: np.asarray(_variable(model, ours)[...]) for hf, ours, _ in weight_map(model.config.n_layer,
-                                                                                       model.config.bias)}
+    def read(ours):
+        var, layer = _slot(model, ours)
+        return np.asarray(var[...] if layer is None else var[layer])
+
+    state = {hf: read(ours) for hf, ours, _ in weight_map(model.config.n_layer, model.config.bias)}
     if zero_biases and not model.config.bias:
         for hf, _, _ in weight_map(model.config.n_layer):
             if hf not in state:  # a bias is as long as its weight's last axis (HF's layout: out)
@@ -95,16 +106,27 @@ def load_state_dict(model: GPT, state, mesh=None):
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
         raise UsageError(f"GPT-2 weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    layers = {}  # scan_layers: each stacked variable's rows, set once all are read
     for hf, ours, _ in rows:
-        var = _variable(model, ours)
+        var, layer = _slot(model, ours)
         value = np.asarray(state[hf], dtype=np.float32)
-        if value.shape != tuple(var.shape):
-            raise UsageError(f"shape mismatch for {hf}: checkpoint {value.shape}, model {tuple(var.shape)}")
-        if mesh is None:
-            var.set_value(jnp.asarray(value))
+        shape = tuple(var.shape) if layer is None else tuple(var.shape[1:])
+        if value.shape != shape:
+            raise UsageError(f"shape mismatch for {hf}: checkpoint {value.shape}, model {shape}")
+        if layer is None:
+            _place(var, value, ours, mesh)
         else:
-            spec = sharding.spec_for(ours, value.shape, mesh)
-            var.set_value(jax.device_put(value, jax.sharding.NamedSharding(mesh, spec)))
+            layers.setdefault(id(var), (var, ours.split(".", 2)[2], []))[2].append(value)  # rows in layer order
+    for var, rest, values in layers.values():
+        _place(var, np.stack(values), "h." + rest, mesh)
+
+
+def _place(var, value, ours, mesh):
+    if mesh is None:
+        var.set_value(jnp.asarray(value))
+    else:  # each device receives only its shard
+        var.set_value(jax.device_put(value, jax.sharding.NamedSharding(mesh, sharding.spec_for(ours, value.shape,
+                                                                                                mesh))))
 
 
 def model_from(config: GPTConfig, state, mesh=None):

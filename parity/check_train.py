@@ -10,7 +10,8 @@ weights on the same batches: loss, pre-clip grad norm and lr at every step, ever
     python -m parity.check_train --fsdp 4 --tensor_parallel 2   # sharded: 8 devices as fsdp 4 x tensor 2
     python -m parity.check_train --dtype bfloat16         # bf16 against the fp32 reference, next to torch autocast's
     python -m parity.check_train --remat block            # each setting of ours the same: --attention, --remat,
-    python -m parity.check_train --loss-chunk 8           # --loss-chunk (train.py's settings of the same names)
+    python -m parity.check_train --loss-chunk 8           # --loss-chunk, --scan_layers (train.py's settings of
+                                                          # the same names)
     python -m parity.check_train --model gpt2 --steps 3   # gpt2-shaped random weights (124M; slow on a CPU)
     python -m parity.check_train --model DIR              # any HF GPT-2 directory (save_pretrained)
     python -m parity.check_train --config shakespeare_char --steps 200   # golden run on the bundled data
@@ -405,6 +406,7 @@ def make_run(args, tmp):
         write_tokens(os.path.join(data_dir, "train.bin"), hf_vocab_size(model_dir), seed=args.seed)
         rows, seq_len = args.batch_size or defaults["rows"], args.seq_len or defaults["seq_len"]
     c.update(attention=args.attention, remat=args.remat, loss_chunk=args.loss_chunk)
+    c["scan_layers"] = args.scan_layers
     return Run(c, model_dir, data_dir, args.steps, rows, seq_len, args.accum, args.devices, args.fsdp,
                args.tensor_parallel)
 
@@ -424,9 +426,11 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="rows per step, over all micro-batches and devices")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="random weights and data (not --config's)")
-    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"], help="ours (train.py's setting)")
-    p.add_argument("--remat", default="none", choices=["none", "block", "dots"], help="ours (train.py's setting)")
+    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "splash"],
+                   help="ours (train.py's setting)")
+    p.add_argument("--remat", default="none", choices=["none", "block", "dots", "qkv_proj"], help="ours (train.py's setting)")
     p.add_argument("--loss-chunk", type=int, default=0, help="ours: positions per loss chunk, 0 = none (train.py's)")
+    p.add_argument("--scan_layers", action="store_true", help="ours: the blocks under one lax.scan (train.py's)")
     args = p.parse_args(argv)
     # bad input fails here, before anything heavy is imported or written
     args.devices = args.devices or args.fsdp * args.tensor_parallel

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import attention
 import model as model_lib
 import sharding
 from helpers import assert_close, tiny_config
-from model import GPT, GPTConfig, attention_implementation
+from model import GPT, GPTConfig
 
 
 def step_memory(config, batch_size):
@@ -29,13 +30,17 @@ def step_memory(config, batch_size):
     return {"temp": compiled.memory_analysis().temp_size_in_bytes, "peak": sharding.step_peak_bytes(compiled)}
 
 
-def test_attention_setting_picks_cudnn_only_where_it_runs():
-    """attention_implementation(setting, dtype, head size, CUDA compute capability or None), against the limits of
-    jax/_src/cudnn/fused_attention_stablehlo.py; 'cudnn' where it cannot run is a one-line ValueError."""
-    pick = attention_implementation
+def test_attention_setting_picks_cudnn_only_where_it_runs(monkeypatch):
+    """attention.choose on a GPU (setting, dtype, head size, CUDA compute capability or None), against the limits of
+    jax/_src/cudnn/fused_attention_stablehlo.py; 'cudnn' where it cannot run is a one-line ValueError. (Splash and
+    the TPU: tests/test_attention.py.)"""
+    def pick(setting, dtype, head_size, capability):
+        return attention.choose(setting, platform="gpu", dtype=dtype, seq_len=1024, head_size=head_size,
+                                capability=capability)
+
     assert pick("auto", "bfloat16", 64, (8, 0)) == "cudnn"  # A100
     assert pick("auto", "bfloat16", 64, (9, 0)) == "cudnn"  # H100
-    assert pick("auto", "bfloat16", 64, None) == "xla"  # CPU, TPU, AMD GPU
+    assert pick("auto", "bfloat16", 64, None) == "xla"  # AMD GPU
     assert pick("auto", "bfloat16", 64, (7, 5)) == "xla"  # Turing
     assert pick("auto", "float32", 64, (9, 0)) == "xla"
     assert pick("auto", "bfloat16", 160, (8, 0)) == "xla" and pick("auto", "bfloat16", 160, (9, 0)) == "cudnn"
@@ -46,10 +51,13 @@ def test_attention_setting_picks_cudnn_only_where_it_runs():
                       (("float32", 64, (9, 0)), "bfloat16 only"), (("bfloat16", 160, (8, 0)), "<= 128, got 160")]:
         with pytest.raises(ValueError, match=f"^attention='cudnn' cannot run here: .*{why}"):
             pick("cudnn", *args)
-    # this machine: auto is xla, cudnn fails when the model is built, not when XLA compiles it
-    assert {block.attn.implementation for block in GPT(tiny_config(), nnx.Rngs(0)).h} == {"xla"}
+    # this machine: auto is xla; cudnn fails as the model is traced, in one line, not when XLA compiles it
+    chosen = []
+    monkeypatch.setattr(attention, "causal_attention", lambda q, k, v, kernel: chosen.append(kernel) or q)
+    GPT(tiny_config(), nnx.Rngs(0))(np.zeros((1, 32), np.int32))
+    assert chosen == ["xla", "xla"]
     with pytest.raises(ValueError, match="NVIDIA GPUs only"):
-        GPT(tiny_config(attention="cudnn", dtype="bfloat16"), nnx.Rngs(0))
+        GPT(tiny_config(attention="cudnn", dtype="bfloat16"), nnx.Rngs(0))(np.zeros((1, 32), np.int32))
     for bad, match in [(dict(attention="flash"), "attention must be one of"), (dict(remat="all"), "remat must be"),
                        (dict(loss_chunk=-1), "loss_chunk must be")]:
         with pytest.raises(ValueError, match=match):

@@ -41,14 +41,22 @@ BAD_SETTINGS = {
     "--dropout=1.5": r"dropout must be in \[0, 1\)", "--learning_rate=-1.0": "learning_rate must be >= 0",
     "--beta2=1.0": r"beta2 must be in \[0, 1\)", "--dtype=float16": "dtype must be",
     "--profile=5:2": "profile must be START:STOP", "--profile=a:b": "profile must be START:STOP",
+    "--attention=bogus": "attention must be one of", "--remat=bogus": "remat must be one of",
+    "--gelu=bogus": "gelu must be one of", "--loss_chunk=-1": "loss_chunk must be >= 0",
+    "--scan_layers=maybe": "scan_layers must be True, False or 'auto'",
+    "--attention=cudnn": "attention='cudnn' cannot run here: it runs on NVIDIA GPUs only",
+    "--attention=splash --dropout=0.1": "attention='splash' cannot run here: the kernel has no attention dropout",
+    "--attention=splash": "attention='splash' cannot run here: block_size must be a multiple of 128, got 16",
+    "--attention=splash --block_size=128 --n_embd=1024 --n_head=2": "the head size .* must be <= 256, got 512",
 }
 
 
 def test_every_bad_setting_is_one_error_before_anything_is_written(dataset, tmp_path):
     out = tmp_path / "out"
-    for arg, message in BAD_SETTINGS.items():
+    for args, message in BAD_SETTINGS.items():
         with pytest.raises(UsageError, match=message):
-            train.Trainer(settings(dataset, out, arg))
+            train.Trainer(settings(dataset, out, *args.split()))
+    assert not out.exists()
     bad_config = tmp_path / "bad_config.py"
     bad_config.write_text("batch_size = 4\nn_layer = = 2\n")
     with pytest.raises(ConfigError, match=r"bad_config.py:2: invalid syntax"):

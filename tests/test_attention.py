@@ -1,0 +1,153 @@
+"""python -m pytest tests/test_attention.py -q
+
+attention.py: the splash kernel (Pallas interpret mode on this CPU) against XLA's attention, forward and gradients
+(fp32); which kernel each setting, platform and shape gets, and the one-line errors; splash under a mesh on 8 fake
+CPU devices, each on its own rows and heads; and splash compiled for a TPU (v5e 2x2, fsdp 2 x tensor 2) from this
+CPU by libtpu's ahead-of-time compiler."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import topologies
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import attention
+import sharding
+from attention import causal_attention, check_setting, choose
+from helpers import assert_close
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def v5e_2x2():
+    """The 4 chips of a TPU v5e 2x2 slice, as devices to compile for (no TPU needed)."""
+    # libtpu's lock file guards a TPU, of which there is none: without this a second process's topology fails
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    return topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2", chip_config_name="default",
+                                        chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
+
+
+def qkv_and_cotangent(B, T, nh, hs, seed=0):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal((B, T, nh, hs)), jnp.float32) for _ in range(4)]
+
+
+def forward_and_grads(implementation, q, k, v, g):
+    """y and the gradients of sum(y * g) wrt q, k, v."""
+    def f(q, k, v):
+        y, vjp = jax.vjp(lambda *a: causal_attention(*a, implementation), q, k, v)
+        return (y, *vjp(g))
+    return jax.jit(f)(q, k, v)
+
+
+@pytest.mark.parametrize("B, T", [(2, 384), (1, 1024)])
+def test_splash_matches_xla(B, T):
+    """fp32: T = 384 runs 128-tiles (3 x 3, the upper ones skipped), T = 1024 512-tiles. Measured: max abs diff
+    <= 1.4e-6 of the reference's largest value, forward and every gradient."""
+    q, k, v, g = qkv_and_cotangent(B, T, 2, 64)
+    splash, xla = forward_and_grads("splash", q, k, v, g), forward_and_grads("xla", q, k, v, g)
+    for name, a, b in zip(("y", "dq", "dk", "dv"), splash, xla):
+        assert a.dtype == b.dtype == jnp.float32
+        assert_close(a, b, atol=1e-5 * np.abs(b).max(), what=name)
+
+
+def test_choose_and_check_setting():
+    """'auto' takes splash on a TPU where the shapes allow, cudnn on an Ampere+ GPU in bf16, xla elsewhere;
+    explicit settings that can never run are one-line ValueErrors naming the reason and the fix."""
+    def pick(setting, platform="tpu", T=1024, hs=64, dtype="bfloat16", capability=None):
+        return choose(setting, platform=platform, dtype=dtype, seq_len=T, head_size=hs, capability=capability)
+
+    assert pick("auto") == "splash" and pick("auto", T=128) == "splash" and pick("auto", dtype="float32") == "splash"
+    assert pick("auto", T=32) == "xla" and pick("auto", T=1) == "xla"  # short sequences, decoding
+    assert pick("auto", hs=attention.SPLASH_MAX_HEAD_SIZE * 2) == "xla"
+    assert pick("auto", platform="cpu") == "xla" and pick("xla") == "xla"
+    assert pick("auto", platform="gpu", capability=(9, 0)) == "cudnn"
+    assert pick("auto", platform="gpu", capability=(9, 0), dtype="float32") == "xla"
+    assert pick("splash", platform="cpu", T=256) == "splash"  # interpret mode: the tests' route
+    assert pick("splash", T=100) == "xla"  # a call shape the kernel cannot take (check_setting holds block_size)
+    assert attention.cuda_capability(jax.devices()[0]) is None
+
+    ok = dict(platform="tpu", dtype="bfloat16", head_size=64, block_size=1024, dropout=0.0)
+    for setting in ("auto", "xla", "splash"):
+        check_setting(setting, **ok)
+    check_setting("splash", **{**ok, "platform": "cpu"})
+    check_setting("auto", **{**ok, "dropout": 0.1})  # training takes the explicit path for attention dropout
+    check_setting("cudnn", **{**ok, "platform": "gpu"}, capability=(8, 0))
+
+    fix = "; use attention='auto' or 'xla'$"
+    bad = [
+        (lambda: check_setting("flash", **ok),
+         "^attention must be one of 'auto', 'xla', 'cudnn', 'splash', got 'flash'$"),
+        (lambda: pick("flash"), "^attention must be one of .* got 'flash'$"),
+        (lambda: check_setting("splash", **{**ok, "dropout": 0.1}),
+         "^attention='splash' cannot run here: the kernel has no attention dropout, dropout is 0.1; use dropout=0.0, "),
+        (lambda: check_setting("splash", **{**ok, "block_size": 1000}),
+         "^attention='splash' cannot run here: block_size must be a multiple of 128, got 1000" + fix),
+        (lambda: check_setting("splash", **{**ok, "head_size": 512}),
+         r"^attention='splash' cannot run here: the head size \(n_embd / n_head\) must be <= 256, got 512" + fix),
+        (lambda: check_setting("cudnn", **ok), "^attention='cudnn' cannot run here: it runs on NVIDIA GPUs only" + fix),
+        (lambda: pick("cudnn", platform="gpu", capability=(8, 0), hs=160), "must be a multiple of 8 and <= 128"),
+    ]
+    for call, match in bad:
+        with pytest.raises(ValueError, match=match) as e:
+            call()
+        assert "\n" not in str(e.value)
+
+
+# splash on 8 fake CPU devices, each mesh's outputs and gradients saved for the test to compare
+MESH_RUNS = r"""
+import sys
+import jax
+import numpy as np
+import attention, sharding
+from test_attention import forward_and_grads
+inputs = dict(np.load(sys.argv[1]))
+out = {}
+for name, (fsdp, tp) in {"data2_fsdp2_tp2": (2, 2), "fsdp8": (8, 1)}.items():
+    with jax.set_mesh(sharding.make_mesh(fsdp=fsdp, tensor_parallel=tp)):
+        jaxpr = str(jax.make_jaxpr(attention.causal_attention, static_argnums=3)(
+            inputs["q"], inputs["k"], inputs["v"], "splash"))
+        assert "shard_map" in jaxpr, jaxpr
+        for key, a in zip(("y", "dq", "dk", "dv"), forward_and_grads("splash", *(inputs[n] for n in "qkvg"))):
+            out[f"{name} {key}"] = np.asarray(a)
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_splash_under_a_mesh(tmp_path):
+    """data 2 x fsdp 2 x tensor 2: each device runs the kernel on 1 row and 2 heads (shard_map); fsdp 8 does not
+    divide the 4 rows, so every device runs all of them. Both as splash and xla on one device."""
+    q, k, v, g = qkv_and_cotangent(4, 256, 4, 64, seed=1)
+    np.savez(tmp_path / "in.npz", q=q, k=k, v=v, g=g)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
+    p = subprocess.run([sys.executable, "-c", MESH_RUNS, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = np.load(tmp_path / "out.npz")
+    one, xla = forward_and_grads("splash", q, k, v, g), forward_and_grads("xla", q, k, v, g)
+    for mesh in ("data2_fsdp2_tp2", "fsdp8"):
+        for key, a, b in zip(("y", "dq", "dk", "dv"), one, xla):
+            assert_close(out[f"{mesh} {key}"], a, atol=1e-6 * np.abs(a).max(), what=f"{mesh} {key} vs one device")
+            assert_close(out[f"{mesh} {key}"], b, atol=1e-5 * np.abs(b).max(), what=f"{mesh} {key} vs xla")
+
+
+def test_splash_compiles_for_tpu():
+    """Forward and backward for a v5e 2x2 slice as fsdp 2 x tensor 2, from abstract inputs: the Mosaic kernels
+    (tpu_custom_call, not interpret mode), each on its device's 2 rows and 2 heads."""
+    mesh = sharding.make_mesh(fsdp=2, tensor_parallel=2, devices=v5e_2x2())
+
+    def loss(q, k, v):
+        return jnp.sum(causal_attention(q, k, v, "splash").astype(jnp.float32))
+
+    with jax.set_mesh(mesh):
+        x = jax.ShapeDtypeStruct((4, 256, 4, 64), jnp.bfloat16,
+                                 sharding=NamedSharding(mesh, P(sharding.BATCH, None, "tensor")))
+        hlo = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, x, x).compile().as_text()
+    assert "tpu_custom_call" in hlo and "bf16[2,2,256,64]" in hlo

@@ -1,0 +1,136 @@
+"""python -m pytest tests/test_scan_layers.py -q
+
+scan_layers: the blocks' params stacked on a leading layer axis and run by one lax.scan. The same numbers as the
+Python loop (logits, loss, gradients, with each remat policy), the same generated tokens, the same tensors in and
+out of HF and nanoGPT files, and checkpoints that restore into either layout, bit for bit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+import checkpoint
+import export
+import sharding
+import train
+from configurator import ConfigError, UsageError, configure
+from helpers import assert_close, tiny_config
+from model import GPT, relayout_blocks
+from parity.common import save_random_hf_model
+from weights import read_nanogpt, state_dict
+
+
+def tokens(shape, vocab=128, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, shape), jnp.int32)
+
+
+@pytest.mark.parametrize("remat", ["none", "dots"])
+def test_scanned_model_computes_what_the_loop_computes(remat):
+    """Built from the same seed, the scanned model holds the same weights (the blocks are drawn in the same order,
+    then stacked); its logits, loss and gradients equal the loop's to float32 rounding (XLA fuses a scan's body
+    differently from n_layer unrolled copies)."""
+    loop = GPT(tiny_config(remat=remat), nnx.Rngs(0))
+    scan = GPT(tiny_config(remat=remat, scan_layers=True), nnx.Rngs(0))
+    assert nnx.state(scan.h)["attn"]["c_attn"]["kernel"][...].shape == (2, 64, 192)
+    for k, v in state_dict(loop).items():
+        np.testing.assert_array_equal(state_dict(scan)[k], v, err_msg=k)
+    idx, targets = tokens((2, 32)), tokens((2, 32), seed=1)
+    assert_close(scan(idx)[0], loop(idx)[0], rtol=1e-6, atol=1e-6, what="logits")
+    loss = lambda m: m.loss(idx, targets)  # noqa: E731
+    loss_scan, grads_scan = nnx.value_and_grad(loss)(scan)
+    loss_loop, grads_loop = nnx.value_and_grad(loss)(loop)
+    assert abs(float(loss_scan) / float(loss_loop) - 1) < 1e-6
+    grads_loop = relayout_blocks(nnx.to_pure_dict(grads_loop), nnx.to_pure_dict(grads_scan))
+    for (path, g), h in zip(jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads_scan)),
+                            jax.tree.leaves(grads_loop)):
+        assert_close(g, h, rtol=1e-5, atol=1e-7, what=jax.tree_util.keystr(path))
+    # per-layer residual streams, stacked: what parity.check_logits compares layer by layer
+    states_scan, _ = scan.hidden_states(idx)
+    states_loop, _ = loop.hidden_states(idx)
+    assert states_scan.shape == (2, 2, 32, 64)
+    for a, b in zip(states_scan, states_loop):
+        assert_close(a, b, rtol=1e-6, atol=1e-6, what="hidden states")
+
+
+def test_dropout_draws_a_key_per_layer_as_the_loop():
+    loop = GPT(tiny_config(dropout=0.1), nnx.Rngs(0))
+    scan = GPT(tiny_config(dropout=0.1, scan_layers=True), nnx.Rngs(0))
+    idx, key = tokens((2, 32)), jax.random.key(7)
+    assert abs(float(scan.loss(idx, idx, key=key)) / float(loop.loss(idx, idx, key=key)) - 1) < 1e-6
+
+
+def test_generation_with_a_scanned_model_equals_the_loop_token_for_token():
+    loop = GPT(tiny_config(block_size=48), nnx.Rngs(1))
+    scan = GPT(tiny_config(block_size=48, scan_layers=True), nnx.Rngs(1))
+    prompt = np.asarray(tokens((3, 5), seed=2))
+    for kw in (dict(temperature=0.0), dict(temperature=1.0, top_k=20, key=jax.random.key(3))):
+        # 60 tokens: past block_size, where the window slides (the full forward, not the cache)
+        np.testing.assert_array_equal(scan.generate(prompt, 60, **kw), loop.generate(prompt, 60, **kw))
+
+
+def test_hf_in_scanned_model_export_out_gives_back_the_same_tensors(tmp_path):
+    """HF directory -> a scanned model -> a checkpoint -> export.py to HF and to nanoGPT: every tensor as it was."""
+    hf_dir = save_random_hf_model(tmp_path / "hf", seed=5, n_layer=3, n_head=2, n_embd=32, n_positions=16,
+                                  vocab_size=64, activation_function="gelu")  # nanoGPT's exact GELU
+    model = GPT.from_pretrained(str(hf_dir), scan_layers=True)
+    assert model.h.attn.c_attn.kernel.shape == (3, 32, 96)
+    mngr = checkpoint.manager(tmp_path / "run")
+    meta = checkpoint.meta_for(model.config, {"dataset": "x"}, 1, 1.0, {})
+    checkpoint.save(mngr, 1, nnx.state(model), {"count": np.zeros((), np.int32)}, meta)
+    mngr.wait_until_finished()
+    mngr.close()
+    original = load_file(hf_dir / "model.safetensors")
+    assert export.main([f"--out_dir={tmp_path / 'run'}", "--format=hf", f"--to={tmp_path / 'out_hf'}"]) == 0
+    exported = load_file(tmp_path / "out_hf" / "model.safetensors")
+    assert exported.keys() == original.keys() - {"lm_head.weight"}
+    for k, v in exported.items():
+        np.testing.assert_array_equal(v, original[k], err_msg=k)
+    assert export.main([f"--out_dir={tmp_path / 'run'}", "--format=nanogpt", f"--to={tmp_path / 'nano'}"]) == 0
+    _, nano, _ = read_nanogpt(str(tmp_path / "nano" / "ckpt.pt"))  # HF's names and layout again
+    assert set(nano) == set(exported)
+    for k in nano:
+        np.testing.assert_array_equal(nano[k], original[k], err_msg=k)
+
+
+@pytest.mark.parametrize("saved_scanned", [True, False])
+def test_a_checkpoint_restores_into_the_other_layout_bit_for_bit(tmp_path, saved_scanned):
+    """Params and Adam's moments saved in one layout come back in the other, each layer's row exact."""
+    config = tiny_config(scan_layers=saved_scanned)
+    tx = train.make_optimizer(dict(train.DEFAULTS))
+    model = GPT(config, nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+    opt_state = tx.init(params)
+    _, opt_state = tx.update(grads, opt_state, params)  # moments that are not zeros
+    mngr = checkpoint.manager(tmp_path)
+    meta = checkpoint.meta_for(config, {}, 3, 1.0, {})
+    checkpoint.save(mngr, 3, params, opt_state, meta)
+    mngr.wait_until_finished()
+    mngr.close()
+    other = tiny_config(scan_layers=not saved_scanned)
+    mesh = sharding.make_mesh()
+    got_params, got_opt = checkpoint.restore_state(tmp_path, None, meta, other, tx, mesh)
+    want = relayout_blocks((params, opt_state), checkpoint_templates(other, tx))
+    for a, b in zip(jax.tree.leaves((got_params, got_opt)), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    layer1 = (got_params["h"][1]["mlp"]["c_fc"]["kernel"][...] if saved_scanned
+              else got_params["h"]["mlp"]["c_fc"]["kernel"][...][1])
+    source = params["h"]["mlp"]["c_fc"]["kernel"][...][1] if saved_scanned else params["h"][1]["mlp"]["c_fc"]["kernel"][...]
+    np.testing.assert_array_equal(np.asarray(layer1), np.asarray(source))
+
+
+def checkpoint_templates(config, tx):
+    params = nnx.state(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
+    return params, jax.eval_shape(tx.init, params)
+
+
+def test_scan_layers_setting():
+    """train.py's scan_layers: True, False or 'auto' (on GPU/TPU, off on CPU); anything else is one line."""
+    assert configure(train.DEFAULTS, ["--scan_layers=True"])["scan_layers"] is True
+    assert train.resolve_scan_layers("auto", "cpu") is False and train.resolve_scan_layers("auto", "tpu") is True
+    with pytest.raises(UsageError, match="scan_layers must be True, False or 'auto', got 'maybe'"):
+        train.validate(configure(train.DEFAULTS, ["--scan_layers=maybe"]))
+    with pytest.raises(ConfigError, match="scan_layers must be str"):
+        configure(train.DEFAULTS, ["--scan_layers=1"])
