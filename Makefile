@@ -12,11 +12,16 @@ $(BIN)/activate: requirements.txt
 
 venv: $(BIN)/activate
 
-test: venv
+# the tests' requirements on top (libtpu: TPU programs compiled on the CPU); the stamp keeps a rerun from reinstalling
+$(VENV)/.test-requirements: $(BIN)/activate requirements-test.txt
+	$(BIN)/pip install -q -r requirements-test.txt
+	touch $@
+
+test: $(VENV)/.test-requirements
 	$(BIN)/python -m pytest -q
 
 # the slow tests too (golden runs, benchmarks-as-tests)
-test-all: venv
+test-all: $(VENV)/.test-requirements
 	$(BIN)/python -m pytest -q -m ""
 
 # the bundled default: nanoGPT's CPU Shakespeare run (char-level baby GPT, 2000 iters), then samples

@@ -9,6 +9,7 @@ process, so peak memory is that run's alone.
     python bench_train.py --full-run           # the README's main training command vs nanoGPT's train.py loop, 3 pairs
     python bench_train.py --memory --preset gpt2 --batch_size=64 --dtype=bfloat16   # config/train_gpt2.py's remat
     python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 --remat=none
+    python bench_train.py --memory --topology=v5e:2x4 --preset gpt2 --batch_size=16 --dtype=bfloat16   # a v5e-8 VM
 
 Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's peak is
 known, peak memory (device peak on GPU/TPU, process peak RSS on CPU) and, for ours, the compiled step's
@@ -17,26 +18,39 @@ flat: lax.scan over micro-batches). --full-run times whole runs instead: train.p
 settings, and nanoGPT's training loop (its get_batch, get_lr, evals every 250 iterations, checkpoints when
 val improves) on the same data, one after the other, in pairs (--repeats): wall time and final val loss of
 each, and the median ratio. --memory prints `memory per device: state, step peak` of one step on a mesh,
-as train.py does at start-up, from XLA's analysis of an abstract model (compile only).
+as train.py does at start-up, from XLA's analysis of an abstract model (compile only). With --topology (v5e:2x4,
+v4:2x2x1, v5p:2x2x1, v6e:2x2...) libtpu's compiler, here on the CPU, compiles the step for that TPU: its memory,
+the compile time, and whether it fits the chip's HBM (a step that does not fit is the compiler's refusal, reported
+with the compiler's figure). libtpu comes with requirements-test.txt.
 """
 
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
 import time
+
+from configurator import UsageError, configure, exit_on_bad_input
 
 PRESETS = {
     "baby": dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128, vocab_size=65),
     "gpt2": dict(block_size=1024, batch_size=16, n_layer=12, n_head=12, n_embd=768, vocab_size=50304),
     # finetuning HF's gpt2-xl (its vocabulary, unpadded)
     "gpt2-xl": dict(block_size=1024, batch_size=1, n_layer=48, n_head=25, n_embd=1600, vocab_size=50257),
+    # the tests' (tests/test_tpu.py): block 128, as a TPU attention kernel's blocks take
+    "tiny": dict(block_size=128, batch_size=2, n_layer=2, n_head=2, n_embd=64, vocab_size=128),
 }
-# --memory's remat and loss_chunk unless given: the run each preset stands for
+# remat, loss_chunk and scan_layers unless given: the run each preset stands for
 PRESET_CONFIGS = {"baby": "config/train_shakespeare_char.py", "gpt2": "config/train_gpt2.py",
-                  "gpt2-xl": "config/finetune_shakespeare.py"}
+                  "gpt2-xl": "config/finetune_shakespeare.py", "tiny": "config/train_shakespeare_char.py"}
+SCAN_LAYERS = {"on": True, "off": False, "auto": "auto"}  # --scan_layers: train.py's scan_layers
+# the TPU compiler's refusal of a program that does not fit: "... required for HLO temporaries (16.16G) exceeds
+# available HBM (15.75G)" or "Used 15.82G of 15.75G hbm" (XLA's sizes: K, M, G, T of 1024)
+TPU_OUT_OF_MEMORY = [re.compile(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"),
+                     re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")]
 
 
 def bench_jax(s):
@@ -49,6 +63,7 @@ def bench_jax(s):
     from model import GPT
 
     train.keep_freed_memory()  # as train.py's main does
+    s = dict(s, scan_layers=train.resolve_scan_layers(s["scan_layers"], jax.default_backend()))
     c = dict(train.DEFAULTS, learning_rate=1e-3, warmup_iters=10, lr_decay_iters=1000, min_lr=1e-4)
     mesh = sharding.make_mesh()  # data parallel over every device, as train.py's defaults
     graphdef, params = train.sharded_model(lambda: GPT(model_config(s), nnx.Rngs(0)), mesh)
@@ -89,12 +104,14 @@ def model_config(s):
 
     return GPTConfig(block_size=s["block_size"], vocab_size=s["vocab_size"], n_layer=s["n_layer"],
                      n_head=s["n_head"], n_embd=s["n_embd"], bias=True, dtype=s["dtype"],
-                     remat=s["remat"], loss_chunk=s["loss_chunk"])
+                     remat=s["remat"], loss_chunk=s["loss_chunk"], attention=s["attention"],
+                     scan_layers=s["scan_layers"])
 
 
 def bench_memory(s):
     """The memory per device of a train step on a mesh, from an abstract model: XLA compiles the step for
-    ShapeDtypeStructs, nothing is materialized, so a laptop can size a pod's run."""
+    ShapeDtypeStructs, nothing is materialized, so a laptop can size a pod's run. With a topology, libtpu's compiler
+    compiles it for that TPU; a step that does not fit its HBM comes back as the compiler's refusal."""
     import jax
     from flax import nnx
 
@@ -102,10 +119,15 @@ def bench_memory(s):
     import train
     from model import GPT
 
-    if jax.device_count() < s["devices"]:
+    if s["topology"]:
+        devices = sharding.topology_devices(s["topology"])[:s["devices"]]
+    elif jax.device_count() < s["devices"]:
         return {"too_few_devices": jax.device_count()}
-    mesh = sharding.make_mesh(s["fsdp"], s["tensor_parallel"], jax.devices()[:s["devices"]])
-    config = model_config(s)
+    else:
+        devices = jax.devices()[:s["devices"]]
+    mesh = sharding.make_mesh(s["fsdp"], s["tensor_parallel"], devices)
+    platform = sharding.platform_of(mesh)
+    config = model_config(dict(s, scan_layers=train.resolve_scan_layers(s["scan_layers"], platform)))
     sharding.check_model_fits_mesh(config, mesh)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
     params = sharding.abstract(params, sharding.shardings_for(params, mesh))
@@ -113,39 +135,81 @@ def bench_memory(s):
     opt_state = jax.eval_shape(tx.init, params)
     opt_state = sharding.abstract(opt_state, sharding.shardings_for(opt_state, mesh))
     shape = (1, s["batch_size"] * sharding.batch_shards(mesh), s["block_size"])
-    _, state, peak = train.compile_step(train.make_train_step(graphdef, tx, grad_clip=1.0), params, opt_state,
-                                        shape, sharding.batch_sharding(mesh))
-    return {"state": state, "peak": peak, "backend": jax.default_backend(), "mesh": dict(mesh.shape)}
+    r = {"state": sharding.bytes_per_device([params, opt_state]), "backend": platform, "mesh": dict(mesh.shape),
+         "scan_layers": config.scan_layers, "device_kind": devices[0].device_kind,
+         "hbm": sharding.hbm_bytes(devices[0])}
+    t0 = time.perf_counter()
+    try:
+        _, _, r["peak"] = train.compile_step(train.make_train_step(graphdef, tx, grad_clip=1.0), params, opt_state,
+                                             shape, sharding.batch_sharding(mesh))
+    except jax.errors.JaxRuntimeError as e:
+        if not str(e).startswith("RESOURCE_EXHAUSTED") or (refusal := tpu_out_of_memory(str(e))) is None:
+            raise
+        r["needs"], r["available"] = refusal
+    r["compile_s"] = time.perf_counter() - t0
+    return r
+
+
+def tpu_out_of_memory(message):
+    """(bytes needed, bytes available) from the TPU compiler's out-of-memory error; None for any other message."""
+    for pattern in TPU_OUT_OF_MEMORY:
+        if m := pattern.search(message):
+            return tuple(float(m[i]) * 1024 ** ("KMGT".index(m[i + 1]) + 1) for i in (1, 3))
+    return None
 
 
 def compute_settings(args):
-    """(remat, loss_chunk, where from): as given, else as the preset's config file sets them for its run."""
-    if args.remat is not None and args.loss_chunk is not None:
-        return args.remat, args.loss_chunk, ""
-    from configurator import configure
+    """(remat, loss_chunk, scan_layers, where from): as given, else as the preset's config file sets them for its
+    run (scan_layers may be 'auto': train.py's, resolved on the platform the step is compiled for)."""
+    given = (args.remat, args.loss_chunk, None if args.scan_layers is None else SCAN_LAYERS[args.scan_layers])
+    if None not in given:
+        return (*given, "")
     from train import DEFAULTS
 
     path = PRESET_CONFIGS[args.preset]
     config = configure(DEFAULTS, [path])
-    return (config["remat"] if args.remat is None else args.remat,
-            config["loss_chunk"] if args.loss_chunk is None else args.loss_chunk, f" (from {path})")
+    return (*(config[k] if v is None else v for k, v in zip(("remat", "loss_chunk", "scan_layers"), given)),
+            f" (from {path})")
 
 
 def memory(args):
-    remat, loss_chunk, source = compute_settings(args)
+    remat, loss_chunk, scan_layers, source = compute_settings(args)
     s = dict(PRESETS[args.preset], dtype=args.dtype, devices=args.devices or 1, fsdp=args.fsdp,
-             tensor_parallel=args.tensor_parallel, remat=remat, loss_chunk=loss_chunk)
+             tensor_parallel=args.tensor_parallel, remat=remat, loss_chunk=loss_chunk, scan_layers=scan_layers,
+             attention=args.attention, topology=args.topology)
     if args.batch_size:
         s["batch_size"] = args.batch_size
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={s['devices']}"}
-    r = run_worker("memory", s, env)
-    if "too_few_devices" in r:  # e.g. one GPU asked for 8 devices: XLA:CPU's analysis on fake CPU devices
-        r = run_worker("memory", s, dict(env, JAX_PLATFORMS="cpu"))
+    if args.topology:
+        import sharding
+
+        n = len(sharding.topology_devices(args.topology))  # a bad name: one line here, before any worker
+        if (args.devices or n) > n:
+            raise UsageError(f"--devices={args.devices}: the topology {args.topology} has {n}")
+        s["devices"] = args.devices or n
+        # the host's backend is not the program's; JAX's compilation cache cannot load a topology's executables
+        r = run_worker("memory", s, {"JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "false"})
+    else:
+        env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={s['devices']}"}
+        r = run_worker("memory", s, env)
+        if "too_few_devices" in r:  # e.g. one GPU asked for 8 devices: XLA:CPU's analysis on fake CPU devices
+            r = run_worker("memory", s, dict(env, JAX_PLATFORMS="cpu"))
     m = r["mesh"]
+    where = f" of {args.topology} ({r['device_kind']})" if args.topology else ""
     print(f"{args.preset}, batch {s['batch_size']} x {s['block_size']} per batch shard, {s['dtype']}, "
-          f"{s['devices']} {r['backend']} device(s), mesh data {m['data']} x fsdp {m['fsdp']} x tensor {m['tensor']}, "
-          f"remat {s['remat']}, loss_chunk {s['loss_chunk']}{source}")
+          f"{s['devices']} {r['backend']} device(s){where}, mesh data {m['data']} x fsdp {m['fsdp']} x tensor "
+          f"{m['tensor']}, remat {s['remat']}, loss_chunk {s['loss_chunk']}, scan_layers {r['scan_layers']}{source}, "
+          f"attention {s['attention']}")
+    if "needs" in r:
+        print(f"memory per device: state {r['state'] / 2**30:.2f} GiB, step peak over the chip's HBM "
+              f"(compiled in {r['compile_s']:.1f} s)")
+        print(f"does not fit: needs ~{r['needs'] / 2**30:.2f} GiB of {r['available'] / 2**30:.2f} GiB HBM "
+              f"(the TPU compiler's figure)")
+        return 0
     print(f"memory per device: state {r['state'] / 2**30:.2f} GiB, step peak {r['peak'] / 2**30:.2f} GiB")
+    if args.topology:  # the TPU compiler refuses a program that does not fit (above)
+        print(f"{r['device_kind']} HBM {r['hbm'] / 2**30:.2f} GiB per chip: fits, step peak {r['peak'] / r['hbm']:.0%} "
+              f"of it (compiled by libtpu for {args.topology} in {r['compile_s']:.1f} s)")
+    return 0
 
 
 def nanogpt_model(block_size, vocab_size, n_layer, n_head, n_embd, dropout=0.0, bias=True):
@@ -347,7 +411,7 @@ def rss_bytes():
 
 
 def run_worker(framework, settings, env=None):
-    out = subprocess.run([sys.executable, __file__, "--worker", framework, "--settings", json.dumps(settings)],
+    out = subprocess.run([sys.executable, __file__, "--worker", framework, json.dumps(settings)],
                          capture_output=True, text=True, env={**os.environ, **(env or {})})
     if out.returncode:
         raise SystemExit(f"{framework} worker failed:\n{out.stderr[-3000:]}")
@@ -355,6 +419,14 @@ def run_worker(framework, settings, env=None):
 
 
 def main():
+    # run_worker's child skips the parser, whose choices import jax: a torch run's peak RSS is torch's own
+    if sys.argv[1:2] == ["--worker"]:
+        framework, settings = sys.argv[2:]
+        print(json.dumps(WORKERS[framework](dict(json.loads(settings), framework=framework))))
+        return 0
+    import attention
+    from model import REMAT
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--preset", default="baby", choices=PRESETS)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -366,31 +438,31 @@ def main():
     p.add_argument("--full-run", action="store_true", help="time whole training runs (see above)")
     p.add_argument("--repeats", type=int, default=3, help="--full-run: pairs of runs")
     p.add_argument("--memory", action="store_true", help="memory per device of one step, compile only (see above)")
-    p.add_argument("--devices", type=int, default=None, help="--memory: devices (fake CPU ones if there are fewer)")
+    p.add_argument("--devices", type=int, default=None, help="--memory: devices (fake CPU ones if there are fewer; "
+                   "default 1); with --topology, the first N of its devices (default all)")
     p.add_argument("--fsdp", type=int, default=1, help="--memory: the mesh's fsdp axis")
     p.add_argument("--tensor_parallel", type=int, default=1, help="--memory: the mesh's tensor axis")
-    p.add_argument("--remat", choices=["none", "block", "dots"], help="ours: train.py's remat (default: the preset's "
-                   "config file's: gpt2 config/train_gpt2.py, gpt2-xl config/finetune_shakespeare.py)")
+    p.add_argument("--topology", help="--memory: compile for this TPU (e.g. v5e:2x4, v4:2x2x1) with libtpu, here")
+    p.add_argument("--remat", choices=list(REMAT), help="ours: train.py's remat (default: the preset's config "
+                   "file's: gpt2 config/train_gpt2.py, gpt2-xl config/finetune_shakespeare.py)")
     p.add_argument("--loss_chunk", type=int, help="ours: train.py's loss_chunk (default: as --remat)")
+    p.add_argument("--scan_layers", choices=list(SCAN_LAYERS),
+                   help="ours: train.py's scan_layers (default: as --remat)")
+    p.add_argument("--attention", default="auto", choices=attention.SETTINGS, help="ours: train.py's attention")
     p.add_argument("--reference-as-on-gpu", action="store_true",
                    help="run nanoGPT's reference as on a GPU (torch.compile, fused AdamW, TF32) on any device")
-    p.add_argument("--worker", choices=["jax", "nanogpt", "transformers", "nanogpt-run", "memory"],
-                   help=argparse.SUPPRESS)
-    p.add_argument("--settings", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.worker:
-        settings = dict(json.loads(args.settings), framework=args.worker)
-        worker = {"jax": bench_jax, "nanogpt-run": nanogpt_run, "memory": bench_memory}.get(args.worker, bench_torch)
-        print(json.dumps(worker(settings)))
-        return
+    if args.topology and not args.memory:
+        raise UsageError("--topology is for --memory: a TPU step compiled here is sized, not run")
     if args.full_run:
         return full_run(args.repeats)
     if args.memory:
         return memory(args)
 
-    remat, loss_chunk, source = compute_settings(args)
+    remat, loss_chunk, scan_layers, source = compute_settings(args)
     s = dict(PRESETS[args.preset], dtype=args.dtype, steps=args.steps, warmup=args.warmup, accum=1, remat=remat,
-             loss_chunk=loss_chunk, as_on_gpu=args.reference_as_on_gpu)
+             loss_chunk=loss_chunk, scan_layers=scan_layers, attention=args.attention,
+             as_on_gpu=args.reference_as_on_gpu)
     if args.batch_size:
         s["batch_size"] = args.batch_size
     print(f"preset {args.preset}: {s}{source}")
@@ -417,5 +489,8 @@ def main():
               f"(step scratch memory: {by['jax', 8]['temp_mb'] / by['jax', 1]['temp_mb']:.3f})")
 
 
+WORKERS = {"jax": bench_jax, "nanogpt": bench_torch, "transformers": bench_torch, "nanogpt-run": nanogpt_run,
+           "memory": bench_memory}
+
 if __name__ == "__main__":
-    main()
+    exit_on_bad_input(main)

@@ -47,8 +47,10 @@ def main(argv=None):
     path = target(cfg)
 
     import checkpoint
+    import sharding
     import weights
 
+    sharding.start_backend()
     model, meta = checkpoint.load_checkpoint_model(cfg["out_dir"], None if cfg["step"] == -1 else cfg["step"])
     c = model.config
     if cfg["format"] == "hf":

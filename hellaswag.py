@@ -435,9 +435,11 @@ def main(argv=None):
     if args.backend == "jax":
         import jax
 
+        import sharding
         from checkpoint import load_model, use_compilation_cache
 
         use_compilation_cache()
+        sharding.start_backend()
         model, _ = load_model(args.init_from, args.out_dir, args.dtype)
         block_size, n_params = model.config.block_size, model.num_params() / 1e6
         where = f"jax {args.dtype} on {jax.device_count()} {jax.devices()[0].platform} device(s)"

@@ -62,7 +62,6 @@ class GPTConfig:
 
 # GPTConfig's fields that are choices of the run, not the architecture: a restored checkpoint takes them from
 # the current settings (checkpoint.model_config_from_meta), so a run saved on a GPU resumes on a CPU
-ATTENTION = attention.SETTINGS  # TODO(lead): drop once bench_train/test_tpu import attention.SETTINGS
 RUNTIME_FIELDS = ("dtype", "dropout", "attention", "remat", "loss_chunk", "scan_layers")
 # remat: what each Block keeps from its forward pass for the backward (the rest is recomputed there), as a
 # jax.checkpoint policy

@@ -21,6 +21,7 @@ import time
 import jax
 import numpy as np
 
+import sharding
 from checkpoint import load_model, use_compilation_cache
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
 from tokenizer import get_encoding
@@ -36,7 +37,7 @@ defaults = dict(
     top_k=200,  # retain only the top_k most likely tokens, clamp others to have 0 probability (None: all)
     top_p=1.0,  # then the smallest set of most likely tokens holding top_p of the probability (1.0: all)
     seed=1337,
-    dtype="float32" if jax.default_backend() == "cpu" else "bfloat16",  # 'float32' | 'bfloat16'
+    dtype="auto",  # 'float32' | 'bfloat16' | 'auto' (bfloat16 on GPU/TPU, float32 on CPU)
     stream=False,  # print tokens as they come (num_samples=1)
 )
 SEPARATOR = "---------------"
@@ -53,8 +54,8 @@ def check_settings(cfg):
         raise UsageError(f"top_k must be an integer >= 1 (or None for no top-k), got {cfg['top_k']}")
     if not 0 < cfg["top_p"] <= 1:
         raise UsageError(f"top_p must be in (0, 1] (1.0 keeps every token), got {cfg['top_p']}")
-    if cfg["dtype"] not in ("float32", "bfloat16"):
-        raise UsageError(f"dtype must be 'float32' or 'bfloat16', got {cfg['dtype']!r}")
+    if cfg["dtype"] not in ("auto", "float32", "bfloat16"):
+        raise UsageError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {cfg['dtype']!r}")
     if cfg["stream"] and cfg["num_samples"] != 1:
         raise UsageError(f"--stream prints one sample as it comes: set --num_samples=1 (got {cfg['num_samples']})")
 
@@ -134,6 +135,9 @@ def main(argv=None):
     cfg = configure(defaults, ["--stream=True" if a == "--stream" else a for a in argv])
     check_settings(cfg)
     use_compilation_cache()
+    sharding.start_backend()
+    if cfg["dtype"] == "auto":
+        cfg["dtype"] = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     start = read_start(cfg["start"])
 
     t0 = time.time()

@@ -250,10 +250,10 @@ def compile_step(step, params, opt_state, batch_shape, batch_sharding):
     abstract (ShapeDtypeStructs with shardings): then nothing is materialized (bench_train.py --memory)."""
     jitted = on_leaves(step, params, opt_state, batch_sharding)
     batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding)
+    # an abstract key: a concrete one made under (or placed on) a mesh of devices this process cannot address, a TPU
+    # topology compiled for on a CPU, fails
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.replicated(batch_sharding.mesh))
     with jax.set_mesh(batch_sharding.mesh):  # the model pins its activations to it (sharding.constrain_batch)
-        # an abstract key: a concrete one made under a mesh of devices this process cannot address (a TPU
-        # topology compiled for on a CPU) fails
-        key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.replicated(batch_sharding.mesh))
         lowered = jitted.lower(jax.tree.leaves(params), jax.tree.leaves(opt_state), batch, batch, key)
     compiled = lowered.compile()
     return compiled, sharding.bytes_per_device([params, opt_state]), sharding.step_peak_bytes(compiled)
@@ -728,6 +728,7 @@ def main(argv=None):
     logging.getLogger("absl").addFilter(lambda record: record.levelno < logging.ERROR)
     checkpoint.use_compilation_cache()
     setup_distributed()
+    sharding.start_backend()  # before anything starts it: libtpu's banner on a machine without a TPU is dropped
     keep_freed_memory()
     Trainer(config).run()
 

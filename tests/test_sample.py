@@ -119,7 +119,7 @@ def test_corrupt_checkpoints_are_one_line_errors(char_run, tmp_path):
     (["--top_p=1.01"], ValueError, r"top_p must be in \(0, 1\]"),
     (["--temperature=-1.0"], ValueError, "temperature must be >= 0"),
     (["--stream"], ValueError, "num_samples=1"),
-    (["--dtype=float16"], ValueError, "dtype must be 'float32' or 'bfloat16'"),
+    (["--dtype=float16"], ValueError, "dtype must be 'auto', 'float32' or 'bfloat16'"),
     (["--start=FILE:no/such/prompt.txt"], FileNotFoundError, "no/such/prompt.txt"),
     (["--top_k=2.5"], ValueError, "top_k must be int"),
     (["--nonsense=1"], ValueError, "unknown config key 'nonsense'"),

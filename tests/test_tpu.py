@@ -1,0 +1,173 @@
+"""python -m pytest tests/test_tpu.py -q
+
+TPU programs without a TPU: libtpu's ahead-of-time compiler (requirements-test.txt) compiles the train step and
+sample.py's generation for a v5e:2x2 topology here on the CPU (sharding.topology_devices), as bench_train.py
+--memory --topology does. The compiled step holds on each chip what the state's shardings say; the program is the
+TPU's (its tiled layouts, none of the model's CPU-only workarounds); a step that does not fit is reported with the
+compiler's figure; a bad topology name is one line; libtpu's start-up banner never reaches the terminal."""
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax._src import config as jax_config
+
+import bench_train
+import model as model_lib
+import sharding
+import train
+from helpers import tiny_config
+from model import GPT
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOPOLOGY = "v5e:2x2"
+T = 128  # splash attention's blocks are 128 positions
+# the host's loop of blocks and XLA's attention; the TPU's own choices: the blocks under one scan and 'auto' attention
+# (the fused kernel where it runs: splash on a TPU, DESIGN.md)
+VARIANTS = {"xla_loop": dict(attention="xla", scan_layers=False), "auto_scan": dict(attention="auto", scan_layers=True)}
+
+
+@pytest.fixture(autouse=True)
+def no_cache_entries():
+    """JAX's persistent compilation cache (tests/conftest.py) would store these TPU executables but cannot load them
+    back (a compile-only client): keep them out of it."""
+    with jax_config.persistent_cache_min_compile_time_secs(math.inf):
+        yield
+
+
+def tpu_mesh():
+    return sharding.make_mesh(2, 2, devices=sharding.topology_devices(TOPOLOGY))  # fsdp 2 x tensor 2
+
+
+def abstract_model(config, mesh):
+    """(graphdef, params): ShapeDtypeStructs placed by the table's shardings, as bench_train.bench_memory's."""
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
+    return graphdef, sharding.abstract(params, sharding.shardings_for(params, mesh))
+
+
+def tiled_bytes(shape, dtype, layout):
+    """Bytes of an array in a TPU layout: its minor dimensions rounded up to the layout's tile (8 x 128 elements for a
+    float32 matrix), a scalar a whole tile."""
+    dims = [shape[i] for i in layout.major_to_minor] or [1]
+    for k, t in enumerate(reversed(layout.tiling[0] if layout.tiling else ()), 1):
+        if k <= len(dims):
+            dims[-k] = -(-dims[-k] // t) * t
+    return math.prod(dims) * jnp.dtype(dtype).itemsize
+
+
+def assert_tpu_program(compiled):
+    """Compiled by the TPU compiler: float32 matrices in (8, 128) tiles (XLA:CPU tiles nothing), and without the
+    conditional that the model puts in its backward pass on a CPU only (model.fusion_barrier_in_grad)."""
+    layouts = [f.layout for f in jax.tree.leaves(compiled.input_formats, is_leaf=lambda f: hasattr(f, "layout"))
+               if f.layout is not None]
+    assert any(layout.tiling and layout.tiling[0] == (8, 128) for layout in layouts), layouts[:4]
+    assert " conditional(" not in compiled.as_text()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_train_step_compiles_for_a_tpu(variant):
+    """The step compiled for fsdp 2 x tensor 2 on v5e:2x2: each chip's arguments are the shards the state's
+    shardings give it (sharding.bytes_per_device) and the batch's, each padded to the TPU's tiles, and nothing more.
+    The key is no argument: at dropout 0 the step never reads it, and jit drops it."""
+    config = tiny_config(block_size=T, **VARIANTS[variant])
+    mesh = tpu_mesh()
+    graphdef, params = abstract_model(config, mesh)
+    tx = train.make_optimizer(dict(train.DEFAULTS))
+    opt_state = jax.eval_shape(tx.init, params)
+    opt_state = sharding.abstract(opt_state, sharding.shardings_for(opt_state, mesh))
+    batch = jax.ShapeDtypeStruct((1, 2 * sharding.batch_shards(mesh), T), jnp.int32,
+                                 sharding=sharding.batch_sharding(mesh))
+    compiled, state, _ = train.compile_step(train.make_train_step(graphdef, tx, grad_clip=1.0), params, opt_state,
+                                            batch.shape, batch.sharding)
+    assert_tpu_program(compiled)
+    # the splash kernel (a Pallas TPU kernel: a custom call) where attention='auto' picks it
+    assert ("tpu_custom_call" in compiled.as_text()) == (VARIANTS[variant]["attention"] == "auto")
+
+    args = [*jax.tree.leaves(params), *jax.tree.leaves(opt_state), batch, batch]
+    formats = [*compiled.input_formats[0][0], *compiled.input_formats[0][1], *compiled.input_formats[0][2:4]]
+    assert [f.sharding.spec for f in formats] == [a.sharding.spec for a in args], "the step resharded its inputs"
+    shards = [(a.sharding.shard_shape(a.shape), a.dtype, f.layout) for a, f in zip(args, formats)]
+    padding = sum(tiled_bytes(*s) - math.prod(s[0]) * s[1].itemsize for s in shards)
+    batch_bytes = 2 * sharding.bytes_per_device(batch)  # x and y
+    assert compiled.memory_analysis().argument_size_in_bytes == state + batch_bytes + padding
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_generate_compiles_for_a_tpu(variant):
+    """sample.py's generation (model._generate: the prompt prefilled into the KV cache, then sampled token by token,
+    top_k) compiled for the same mesh, its weights split as the train step's."""
+    config = tiny_config(block_size=T, **VARIANTS[variant])
+    mesh = tpu_mesh()
+    graphdef, params = abstract_model(config, mesh)
+    replicated = sharding.replicated(mesh)
+    buf = jax.ShapeDtypeStruct((2, T), jnp.int32, sharding=replicated)  # 2 prompts, then their samples
+    prompt_len = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
+    with jax.set_mesh(mesh):
+        lowered = model_lib._generate.lower(nnx.merge(graphdef, params), buf, prompt_len, key,
+                                            sampling=(0.8, 10, None, None), use_cache=True, on_token=None,
+                                            return_logits=False)
+    assert_tpu_program(lowered.compile().compiled)  # nnx's Compiled wraps jax's
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=env or os.environ)
+
+
+def test_bench_memory_for_a_topology():
+    """bench_train.py --memory --topology: the memory line, then the chip's HBM and whether the step fits; a step
+    too big for the chip is the compiler's refusal, reported as a measurement (exit 0, no traceback)."""
+    p = run("bench_train.py", "--memory", f"--topology={TOPOLOGY}", "--preset=tiny", "--fsdp=2", "--tensor_parallel=2")
+    assert p.returncode == 0 and p.stderr == "", p.stderr[-3000:]  # no libtpu banner either
+    lines = p.stdout.splitlines()
+    assert "4 tpu device(s) of v5e:2x2 (TPU v5 lite), mesh data 1 x fsdp 2 x tensor 2" in lines[0], lines[0]
+    assert re.fullmatch(r"memory per device: state \d+\.\d\d GiB, step peak \d+\.\d\d GiB", lines[1]), lines[1]
+    assert re.fullmatch(r"TPU v5 lite HBM 16\.00 GiB per chip: fits, step peak \d+% of it \(compiled by libtpu for "
+                        r"v5e:2x2 in [\d.]+ s\)", lines[2]), lines[2]
+
+    p = run("bench_train.py", "--memory", f"--topology={TOPOLOGY}", "--preset=tiny", "--batch_size=32768")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert re.fullmatch(r"does not fit: needs ~\d+\.\d\d GiB of 15\.75 GiB HBM \(the TPU compiler's figure\)",
+                        p.stdout.splitlines()[-1]), p.stdout
+
+
+def test_tpu_out_of_memory_reads_both_refusals():
+    """The two forms of the TPU compiler's out-of-memory error; any other error is not a refusal."""
+    G = 2**30
+    assert bench_train.tpu_out_of_memory("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
+                                         "for HLO temporaries (16.16G) exceeds available HBM (15.75G).") == \
+        (16.16 * G, 15.75 * G)
+    assert bench_train.tpu_out_of_memory("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in "
+                                         "memory space hbm. Used 15.82G of 15.75G hbm.") == (15.82 * G, 15.75 * G)
+    assert bench_train.tpu_out_of_memory("RESOURCE_EXHAUSTED: some other limit") is None
+
+
+def test_unknown_topology_is_one_line():
+    p = run("bench_train.py", "--memory", "--topology=v9:2x2", "--preset=tiny")
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.startswith("error: unknown TPU topology 'v9:2x2': give one of v5e:2x2, v5e:2x4")
+    assert p.stderr.count("\n") == 1, p.stderr
+
+
+def test_libtpu_banner_stays_off_the_terminal():
+    """With libtpu installed and no TPU, starting JAX's backends (no JAX_PLATFORMS) makes libtpu print its start-up
+    lines, every one of which LIBTPU_BANNER knows; sharding.start_backend and topology_devices keep them all off
+    stderr. ALLOW_MULTIPLE_LIBTPU_LOAD: another process's libtpu (a test beside this one) holds its lockfile."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    raw = run("-c", "import jax; jax.devices()", env=dict(env, ALLOW_MULTIPLE_LIBTPU_LOAD="1"))
+    assert raw.returncode == 0, raw.stderr[-3000:]
+    assert raw.stderr.strip(), "libtpu printed nothing at start-up: is it installed (requirements-test.txt)?"
+    assert all(sharding.LIBTPU_BANNER.search(line) for line in raw.stderr.splitlines()), raw.stderr
+    quiet = run("-c", "import jax, sharding; sharding.start_backend(); sharding.topology_devices('v5e:2x2'); "
+                "print(jax.devices()[0].platform)", env=env)
+    assert quiet.returncode == 0 and quiet.stdout == "cpu\n", quiet.stderr[-3000:]
+    assert quiet.stderr == ""
+    quiet = run("-c", "import sharding; print(len(sharding.topology_devices('v5e:2x4')))", env=env)
+    assert quiet.stdout == "8\n" and quiet.stderr == "", quiet.stderr
