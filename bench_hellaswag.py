@@ -63,6 +63,9 @@ def main(argv=None):
     p.add_argument("--batch_size", type=int, default=8, help="jax: examples per device per batch")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    import sharding
+
+    sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is
     if args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
 

@@ -140,6 +140,9 @@ def main(argv=None):
     p.add_argument("--startup", action="store_true", help="time whole processes instead (see above)")
     p.add_argument("--repeats", type=int, default=3, help="--startup: rounds")
     args = p.parse_args(argv)
+    import sharding
+
+    sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is
     if args.startup:
         return startup(args.size, args.repeats)
     if args.new_tokens < 1 or min(args.batch) < 1 or args.nocache_steps < 1:

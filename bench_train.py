@@ -62,6 +62,7 @@ def bench_jax(s):
     import train
     from model import GPT
 
+    sharding.start_backend()
     train.keep_freed_memory()  # as train.py's main does
     s = dict(s, scan_layers=train.resolve_scan_layers(s["scan_layers"], jax.default_backend()))
     c = dict(train.DEFAULTS, learning_rate=1e-3, warmup_iters=10, lr_decay_iters=1000, min_lr=1e-4)
@@ -206,7 +207,9 @@ def memory(args):
               f"(the TPU compiler's figure)")
         return 0
     print(f"memory per device: state {r['state'] / 2**30:.2f} GiB, step peak {r['peak'] / 2**30:.2f} GiB")
-    if args.topology:  # the TPU compiler refuses a program that does not fit (above)
+    if not args.topology:
+        print(f"compiled by XLA:{r['backend'].upper()} in {r['compile_s']:.1f} s")
+    else:  # the TPU compiler refuses a program that does not fit (above)
         print(f"{r['device_kind']} HBM {r['hbm'] / 2**30:.2f} GiB per chip: fits, step peak {r['peak'] / r['hbm']:.0%} "
               f"of it (compiled by libtpu for {args.topology} in {r['compile_s']:.1f} s)")
     return 0

@@ -142,9 +142,13 @@ def bytes_per_device(tree):
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def step_peak_bytes(compiled):
-    """XLA's memory analysis of a compiled step: arguments + outputs + temporaries - donated (aliased)."""
+def step_peak_bytes(compiled, platform="cpu"):
+    """XLA's memory analysis of a compiled step. On a TPU, the compiler's own peak (its heap simulation, what it
+    refuses a program by); elsewhere arguments + outputs + temporaries - donated (aliased), an upper bound: for the
+    124M step under scan_layers on a v5e it said 16.11 GiB where the TPU peak is 11.85."""
     m = compiled.memory_analysis()
+    if platform == "tpu" and m.peak_memory_in_bytes:
+        return m.peak_memory_in_bytes
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 

@@ -158,8 +158,12 @@ def get_lr(it, c):
 
 
 def decay_mask(params):
-    """nanoGPT's grouping: every >=2-D tensor decays (matmul weights and embeddings), biases and norms don't."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """nanoGPT's grouping: every >=2-D tensor decays (matmul weights and embeddings), biases and norms don't. The
+    stacked blocks' params (scan_layers) count without their layer axis."""
+    def decays(path, p):
+        return p.ndim - bool(sharding.STACKED.search(jax.tree_util.keystr(path, simple=True, separator="."))) >= 2
+
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(c):
@@ -256,7 +260,8 @@ def compile_step(step, params, opt_state, batch_shape, batch_sharding):
     with jax.set_mesh(batch_sharding.mesh):  # the model pins its activations to it (sharding.constrain_batch)
         lowered = jitted.lower(jax.tree.leaves(params), jax.tree.leaves(opt_state), batch, batch, key)
     compiled = lowered.compile()
-    return compiled, sharding.bytes_per_device([params, opt_state]), sharding.step_peak_bytes(compiled)
+    peak = sharding.step_peak_bytes(compiled, sharding.platform_of(batch_sharding.mesh))
+    return compiled, sharding.bytes_per_device([params, opt_state]), peak
 
 
 @jax.jit

@@ -275,6 +275,9 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="also check an HF GPT-2 directory or gpt2* (2 x (8 + 64) tokens)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    import sharding  # here: jax is imported only once the arguments are good
+
+    sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is
     pin_numerics()
     import jax
 

@@ -145,6 +145,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    import sharding  # here: jax is imported only once the arguments are good
+
+    sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is
 
     if not args.random_init:
         ok, _ = check(args.model, args.dtype, args.text, args.seq_len, args.batch, args.seed)

@@ -397,7 +397,8 @@ def make_run(args, tmp):
                  warmup_iters=max(args.steps // 5, 1), lr_decay_iters=max(args.steps * 4 // 5, 2), dropout=0.0,
                  bias=True, seed=args.seed)
         if args.model == "tiny" or args.model in HF_SIZES:
-            shape = TINY if args.model == "tiny" else dict(HF_SIZES[args.model], vocab_size=50257, n_positions=1024)
+            shape = (dict(TINY, n_positions=max(TINY["n_positions"], args.seq_len or 0)) if args.model == "tiny"
+                     else dict(HF_SIZES[args.model], vocab_size=50257, n_positions=1024))
             random_hf_model(args.seed, **shape).save_pretrained(model_dir)  # every tensor random, torch -> ours
         else:
             model_dir = args.model
@@ -405,8 +406,7 @@ def make_run(args, tmp):
         os.makedirs(data_dir)
         write_tokens(os.path.join(data_dir, "train.bin"), hf_vocab_size(model_dir), seed=args.seed)
         rows, seq_len = args.batch_size or defaults["rows"], args.seq_len or defaults["seq_len"]
-    c.update(attention=args.attention, remat=args.remat, loss_chunk=args.loss_chunk)
-    c["scan_layers"] = args.scan_layers
+    c.update(attention=args.attention, remat=args.remat, loss_chunk=args.loss_chunk, scan_layers=args.scan_layers)
     return Run(c, model_dir, data_dir, args.steps, rows, seq_len, args.accum, args.devices, args.fsdp,
                args.tensor_parallel)
 
@@ -428,7 +428,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="random weights and data (not --config's)")
     p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "splash"],
                    help="ours (train.py's setting)")
-    p.add_argument("--remat", default="none", choices=["none", "block", "dots", "qkv_proj"], help="ours (train.py's setting)")
+    p.add_argument("--remat", default="none", choices=["none", "block", "dots", "qkv_proj"],
+                   help="ours (train.py's setting)")
     p.add_argument("--loss-chunk", type=int, default=0, help="ours: positions per loss chunk, 0 = none (train.py's)")
     p.add_argument("--scan_layers", action="store_true", help="ours: the blocks under one lax.scan (train.py's)")
     args = p.parse_args(argv)
@@ -486,6 +487,9 @@ def main(argv=None):
     args = parse_args(argv)
     import jax
 
+    import sharding
+
+    sharding.start_backend()
     if args.devices > jax.device_count():
         return rerun_with_fake_devices(argv, args.devices, jax.device_count())
     ok, _ = check_args(args)

@@ -4,6 +4,9 @@ scan_layers: the blocks' params stacked on a leading layer axis and run by one l
 Python loop (logits, loss, gradients, with each remat policy), the same generated tokens, the same tensors in and
 out of HF and nanoGPT files, and checkpoints that restore into either layout, bit for bit."""
 
+import json
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,6 +127,33 @@ def test_a_checkpoint_restores_into_the_other_layout_bit_for_bit(tmp_path, saved
 def checkpoint_templates(config, tx):
     params = nnx.state(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
     return params, jax.eval_shape(tx.init, params)
+
+
+def test_training_scanned_takes_the_loops_steps(tmp_path):
+    """train.py's steps with scan_layers: the same losses and grad norms as the loop's (each stacked param in the
+    optimizer's groups as its per-layer self: biases and LayerNorms undecayed)."""
+    params = {sc: nnx.state(GPT(tiny_config(scan_layers=sc), nnx.Rngs(0)), nnx.Param) for sc in (False, True)}
+    groups = {sc: {(re.sub(r"\.\d+\.", ".", jax.tree_util.keystr(k, simple=True, separator=".")), decays)
+                   for k, decays in jax.tree_util.tree_leaves_with_path(train.decay_mask(p))}
+              for sc, p in params.items()}
+    assert groups[True] == groups[False] and ("h.ln_1.scale.value", False) in groups[True]
+    data = tmp_path / "data"
+    data.mkdir()
+    tokens = np.cumsum(np.random.default_rng(0).integers(1, 4, 20000)) % 64
+    tokens.astype(np.uint16)[:18000].tofile(data / "train.bin")
+    tokens.astype(np.uint16)[18000:].tofile(data / "val.bin")
+    logs = {}
+    for sc in (False, True):
+        args = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4", "--vocab_size=64",
+                "--gradient_accumulation_steps=1", "--eval_iters=1", "--eval_interval=1000", "--max_iters=5",
+                "--warmup_iters=2", "--learning_rate=1e-2", "--dtype=float32", "--bias=True",
+                f"--dataset={data}", f"--out_dir={tmp_path / str(sc)}", f"--scan_layers={sc}"]
+        train.Trainer(configure(train.DEFAULTS, args)).run()
+        with open(tmp_path / str(sc) / "log.jsonl") as f:
+            logs[sc] = [(r["loss"], r["grad_norm"]) for r in map(json.loads, f) if "loss" in r]
+    assert len(logs[True]) == 5
+    for (loss_loop, gnorm_loop), (loss_scan, gnorm_scan) in zip(logs[False], logs[True]):
+        assert abs(loss_scan / loss_loop - 1) < 1e-6 and abs(gnorm_scan / gnorm_loop - 1) < 1e-5
 
 
 def test_scan_layers_setting():
