@@ -407,6 +407,8 @@ def make_run(args, tmp):
         write_tokens(os.path.join(data_dir, "train.bin"), hf_vocab_size(model_dir), seed=args.seed)
         rows, seq_len = args.batch_size or defaults["rows"], args.seq_len or defaults["seq_len"]
     c.update(attention=args.attention, remat=args.remat, loss_chunk=args.loss_chunk, scan_layers=args.scan_layers)
+    if args.attention == "splash" and seq_len % 128:  # else XLA's attention would run in its place
+        raise UsageError(f"--attention splash needs a --seq-len that is a multiple of 128, got {seq_len}")
     return Run(c, model_dir, data_dir, args.steps, rows, seq_len, args.accum, args.devices, args.fsdp,
                args.tensor_parallel)
 

@@ -60,8 +60,9 @@ def test_tiny_fp32_matches_pytorch(tiny, capsys):
     assert f["ref_losses"][-1] < f["ref_losses"][0] - 1.0  # it trained: not a comparison of a standing model
 
 
-@pytest.mark.parametrize("setting", [dict(remat="block"), dict(remat="dots"), dict(loss_chunk=8)],
-                         ids=["remat block", "remat dots", "loss_chunk 8"])
+@pytest.mark.parametrize("setting", [dict(remat="block"), dict(remat="dots"), dict(loss_chunk=8),
+                                     dict(scan_layers=True, remat="qkv_proj")],
+                         ids=["remat block", "remat dots", "loss_chunk 8", "scan_layers, remat qkv_proj"])
 def test_tiny_fp32_matches_pytorch_with_each_compute_setting(setting, tiny, capsys):
     """train.py's remat and loss_chunk settings (--remat, --loss-chunk) change how ours computes, not what: the same
     tolerances hold (attention 'auto' is 'xla' on a CPU: the test above)."""
@@ -82,9 +83,9 @@ def test_accumulation_changes_nothing(tiny, capsys):
 
 def test_8_fake_devices_sharded(capfd):
     """main() in a process with one device runs the check again on 8 fake CPU devices, as fsdp 4 x tensor 2
-    (with accumulation too)."""
+    (with accumulation too, and the layers under one scan)."""
     assert jax.device_count() < 8
-    code = check_train.main([*TINY, "--fsdp", "4", "--tensor_parallel", "2", "--accum", "2"])
+    code = check_train.main([*TINY, "--fsdp", "4", "--tensor_parallel", "2", "--accum", "2", "--scan_layers"])
     out = capfd.readouterr().out
     assert "running on 8 fake CPU devices" in out and "ours on 8 cpu device(s) (fsdp 4, tensor 2;" in out
     assert code == 0 and "fp32 training parity" in out and ": OK" in out, out[-3000:]

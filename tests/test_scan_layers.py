@@ -118,10 +118,10 @@ def test_a_checkpoint_restores_into_the_other_layout_bit_for_bit(tmp_path, saved
     want = relayout_blocks((params, opt_state), checkpoint_templates(other, tx))
     for a, b in zip(jax.tree.leaves((got_params, got_opt)), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    layer1 = (got_params["h"][1]["mlp"]["c_fc"]["kernel"][...] if saved_scanned
-              else got_params["h"]["mlp"]["c_fc"]["kernel"][...][1])
-    source = params["h"]["mlp"]["c_fc"]["kernel"][...][1] if saved_scanned else params["h"][1]["mlp"]["c_fc"]["kernel"][...]
-    np.testing.assert_array_equal(np.asarray(layer1), np.asarray(source))
+    def layer1(params, stacked):  # the MLP's c_fc kernel of layer 1
+        return params["h"]["mlp"]["c_fc"]["kernel"][...][1] if stacked else params["h"][1]["mlp"]["c_fc"]["kernel"][...]
+    np.testing.assert_array_equal(np.asarray(layer1(got_params, not saved_scanned)),
+                                  np.asarray(layer1(params, saved_scanned)))
 
 
 def checkpoint_templates(config, tx):
