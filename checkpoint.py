@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 
 import sharding as sharding_  # `sharding` is restore's argument
-from configurator import InputNotFound, RunStopped, UsageError
+from configurator import InputNotFound, RunStopped, UsageError, stderr_into
 from model import GPT, RUNTIME_FIELDS, GPTConfig, relayout_blocks
 
 CKPT_SUBDIR = "ckpt"
@@ -122,7 +122,7 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
     # (the same corruption) in flight: their errors, from Python and C++, reach stderr before and after ours.
     # So stderr (the file descriptor) goes to a file while it restores: replayed on success, dropped on failure
     with tempfile.TemporaryFile() as log:
-        with _stderr_into(log):
+        with stderr_into(log):
             try:
                 with closing(_reader(ckpt_dir(out_dir))) as mngr:
                     restored = mngr.restore(step, args=ocp.args.Composite(**items))
@@ -141,19 +141,6 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
                 else "no earlier checkpoint to fall back on")
     raise CheckpointError(f"checkpoint {os.path.join(ckpt_dir(out_dir), str(step))} did not restore ({error}); "
                           f"{fallback}")
-
-
-@contextmanager
-def _stderr_into(file):
-    sys.stderr.flush()
-    saved = os.dup(2)
-    os.dup2(file.fileno(), 2)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def lock_out_dir(out_dir):

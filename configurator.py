@@ -12,6 +12,7 @@ which turns that (and only that) into one line and exit 2; any other exception k
 """
 
 import atexit
+import contextlib
 import difflib
 import os
 import sys
@@ -46,6 +47,20 @@ def exit_on_bad_input(main):
         # errors would reach stderr as the process ends; stderr goes quiet then
         atexit.register(os.dup2, os.open(os.devnull, os.O_WRONLY), 2)
         sys.exit(2 if isinstance(e, UsageError) else 1)
+
+
+@contextlib.contextmanager
+def stderr_into(file):
+    """The process's stderr (file descriptor 2: C++ and threads included) written to `file` meanwhile."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _checked(key, value, defaults, source):

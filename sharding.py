@@ -25,7 +25,7 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from configurator import UsageError
+from configurator import UsageError, stderr_into
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")  # the axes the batch's rows are split over
@@ -260,16 +260,11 @@ def libtpu_quiet():
         yield
         return
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    sys.stderr.flush()
-    saved = os.dup(2)
     with tempfile.TemporaryFile() as f:
-        os.dup2(f.fileno(), 2)
         try:
-            yield
+            with stderr_into(f):
+                yield
         finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
             f.seek(0)
             lines = f.read().decode(errors="replace").splitlines(keepends=True)
             sys.stderr.write("".join(line for line in lines if not LIBTPU_BANNER.search(line)))
