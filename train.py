@@ -89,7 +89,7 @@ DEFAULTS = dict(
     tensor_parallel=1,  # split each layer's heads and MLP units over this many devices (same rows)
     # system
     dtype="auto",  # 'float32' | 'bfloat16' | 'auto' (bfloat16 on GPU/TPU, float32 on CPU)
-    attention="auto",  # 'xla' | 'cudnn' (fused flash attention: NVIDIA Ampere+, bf16) | 'auto' (cudnn where it runs)
+    attention="auto",  # 'xla' | 'cudnn' (NVIDIA Ampere+, bf16) | 'splash' (TPU) | 'auto': the fused one where it runs
     remat="none",  # recompute in the backward to save memory: 'none' | 'block' | 'dots' | 'qkv_proj' (model.REMAT)
     loss_chunk=0,  # the loss's logits this many positions at a time (memory B x loss_chunk x vocab); 0: all at once
     scan_layers="auto",  # True: the blocks under one lax.scan (one compiled block) | False | 'auto' (on GPU/TPU)
