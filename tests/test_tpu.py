@@ -24,6 +24,7 @@ import sharding
 import train
 from helpers import tiny_config
 from model import GPT
+from parity.common import save_random_hf_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPOLOGY = "v5e:2x2"
@@ -156,7 +157,7 @@ def test_unknown_topology_is_one_line():
     assert p.stderr.count("\n") == 1, p.stderr
 
 
-def test_libtpu_banner_stays_off_the_terminal():
+def test_libtpu_banner_stays_off_the_terminal(tmp_path):
     """With libtpu installed and no TPU, starting JAX's backends (no JAX_PLATFORMS) makes libtpu print its start-up
     lines, every one of which LIBTPU_BANNER knows; sharding.start_backend and topology_devices keep them all off
     stderr. ALLOW_MULTIPLE_LIBTPU_LOAD: another process's libtpu (a test beside this one) holds its lockfile."""
@@ -171,3 +172,8 @@ def test_libtpu_banner_stays_off_the_terminal():
     assert quiet.stderr == ""
     quiet = run("-c", "import sharding; print(len(sharding.topology_devices('v5e:2x4')))", env=env)
     assert quiet.stdout == "8\n" and quiet.stderr == "", quiet.stderr
+    # a user's command: sample.py from a (tiny, random) HF directory
+    save_random_hf_model(tmp_path / "hf", n_layer=1, n_head=2, n_embd=32, n_positions=16, vocab_size=50257)
+    sample = run("sample.py", f"--init_from={tmp_path / 'hf'}", "--max_new_tokens=2", "--num_samples=1", env=env)
+    assert sample.returncode == 0 and not any(sharding.LIBTPU_BANNER.search(line)
+                                              for line in sample.stderr.splitlines()), sample.stderr[-3000:]
