@@ -53,15 +53,18 @@ def main(argv=None):
     sharding.start_backend()
     model, meta = checkpoint.load_checkpoint_model(cfg["out_dir"], None if cfg["step"] == -1 else cfg["step"])
     c = model.config
-    if cfg["format"] == "hf":
-        weights.save_hf(model, path)
-        if not c.bias:
-            print("bias=False: written with zero biases (HF's GPT-2 always has them; the same function)")
-        if c.vocab_size > 50257:
-            print(f"vocab_size {c.vocab_size} kept: GPT-2's 50257 padded, ids 50257+ are no tokens (sample.py never "
-                  "samples them; transformers' generate can)")
-    else:
-        weights.save_nanogpt(model, path, meta["iter_num"], meta["best_val_loss"], meta["config"])
+    try:
+        if cfg["format"] == "hf":
+            weights.save_hf(model, path)
+        else:
+            weights.save_nanogpt(model, path, meta["iter_num"], meta["best_val_loss"], meta["config"])
+    except OSError as e:  # a path that looked writable and is not: under /proc, a read-only mount, a full disk
+        raise UsageError(f"cannot write to {cfg['to']}: {e.strerror or e}") from None
+    if cfg["format"] == "hf" and not c.bias:
+        print("bias=False: written with zero biases (HF's GPT-2 always has them; the same function)")
+    if cfg["format"] == "hf" and c.vocab_size > 50257:
+        print(f"vocab_size {c.vocab_size} kept: GPT-2's 50257 padded, ids 50257+ are no tokens (sample.py never "
+              "samples them; transformers' generate can)")
     print(f"wrote {path} ({cfg['format']}, step {meta['iter_num']} of {cfg['out_dir']}, "
           f"{model.num_params() / 1e6:.2f}M params)")
     return 0

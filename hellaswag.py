@@ -86,7 +86,7 @@ def read_examples(path, limit=None):
             try:
                 ex = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UsageError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise UsageError(f"{where}: not valid JSON ({e.msg}: column {e.colno})") from None
             examples.append(check_example(ex, where) | {"_line": lineno})
     if not examples:
         raise UsageError(f"{path}: no examples")

@@ -66,8 +66,11 @@ def read_start(start):
         path = start[len("FILE:"):]
         if not os.path.isfile(path):
             raise InputNotFound(f"start file not found: {path}")
-        with open(path, encoding="utf-8") as f:
-            start = f.read()
+        try:
+            with open(path, encoding="utf-8") as f:
+                start = f.read()
+        except UnicodeDecodeError as e:
+            raise UsageError(f"start file {path} is not UTF-8 text (byte {e.start}): give a text file") from None
     return start or "\n"
 
 

@@ -253,7 +253,8 @@ GOOD = FIXTURE.read_text().splitlines()[0]
 
 
 @pytest.mark.parametrize("line, message", [
-    ('{"ctx": "A man", "endings": [', r"bad\.jsonl:3: not valid JSON"),
+    ('{"ctx": "A man", "endings": [', r"bad\.jsonl:3: not valid JSON \(Expecting value: column 1\)$"),
+    ('{"ctx": "A man', r"bad\.jsonl:3: not valid JSON \(Invalid control character at: column 15\)$"),  # one "at"
     (json.dumps(json.loads(GOOD) | {"endings": ["a", "b", "c"]}), r"bad\.jsonl:3: expected 4 endings, got 3"),
     (json.dumps(json.loads(GOOD) | {"label": 4}), r"bad\.jsonl:3: label must be 0, 1, 2 or 3 .* got 4"),
     (json.dumps(json.loads(GOOD) | {"label": "-1"}), r"bad\.jsonl:3: label must be 0, 1, 2 or 3 .* got '-1'"),

@@ -130,6 +130,12 @@ def test_bad_input_is_a_one_line_error(argv, error, message):
     assert "\n" not in str(e.value)
 
 
+def test_a_start_file_that_is_not_text_is_one_line(tmp_path):
+    (tmp_path / "prompt.bin").write_bytes(b"ROMEO\xff\xfe:")
+    with pytest.raises(ValueError, match=r"^start file .*prompt.bin is not UTF-8 text \(byte 5\): give a text file$"):
+        sample.main([f"--start=FILE:{tmp_path / 'prompt.bin'}"])
+
+
 def test_prompt_ids_outside_a_small_vocabulary(tmp_path):
     path = save_random_hf_model(tmp_path / "hf", seed=1, n_layer=1, n_head=2, n_embd=32, n_positions=16,
                                 vocab_size=128)

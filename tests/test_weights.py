@@ -174,6 +174,7 @@ def test_export_cli_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, ca
         ([f"--out_dir={tmp_path / 'tanh'}"], "--to is required"),
         ([f"--out_dir={tmp_path / 'tanh'}", f"--to={tmp_path / 'a_file' / 'hf'}"], "cannot write to"),
         ([f"--out_dir={tmp_path / 'tanh'}", "--format=nanogpt", f"--to={tmp_path / 'a_file'}"], "cannot write to"),
+        ([f"--out_dir={tmp_path / 'tanh'}", "--to=/proc/nanogpt-jax-export"], "cannot write to /proc/nanogpt-jax"),
     ]
     before = sorted(os.listdir(tmp_path))
     for argv, message in cases:
