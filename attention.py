@@ -88,7 +88,7 @@ def choose(setting, *, platform, dtype, seq_len, head_size, capability=None):
         return "xla" if _splash_reason(seq_len, head_size) else "splash"
     if setting == "cudnn" and (reason := _cudnn_reason(dtype, head_size, capability)):
         raise _cannot_run(setting, reason)
-    if setting in ("xla", "cudnn", "splash"):
+    if setting in ("xla", "cudnn"):
         return setting
     if setting != "auto":
         raise _unknown(setting)

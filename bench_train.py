@@ -64,9 +64,9 @@ def bench_jax(s):
 
     sharding.start_backend()
     train.keep_freed_memory()  # as train.py's main does
-    s = dict(s, scan_layers=train.resolve_scan_layers(s["scan_layers"], jax.default_backend()))
     c = dict(train.DEFAULTS, learning_rate=1e-3, warmup_iters=10, lr_decay_iters=1000, min_lr=1e-4)
     mesh = sharding.make_mesh()  # data parallel over every device, as train.py's defaults
+    s = dict(s, scan_layers=train.resolve_scan_layers(s["scan_layers"], sharding.platform_of(mesh)))
     graphdef, params = train.sharded_model(lambda: GPT(model_config(s), nnx.Rngs(0)), mesh)
     model = nnx.merge(graphdef, params)
     tx = train.make_optimizer(c)

@@ -106,7 +106,7 @@ def load_state_dict(model: GPT, state, mesh=None):
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
         raise UsageError(f"GPT-2 weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    layers = {}  # scan_layers: each stacked variable's rows, set once all are read
+    layers = {}  # scan_layers: {stacked path: its rows in layer order}, each set once all are read
     for hf, ours, _ in rows:
         var, layer = _slot(model, ours)
         value = np.asarray(state[hf], dtype=np.float32)
@@ -116,9 +116,9 @@ def load_state_dict(model: GPT, state, mesh=None):
         if layer is None:
             _place(var, value, ours, mesh)
         else:
-            layers.setdefault(id(var), (var, ours.split(".", 2)[2], []))[2].append(value)  # rows in layer order
-    for var, rest, values in layers.values():
-        _place(var, np.stack(values), "h." + rest, mesh)
+            layers.setdefault("h." + ours.split(".", 2)[2], []).append(value)
+    for path, values in layers.items():
+        _place(_variable(model, path), np.stack(values), path, mesh)
 
 
 def _place(var, value, ours, mesh):

@@ -24,11 +24,6 @@ from helpers import assert_close
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def v5e_2x2():
-    """The 4 chips of a TPU v5e 2x2 slice, as devices to compile for (no TPU needed)."""
-    return sharding.topology_devices("v5e:2x2")
-
-
 def qkv_and_cotangent(B, T, nh, hs, seed=0):
     rng = np.random.default_rng(seed)
     return [jnp.asarray(rng.standard_normal((B, T, nh, hs)), jnp.float32) for _ in range(4)]
@@ -137,7 +132,7 @@ def test_splash_under_a_mesh(tmp_path):
 def test_splash_compiles_for_tpu():
     """Forward and backward for a v5e 2x2 slice as fsdp 2 x tensor 2, from abstract inputs: the Mosaic kernels
     (tpu_custom_call, not interpret mode), each on its device's 2 rows and 2 heads."""
-    mesh = sharding.make_mesh(fsdp=2, tensor_parallel=2, devices=v5e_2x2())
+    mesh = sharding.make_mesh(fsdp=2, tensor_parallel=2, devices=sharding.topology_devices("v5e:2x2"))
 
     def loss(q, k, v):
         return jnp.sum(causal_attention(q, k, v, "splash").astype(jnp.float32))
