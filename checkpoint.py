@@ -2,13 +2,19 @@
 Checkpoints, the one place that resolves `init_from` for train.py, sample.py and hellaswag.py, and the
 persistent compilation cache their processes share.
 
-On disk (orbax CheckpointManager): out_dir/ckpt/<iter>/{params, opt_state, meta}. `meta` is JSON:
+On disk (orbax CheckpointManager): out_dir/ckpt/<iter>/{params, opt_state, meta, metrics}. `meta` is JSON:
 iter_num, best_val_loss, model_args (GPTConfig), config (the training settings), loader (data position),
-seed. Orbax writes each step to a temporary directory and renames it when complete, so a crash mid-save
-leaves the previous checkpoint loadable.
+seed, and digests: a checksum of every array, which each restore verifies (orbax keeps none of the data). `metrics`:
+the val loss of the eval at that step, if any, which rotation keeps the best of (see manager). Orbax writes each
+step to a temporary directory and renames it when complete, so a crash mid-save leaves the previous checkpoint
+loadable.
 """
 
+import dataclasses
 import fcntl
+import json
+import logging
+import math
 import os
 import socket
 import sys
@@ -16,17 +22,25 @@ import tempfile
 import time
 from contextlib import closing, contextmanager
 from dataclasses import asdict, replace
+from functools import partial
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax import lax
+from jax.experimental import multihost_utils
 
 import sharding as sharding_  # `sharding` is restore's argument
+import tokenizer
 from configurator import InputNotFound, RunStopped, UsageError, stderr_into
 from model import GPT, RUNTIME_FIELDS, GPTConfig, relayout_blocks
 
 CKPT_SUBDIR = "ckpt"
 LOCK_FILE = "run.lock"
 META_KEYS = ("iter_num", "best_val_loss", "model_args", "config", "loader")
+ARCHITECTURE = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "bias")  # model_args a restore needs
+METRICS = "metrics"  # orbax's item of a step's metrics: {"val_loss": v}
 
 
 class CheckpointError(UsageError):
@@ -37,22 +51,78 @@ def ckpt_dir(out_dir):
     return os.path.join(os.path.abspath(out_dir), CKPT_SUBDIR)
 
 
-def manager(out_dir, max_to_keep=3):
+def manager(out_dir, keep=3):
+    """The run's writer. It keeps the latest `keep` checkpoints (the resume point among them) and the one of the
+    best val loss, whatever rotation does: orbax's best_fn alone would keep the best `keep` instead, deleting the
+    resume point once it is worse, and it keeps checkpoints saved without a val loss forever. best_fn is still
+    set: orbax writes a save's metrics only then (and reads them back when a resumed run reopens the directory)."""
     import orbax.checkpoint as ocp  # here, not at the top: a process that loads HF weights never pays its import
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    from orbax.checkpoint import checkpoint_managers as policies
+
+    policy = policies.AnyPreservationPolicy([
+        policies.LatestN(n=keep),
+        # reverse: sorted by descending val loss, and BestN keeps the last n
+        policies.BestN(get_metric_fn=_val_loss, reverse=True, n=1, keep_checkpoints_without_metrics=False)])
+    options = ocp.CheckpointManagerOptions(create=True, preservation_policy=policy, best_fn=_val_loss, best_mode="min")
+    # a save without a val loss (checkpoint_interval, a stop) is normal here, not worth orbax's warning
+    logging.getLogger("absl").addFilter(_without_metrics_warning)
+    if not getattr(sys.unraisablehook, "quiets_closed_loop", False):
+        sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
     return ocp.CheckpointManager(ckpt_dir(out_dir), options=options)
 
 
-def save(mngr, iter_num, params, opt_state, meta):
-    """Write one checkpoint (async: the host goes on; `wait_saved(mngr)` before exit). A failure, now or in the
-    background, stops the run with one line (see check_saved)."""
+def _val_loss(metrics):
+    v = metrics.get("val_loss")
+    return v if type(v) in (int, float) and math.isfinite(v) else math.inf  # NaN is never the best
+
+
+def _without_metrics_warning(record):
+    return "did not provide metrics" not in record.getMessage()
+
+
+def _quiet_closed_loop(hook):
+    """sys.unraisablehook without orbax's noise of a failed save. At the first failed write (a full disk) orbax
+    closes the event loop of the save; each write still in flight (one per array file) completes later in
+    tensorstore's threads, whose callback into the closed loop raises RuntimeError('Event loop is closed'): an
+    unraisable error, printed as a traceback by the default hook, dozens of them before our one line (check_saved)."""
+    def quiet(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+            hook(unraisable)
+
+    quiet.quiets_closed_loop = True
+    return quiet
+
+
+def save(mngr, iter_num, params, opt_state, meta, val_loss=None):
+    """Write one checkpoint (async: the host goes on; `wait_saved(mngr)` before exit), with the digests of its
+    arrays in meta. `val_loss`: that of the eval of this step (None: saved without one), for rotation to keep the
+    best. A failure, now or in the background, stops the run with one line (see check_saved)."""
     import orbax.checkpoint as ocp
 
+    meta = dict(meta, digests=digests({"params": params, "opt_state": opt_state}))
     with _save_errors(mngr):
-        mngr.save(iter_num, force=True, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params),
-            opt_state=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave(meta)))
+        mngr.save(iter_num, force=True, metrics=None if val_loss is None else {"val_loss": float(val_loss)},
+                  args=ocp.args.Composite(
+                      params=ocp.args.StandardSave(params),
+                      opt_state=ocp.args.StandardSave(opt_state),
+                      meta=ocp.args.JsonSave(meta)))
+
+
+def add_val_loss(mngr, iter_num, val_loss):
+    """The val loss of an eval of step `iter_num`, saved before without one (checkpoint_interval's save comes before
+    the loop's eval of that step; a resume evaluates the step it resumed from): written beside it as orbax writes a
+    save's metrics, so that rotation can keep it as the best. A step that has one already keeps it."""
+    wait_saved(mngr)  # the step is complete, under its final name
+    if jax.process_index() == 0 and mngr.metrics(iter_num) is None:
+        folder = os.path.join(mngr.directory, str(iter_num), METRICS)  # orbax's default step names: the number
+        with _save_errors(mngr):
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, METRICS + ".tmp"), "w") as f:
+                json.dump({"val_loss": float(val_loss)}, f)
+            os.replace(os.path.join(folder, METRICS + ".tmp"), os.path.join(folder, METRICS))
+    if jax.process_count() > 1:  # every process, whatever process 0 found: then they all read it
+        multihost_utils.sync_global_devices("checkpoint.add_val_loss")
+    mngr.reload()  # orbax's list of steps, with their metrics, read again
 
 
 def check_saved(mngr):
@@ -130,17 +200,147 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
             except Exception as e:  # orbax raises many kinds; the user needs one line
                 error = f"{type(e).__name__}: {_first_line(e)}"
                 time.sleep(0.5)  # the reads still in flight finish, into the log
-        if error is None and not set(META_KEYS) <= restored["meta"].keys():
-            error = f"its meta lacks {', '.join(k for k in META_KEYS if k not in restored['meta'])}"
+        if error is None:
+            error = _meta_error(restored["meta"])
+        arrays = {k: restored[k] for k in ("params", "opt_state") if k in items and error is None}
+        saved = restored["meta"].get("digests") if error is None else None
+        if arrays and saved is not None:  # the arrays as orbax returned them, before any relayout
+            error = next((f"{key} differs from the checksum saved with it: the checkpoint is corrupt" if key in saved
+                          else f"its meta has no checksum of {key}"
+                          for key, digest in digests(arrays).items() if saved.get(key) != digest), None)
         if error is None:
             log.seek(0)
             sys.stderr.write(log.read().decode(errors="replace"))
+            if arrays and saved is None and jax.process_index() == 0:
+                print(f"checkpoint {os.path.join(ckpt_dir(out_dir), str(step))} carries no checksums (saved before "
+                      "they were kept): its arrays load unverified", file=sys.stderr)
             return {k: restored[k] for k in items}
     earlier = [s for s in steps if s < step]
     fallback = (f"move it away to resume from step {max(earlier)}" if earlier
                 else "no earlier checkpoint to fall back on")
     raise CheckpointError(f"checkpoint {os.path.join(ckpt_dir(out_dir), str(step))} did not restore ({error}); "
                           f"{fallback}")
+
+
+def _meta_error(meta):
+    """What makes a checkpoint's meta unusable, in a few words (a traceback in train, sample or export
+    otherwise), or None."""
+    if not isinstance(meta, dict):
+        return "its meta is not a JSON object"
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        return f"its meta lacks {', '.join(missing)}"
+    if type(meta["iter_num"]) is not int or meta["iter_num"] < 0:
+        return f"its meta's iter_num is {meta['iter_num']!r}, not an integer >= 0"
+    if not _of_type(meta["best_val_loss"], float):
+        return f"its meta's best_val_loss is {meta['best_val_loss']!r}, not a number"
+    for key in ("model_args", "config", "loader"):
+        if not isinstance(meta[key], dict):
+            return f"its meta's {key} is {type(meta[key]).__name__}, not a JSON object"
+    if "digests" in meta and not (isinstance(meta["digests"], dict)
+                                  and all(isinstance(v, str) for v in meta["digests"].values())):
+        return "its meta's digests are not a JSON object of strings"
+    fields = {f.name: f.type for f in dataclasses.fields(GPTConfig)}
+    for key, value in meta["model_args"].items():
+        if key not in fields:
+            return f"its model_args has {key!r}, which is not a model.GPTConfig field"
+        if not _of_type(value, fields[key]):
+            return f"its model_args {key}={value!r} is not {fields[key].__name__}"
+    lacking = [k for k in ARCHITECTURE if k not in meta["model_args"]]
+    if lacking:
+        return f"its model_args lack {', '.join(lacking)}"
+    try:
+        model_config_from_meta(meta)
+    except ValueError as e:
+        return f"its model_args are no model: {e}"
+    return None
+
+
+def _of_type(value, kind):
+    """JSON's value of a GPTConfig field's type: an int is a float too, a bool is no int."""
+    if kind is float:
+        return type(value) in (int, float)
+    return type(value) is kind
+
+
+def digests(tree):
+    """{path: 16 hex digits} of every array in `tree`, such as "params/h/0/attn/c_attn/kernel": a checksum of its bits
+    as one global array, computed where it lives (one jit, on the shards), the same on any mesh and any number of
+    processes. Two sums mod 2^32 over the array's bits as uint32 x_i (narrower dtypes widened), i the flat index:
+    sum(x_i * (2i + 1)), which any one flipped bit changes (2^k times an odd number is never 0 mod 2^32), and the
+    sum of a murmur3 mix of x_i ^ (i * golden ratio), so that a random corruption of many bits goes unseen with odds
+    of about 2^-64."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if not leaves:
+        return {}
+    # one program over all arrays. A jit per array compiles faster (a dozen shapes among GPT-2's 446 arrays), but
+    # puts hundreds of programs with collectives in flight at once, and two processes on CPU hung in them
+    arrays = [x for _, x in leaves]
+    sums = np.asarray(_digest_sums(arrays, tuple(_whole_axes(x) for x in arrays)))  # (arrays, 2) uint32
+    return {jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value"): f"{a:08x}{b:08x}"
+            for (path, _), (a, b) in zip(leaves, sums.tolist())}
+
+
+def _whole_axes(x):
+    """The axes along which each device holds the whole array (summing along them moves no data)."""
+    shape = np.shape(x)
+    if not isinstance(getattr(x, "sharding", None), jax.sharding.Sharding):
+        return tuple(range(len(shape)))
+    return tuple(a for a, n in enumerate(x.sharding.shard_shape(shape)) if n == shape[a])
+
+
+@partial(jax.jit, static_argnums=1)
+def _digest_sums(arrays, whole_axes):
+    return jnp.stack([_digest(x, axes) for x, axes in zip(arrays, whole_axes)])
+
+
+def _digest(x, whole_axes):
+    """(2,) uint32: the two sums of `x` (see digests)."""
+    bits = _as_uint32(x)
+    i = _flat_index(bits.shape)
+    return jnp.stack([_sum(bits * (2 * i + 1), whole_axes),
+                      _sum(_fmix32(bits ^ (i * jnp.uint32(0x9E3779B9))), whole_axes)])
+
+
+def _as_uint32(x):
+    """x's bits: bitcast to the unsigned int of its width, widened to uint32 (8-byte dtypes: two uint32 each)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    if x.dtype.itemsize > 4:
+        return lax.bitcast_convert_type(x, jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+    return lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _flat_index(shape):
+    """Each element's index in the flattened array, mod 2^32, without flattening it (a reshape of a sharded array
+    can move data between devices)."""
+    i, stride = jnp.uint32(0), 1
+    for axis in reversed(range(len(shape))):
+        i = i + lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= shape[axis]
+    return i
+
+
+def _fmix32(h):
+    """murmur3's finalizer: every input bit flips each output bit with probability ~1/2."""
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _sum(v, whole_axes):
+    """v's sum mod 2^32. XLA:CPU fuses no computation into a reduction: the values would be written out in full, then
+    read. Halved first, along axes each device holds whole, the computation fuses into the halving, which writes an
+    eighth of them for the reduction to read; 3 halvings at most, as XLA fuses it into 8 slices of it, not 16."""
+    halvings = 0
+    for axis in whole_axes:
+        while v.shape[axis] % 2 == 0 and halvings < 3 and v.size > 1024:
+            half = v.shape[axis] // 2
+            v = lax.slice_in_dim(v, 0, half, axis=axis) + lax.slice_in_dim(v, half, 2 * half, axis=axis)
+            halvings += 1
+    return jnp.sum(v, dtype=jnp.uint32)
 
 
 def lock_out_dir(out_dir):
@@ -253,3 +453,15 @@ def use_compilation_cache():
 def meta_for(model_config: GPTConfig, config: dict, iter_num, best_val_loss, loader_state):
     return {"iter_num": iter_num, "best_val_loss": best_val_loss, "model_args": asdict(model_config),
             "config": config, "loader": loader_state, "seed": config.get("seed")}
+
+
+def load_with_codec(init_from, out_dir, dtype):
+    """(model, codec): the model, and what decodes its ids: the vocabulary our checkpoint carries; a nanoGPT
+    checkpoint's dataset's meta.pkl, or one beside an exported model (tokenizer.codec_for); else GPT-2's BPE."""
+    if init_from == "resume":
+        model, meta = load_checkpoint_model(out_dir, dtype=dtype)
+        return model, tokenizer.codec_for(model.config.vocab_size, meta.get("vocab"), meta["config"].get("dataset"))
+    model, train_config = load_model(init_from, out_dir, dtype)
+    beside = init_from if os.path.isdir(init_from) else os.path.dirname(init_from) if os.path.isfile(init_from) else None
+    dataset = (train_config or {}).get("dataset")
+    return model, tokenizer.codec_for(model.config.vocab_size, dataset=dataset, beside=beside)

@@ -15,7 +15,9 @@ import atexit
 import contextlib
 import difflib
 import os
+import signal
 import sys
+import threading
 from ast import literal_eval
 
 
@@ -47,6 +49,41 @@ def exit_on_bad_input(main):
         # errors would reach stderr as the process ends; stderr goes quiet then
         atexit.register(os.dup2, os.open(os.devnull, os.O_WRONLY), 2)
         sys.exit(2 if isinstance(e, UsageError) else 1)
+
+
+def exit_on_interrupt(message, signals=(signal.SIGINT,)):
+    """Until the returned function is called: Ctrl-C (or another of `signals`) ends the process at once with
+    `message` in one line and exit 128 + the signal's number. Python runs a signal handler only between bytecodes
+    of the main thread, which a compilation holds for seconds, and a KeyboardInterrupt raised through JAX's
+    threads can crash the interpreter at exit; so the C-level handler's wakeup byte is read by a thread of its own,
+    and the process ends with os._exit (nothing of it needs saving yet)."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    armed = threading.Event()
+    armed.set()
+
+    def stop(signum):
+        if armed.is_set():
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+
+    def watch():
+        while True:
+            data = os.read(read_fd, 1)
+            if data and data[0] in signals:  # the fd gets every signal that has a Python handler
+                stop(data[0])
+
+    previous = {s: signal.signal(s, lambda signum, frame: stop(signum)) for s in signals}
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=watch, name="interrupt", daemon=True).start()
+
+    def disarm():
+        armed.clear()
+        signal.set_wakeup_fd(-1)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+    return disarm
 
 
 @contextlib.contextmanager

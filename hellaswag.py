@@ -399,12 +399,24 @@ def load_torch_model(init_from, out_dir):
         return load_hf_model(init_from)
     import tempfile
 
-    from checkpoint import load_model
-
-    model, _ = load_model(init_from, out_dir)
+    model = load_bpe_model(init_from, out_dir)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         return load_hf_model(tmp)
+
+
+def load_bpe_model(init_from, out_dir, dtype="float32"):
+    """Our GPT of `init_from` (checkpoint.load_model's names); a character-level one is one line: HellaSwag's text is
+    GPT-2 BPE."""
+    from checkpoint import load_with_codec
+    from tokenizer import CharCodec
+
+    model, codec = load_with_codec(init_from, out_dir, dtype)
+    if isinstance(codec, CharCodec):
+        where = out_dir if init_from == "resume" else init_from
+        raise UsageError(f"{where} is a character-level model (a vocabulary of {codec.n_vocab} characters): HellaSwag "
+                         "is scored in GPT-2's BPE, give a GPT-2 model")
+    return model
 
 
 def main(argv=None):
@@ -436,11 +448,11 @@ def main(argv=None):
         import jax
 
         import sharding
-        from checkpoint import load_model, use_compilation_cache
+        from checkpoint import use_compilation_cache
 
         use_compilation_cache()
         sharding.start_backend()
-        model, _ = load_model(args.init_from, args.out_dir, args.dtype)
+        model = load_bpe_model(args.init_from, args.out_dir, args.dtype)
         block_size, n_params = model.config.block_size, model.num_params() / 1e6
         where = f"jax {args.dtype} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
     else:

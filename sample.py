@@ -1,7 +1,7 @@
 """
 Sample from a trained model: nanoGPT's sample.py, decoding all samples together from a KV cache.
 
-    python sample.py --init_from=resume --out_dir=out-shakespeare-char    # our checkpoint (char-level: meta.pkl)
+    python sample.py --init_from=resume --out_dir=out-shakespeare-char    # our checkpoint (it carries its vocabulary)
     python sample.py --init_from=gpt2-xl --start="What is the answer to life, the universe, and everything?" \\
         --num_samples=5 --max_new_tokens=100
     python sample.py --init_from=DIR --start=FILE:prompt.txt --temperature=0     # an HF GPT-2 directory, greedy
@@ -12,9 +12,7 @@ Settings as nanoGPT: an optional config file, then --key=value (configurator.py)
 Samples go to stdout, each followed by a line of dashes; the start-up summary and timing go to stderr.
 """
 
-import codecs
 import os
-import pickle
 import sys
 import time
 
@@ -22,9 +20,8 @@ import jax
 import numpy as np
 
 import sharding
-from checkpoint import load_model, use_compilation_cache
+from checkpoint import load_with_codec, use_compilation_cache
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
-from tokenizer import get_encoding
 
 defaults = dict(
     init_from="resume",  # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory, or
@@ -74,65 +71,6 @@ def read_start(start):
     return start or "\n"
 
 
-class CharCodec:
-    """A character-level dataset's meta.pkl (stoi/itos), as nanoGPT's shakespeare_char writes it."""
-
-    def __init__(self, meta_path):
-        with open(meta_path, "rb") as f:
-            meta = pickle.load(f)
-        self.path, self.stoi, self.itos = meta_path, meta["stoi"], meta["itos"]
-        self.n_vocab = len(self.itos)
-
-    def encode(self, s):
-        unknown = sorted(set(s) - self.stoi.keys())
-        if unknown:
-            raise UsageError(f"start has characters outside the vocabulary of {self.path}: "
-                             f"{''.join(unknown)!r} (the model only knows {''.join(sorted(self.stoi))!r})")
-        return [self.stoi[c] for c in s]
-
-    def decode(self, ids):
-        return "".join(self.itos[i] for i in ids)
-
-    def stream_decoder(self):
-        return lambda i: "" if i is None else self.itos[i]
-
-
-class BPECodec:
-    """GPT-2's BPE (tokenizer.py)."""
-
-    def __init__(self):
-        self.enc = get_encoding()
-        self.n_vocab = self.enc.n_vocab
-
-    def encode(self, s):
-        return self.enc.encode(s, allowed_special={"<|endoftext|>"})
-
-    def decode(self, ids):
-        return self.enc.decode(ids)
-
-    def stream_decoder(self):
-        """token id -> the text it completes (a character split across tokens waits for its last byte);
-        None -> what is left over, so that the streamed text is exactly decode() of the tokens."""
-        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # as tiktoken's decode: errors="replace"
-        return lambda i: utf8.decode(b"" if i is None else self.enc.decode_single_token_bytes(i), final=i is None)
-
-
-def get_codec(train_config):
-    """As nanoGPT: a checkpoint trained on a dataset with a meta.pkl is character-level; else GPT-2 BPE.
-    The dataset is a folder under data/ (nanoGPT) or a path."""
-    if train_config and train_config.get("dataset"):
-        dataset = train_config["dataset"]
-        meta_path = next((p for p in (os.path.join("data", dataset, "meta.pkl"), os.path.join(dataset, "meta.pkl"))
-                          if os.path.exists(p)), None)
-        if meta_path:
-            print(f"Loading meta from {meta_path}...", file=sys.stderr)
-            try:
-                return CharCodec(meta_path)
-            except (pickle.UnpicklingError, EOFError, KeyError, TypeError) as e:
-                raise UsageError(f"{meta_path} is not a character-level meta.pkl ({type(e).__name__}: {e})") from e
-    return BPECodec()
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     cfg = configure(defaults, ["--stream=True" if a == "--stream" else a for a in argv])
@@ -144,8 +82,7 @@ def main(argv=None):
     start = read_start(cfg["start"])
 
     t0 = time.time()
-    model, train_config = load_model(cfg["init_from"], cfg["out_dir"], cfg["dtype"])
-    codec = get_codec(train_config)
+    model, codec = load_with_codec(cfg["init_from"], cfg["out_dir"], cfg["dtype"])
     start_ids = codec.encode(start)
     c = model.config
     if max(start_ids) >= c.vocab_size:

@@ -14,6 +14,8 @@ or Open MPI; elsewhere set JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=
 """
 
 import ctypes
+import errno
+import importlib.util
 import json
 import logging
 import math
@@ -34,7 +36,8 @@ from jax.experimental import multihost_utils
 import attention
 import checkpoint
 import sharding
-from configurator import InputNotFound, RunStopped, UsageError, configure, exit_on_bad_input
+import watchdog
+from configurator import InputNotFound, RunStopped, UsageError, configure, exit_on_bad_input, exit_on_interrupt
 from dataloader import Prefetcher, make_loader
 from model import GPT, REMAT, RUNTIME_FIELDS, GPTConfig, mean_of, peak_flops
 
@@ -53,6 +56,7 @@ DEFAULTS = dict(
     hellaswag_path="",  # a local hellaswag_val.jsonl; "" = download it once (online)
     keep_checkpoints=3,  # the last K checkpoints are kept
     init_from="scratch",  # 'scratch' | 'resume' | 'gpt2*' | an HF GPT-2 directory | a nanoGPT ckpt.pt (or its out_dir)
+    start_over=False,  # a new run into an out_dir holding checkpoints: move them to out_dir/previous-<time>/ first
     # wandb logging
     wandb_log=False,
     wandb_project="owt",
@@ -127,9 +131,41 @@ def validate(c):
     if c["loss_chunk"] < 0:
         raise UsageError(f"loss_chunk must be >= 0 (0: the whole sequence at once), got {c['loss_chunk']}")
     profile_range(c["profile"])
+    if not 0 <= c["seed"] < 2**32:
+        raise UsageError(f"seed must be in [0, 2**32), got {c['seed']}")
+    if c["wandb_log"] and importlib.util.find_spec("wandb") is None:
+        raise UsageError("wandb_log=True needs wandb: pip install wandb, or set --wandb_log=False")
+    if c["start_over"] and c["init_from"] == "resume":
+        raise UsageError("start_over=True moves the checkpoints that init_from='resume' would continue: choose one")
+    check_out_dir(c["out_dir"])
     if os.path.isfile(c["dataset"]):
         raise UsageError(f"--dataset={c['dataset']} is a file: give the folder holding train.bin and val.bin "
                          "(or the .npy shards), or a name under data/")
+
+
+def check_out_dir(out_dir):
+    """out_dir must be a directory, or creatable as one by this user."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UsageError(f"out_dir {out_dir} is a file: give a directory")
+    existing = os.path.abspath(out_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"out_dir {out_dir} cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"out_dir {out_dir} cannot be written: {existing} is not writable by this user")
+
+
+def write_failed(path, error, last_saved=None, out_dir=None):
+    """An OSError writing the run's own files, as one line: a full disk or quota stops the run (RunStopped, exit 1);
+    anything else (a path the OS refuses, /proc/x) is the user's to fix (UsageError, exit 2)."""
+    reason = error.strerror or str(error)
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return UsageError(f"cannot write {path} ({reason}): give another --out_dir")
+    kept = (f"checkpoint {last_saved} in {checkpoint.ckpt_dir(out_dir)} is intact" if last_saved is not None
+            else "nothing was saved")
+    return RunStopped(f"cannot write {path} ({reason}): the run stopped, {kept}; free space and "
+                      f"{'resume with --init_from=resume' if last_saved is not None else 'run again'}")
 
 
 def profile_range(profile):
@@ -320,11 +356,36 @@ def check_attention(config: GPTConfig, mesh):
 def fixed_by_checkpoint(c, model_args):
     """On resume the checkpoint fixes the model's shape: the settings that asked otherwise, which now follow it."""
     ignored = {}
-    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "bias"):
+    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "gelu"):
         if c[key] != model_args[key] and not (key == "vocab_size" and c[key] == 0):
             ignored[key] = c[key]
         c[key] = model_args[key]
     return ignored
+
+
+def check_one_run(c):
+    """One run per out_dir: a run that starts anew (not resume, not eval_only) into an out_dir holding checkpoints
+    would rotate some of them out and leave a resume point of the other run. One line naming the ways out."""
+    if c["init_from"] == "resume" or c["eval_only"] or c["start_over"]:
+        return
+    try:
+        steps = checkpoint.all_steps(c["out_dir"])
+    except InputNotFound:
+        return
+    raise UsageError(f"{c['out_dir']} holds the checkpoints of another run (steps {', '.join(map(str, steps))}): "
+                     "continue it with --init_from=resume, give this run a new --out_dir, or --start_over=True "
+                     "to move them aside first")
+
+
+def data_vocab(data_dir):
+    """What decodes the data's tokens, saved in each checkpoint: a character-level dataset's characters (its
+    meta.pkl's itos, nanoGPT's), or 'gpt2' (BPE) where the data has no meta.pkl."""
+    path = os.path.join(data_dir, "meta.pkl")
+    if not os.path.exists(path):
+        return "gpt2"
+    with open(path, "rb") as f:
+        itos = pickle.load(f).get("itos")
+    return [itos[i] for i in range(len(itos))] if itos else None  # None: not known
 
 
 def data_dir_for(dataset):
@@ -371,11 +432,9 @@ class Trainer:
         # model + optimizer state, from scratch, a checkpoint or GPT-2 weights, each array created or read
         # straight into its shards (sharding.PARAM_SPECS): no device holds a full replica on the way
         tx = make_optimizer(c)
-        meta = None
+        meta, self.vocab = None, data_vocab(self.data_dir)
         if c["init_from"] == "scratch":
             model_config = self._model_config()
-            graphdef, params = sharded_model(lambda: GPT(model_config, nnx.Rngs(c["seed"])), self.mesh)
-            model = nnx.merge(graphdef, params)
         elif c["init_from"] == "resume":
             meta = checkpoint.restore(c["out_dir"])["meta"]
             model_config = checkpoint.model_config_from_meta(meta, **{k: c[k] for k in RUNTIME_FIELDS})
@@ -383,6 +442,21 @@ class Trainer:
             if ignored and self.master:
                 print(f"resume: the checkpoint fixes {', '.join(f'{k}={c[k]}' for k in ignored)}; "
                       f"ignored {', '.join(f'--{k}={v}' for k, v in ignored.items())}")
+            self.vocab = meta.get("vocab", self.vocab)
+        else:  # pretrained: the shape is known once loaded; every GPT-2 has head size 64
+            model_config = GPTConfig(n_head=1, n_embd=64, block_size=c["block_size"],
+                                     **{k: c[k] for k in RUNTIME_FIELDS})
+        if c["init_from"] in ("scratch", "resume"):
+            sharding.check_model_fits_mesh(model_config, self.mesh)
+        check_attention(model_config, self.mesh)
+        check_one_run(c)
+        hellaswag_path = self._hellaswag_path() if c["hellaswag_interval"] > 0 else None
+        # out_dir is made and locked before the model is built, so that a second run on it is refused at once
+        self.lock = self._claim_out_dir() if self.master else None
+        if c["init_from"] == "scratch":
+            graphdef, params = sharded_model(lambda: GPT(model_config, nnx.Rngs(c["seed"])), self.mesh)
+            model = nnx.merge(graphdef, params)
+        elif c["init_from"] == "resume":
             model = nnx.eval_shape(lambda: GPT(model_config, nnx.Rngs(0)))
         else:
             model = GPT.from_pretrained(c["init_from"], mesh=self.mesh, **{k: c[k] for k in RUNTIME_FIELDS})
@@ -413,7 +487,11 @@ class Trainer:
         self.flops_per_iter = self.model.flops_per_token() * c["block_size"] * self.accum * self.rows
         peaks = [peak_flops(d) for d in self.mesh.devices.flat]
         self.peak_flops = None if None in peaks else sum(peaks)
-        self.hellaswag_examples = self._load_hellaswag() if c["hellaswag_interval"] > 0 else None
+        self.hellaswag_examples = None
+        if hellaswag_path:
+            import hellaswag
+
+            self.hellaswag_examples = hellaswag.load_examples(hellaswag_path, max_len=self.model_config.block_size)
         step = make_train_step(graphdef, tx, c["grad_clip"], lr_schedule=partial(get_lr, c=c))
         self.train_step = self._compile_step(step, params, opt_state)
         self.eval_step = make_eval_step(graphdef, params)
@@ -445,8 +523,12 @@ class Trainer:
                          n_head=c["n_head"], n_embd=c["n_embd"], bias=c["bias"], gelu=c["gelu"],
                          **{k: c[k] for k in RUNTIME_FIELDS})
 
-    def _load_hellaswag(self):
-        """At start-up, so that a missing file fails now rather than at step 5000."""
+    def _hellaswag_path(self):
+        """Before anything is written, so that a missing file fails now rather than at step 5000."""
+        if isinstance(self.vocab, list):
+            raise UsageError(f"hellaswag_interval={self.c['hellaswag_interval']}: HellaSwag is scored in GPT-2's BPE, "
+                             f"and this run's data is character-level ({self.data_dir}/meta.pkl): set "
+                             "--hellaswag_interval=0")
         import hellaswag
 
         path = self.c["hellaswag_path"]
@@ -462,7 +544,7 @@ class Trainer:
                                     "or --hellaswag_interval=0") from None
         elif not os.path.isfile(path):
             raise InputNotFound(f"hellaswag_path {path} does not exist")
-        return hellaswag.load_examples(path, max_len=self.model_config.block_size)
+        return path
 
     def eval_hellaswag(self):
         import hellaswag
@@ -505,7 +587,11 @@ class Trainer:
     def log(self, record):
         if not self.master:
             return
-        checkpoint.append_line(os.path.join(self.c["out_dir"], "log.jsonl"), json.dumps(record))
+        path = os.path.join(self.c["out_dir"], "log.jsonl")
+        try:
+            checkpoint.append_line(path, json.dumps(record))
+        except OSError as e:
+            raise write_failed(path, e, self.last_saved, self.c["out_dir"]) from None
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
@@ -522,15 +608,20 @@ class Trainer:
             raise RunStopped(f"iter {bad}: the loss or gradient norm is not finite (the run diverged: lower "
                              f"learning_rate, keep grad_clip); stopped without saving, {last}")
 
-    def save(self, mngr):
-        if self.last_saved == self.iter_num:  # e.g. the eval right after a resume
+    def save(self, mngr, val_loss=None):
+        """A checkpoint of this step. `val_loss`: that of the eval of this step, with which rotation keeps the best
+        checkpoint (checkpoint.manager); None for a save without an eval (checkpoint_interval, a stop)."""
+        if self.last_saved == self.iter_num:  # the eval right after a resume, or of a step checkpoint_interval saved
+            if val_loss is not None:
+                checkpoint.add_val_loss(mngr, self.iter_num, val_loss)
             return
         self.check_finite(params=True)
         checkpoint.check_saved(mngr)  # the previous save, before the next one can rotate its predecessor out
         self.last_saved = self.iter_num
         loader_state = self.batches.state if self.batches is not None else self.train_loader.state_dict()
         meta = checkpoint.meta_for(self.model_config, self.c, self.iter_num, self.best_val_loss, loader_state)
-        checkpoint.save(mngr, self.iter_num, self.params, self.opt_state, meta)
+        meta["vocab"] = self.vocab  # what decodes its ids, wherever sample.py runs
+        checkpoint.save(mngr, self.iter_num, self.params, self.opt_state, meta, val_loss)
         if self.master:
             print(f"saving checkpoint to {checkpoint.ckpt_dir(self.c['out_dir'])}/{self.iter_num}")
 
@@ -544,19 +635,36 @@ class Trainer:
             return self.stop_requested
         return "SIGTERM" if multihost_utils.reached_preemption_sync_point(self.iter_num) else None
 
-    def run(self):
-        c = self.c
-        if self.master:
-            os.makedirs(c["out_dir"], exist_ok=True)
-            self.lock = checkpoint.lock_out_dir(c["out_dir"])
-            checkpoint.drop_partial_line(os.path.join(c["out_dir"], "log.jsonl"))  # a crash mid-write
+    def _claim_out_dir(self):
+        """out_dir made and locked for this run (the lock file open: closing it releases the lock); with start_over,
+        the previous run's checkpoints and log moved aside, never mixed with this run's."""
+        out_dir = self.c["out_dir"]
         try:
-            return self._run()
+            os.makedirs(out_dir, exist_ok=True)
+            lock = checkpoint.lock_out_dir(out_dir)
+        except OSError as e:
+            raise write_failed(e.filename or out_dir, e) from None
+        if self.c["start_over"]:
+            old = [p for p in (checkpoint.CKPT_SUBDIR, "log.jsonl") if os.path.exists(os.path.join(out_dir, p))]
+            if old:
+                aside = os.path.join(out_dir, f"previous-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+                os.makedirs(aside)
+                for p in old:
+                    os.rename(os.path.join(out_dir, p), os.path.join(aside, p))
+                print(f"start_over: the previous run's {' and '.join(old)} moved to {aside}")
+        checkpoint.drop_partial_line(os.path.join(out_dir, "log.jsonl"))  # a crash mid-write
+        return lock
+
+    def run(self, started=None):
+        """The loop, to max_iters or a stop. `started()` is called as the first step begins (train.main: Ctrl-C
+        until then ends the process at once, from then on it saves)."""
+        try:
+            return self._run(started)
         finally:
-            if self.master:
+            if self.lock is not None:
                 self.lock.close()
 
-    def _run(self):
+    def _run(self, started):
         c = self.c
         if self.master:
             n_dev, n_proc = jax.device_count(), jax.process_count()
@@ -579,6 +687,8 @@ class Trainer:
                   "dataset": c["dataset"], "config": c,
                   "state_bytes_per_device": self.state_bytes, "step_peak_bytes_per_device": self.step_peak_bytes})
         mngr = checkpoint.manager(c["out_dir"], c["keep_checkpoints"])
+        if started is not None:
+            started()
         signal.signal(signal.SIGINT, self._request_stop if jax.process_count() == 1 else sigint_as_sigterm)
         if jax.process_count() == 1:
             signal.signal(signal.SIGTERM, self._request_stop)
@@ -664,8 +774,10 @@ class Trainer:
                   "lr": float(get_lr(self.iter_num, c))})
         improved = losses["val"] < self.best_val_loss
         self.best_val_loss = min(self.best_val_loss, losses["val"])
-        if self.iter_num > 0 and (improved or c["always_save_checkpoint"] or last_step):
-            self.save(mngr)
+        # a step saved already (checkpoint_interval) gets this val loss too, so that rotation can keep it as the best
+        if self.iter_num > 0 and (improved or c["always_save_checkpoint"] or last_step
+                                  or self.last_saved == self.iter_num):
+            self.save(mngr, val_loss=losses["val"])
 
     def _log_unlogged(self, mngr):
         """The log line of the last log step, if not printed yet: the loop's only read of a step's metrics."""
@@ -724,10 +836,13 @@ def setup_distributed():
     elif env.get("SLURM_NTASKS", "1") != "1" or env.get("OMPI_COMM_WORLD_SIZE", "1") != "1" \
             or "," in env.get("TPU_WORKER_HOSTNAMES", ""):
         jax.distributed.initialize()
+    # a process killed or cut off ends the others within seconds, in one line each (JAX's own abort takes 100 s)
+    watchdog.watch_processes()
 
 
 def main(argv=None):
     config = configure(DEFAULTS, sys.argv[1:] if argv is None else argv)
+    started = exit_on_interrupt("interrupted before the first step: nothing saved")
     # orbax logs a failed background save as a traceback from each of its threads (24 for a full disk); the
     # run reports that failure itself, in one line (checkpoint.check_saved)
     logging.getLogger("absl").addFilter(lambda record: record.levelno < logging.ERROR)
@@ -735,7 +850,7 @@ def main(argv=None):
     setup_distributed()
     sharding.start_backend()  # before anything starts it: libtpu's banner on a machine without a TPU is dropped
     keep_freed_memory()
-    Trainer(config).run()
+    Trainer(config).run(started)
 
 
 if __name__ == "__main__":

@@ -213,3 +213,103 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resume_conti
     resumed, reference = read_log(out, "loss"), read_log(tmp_path / "straight", "loss")
     assert [i for i, _ in resumed] == list(range(n + 2))  # nothing lost, nothing repeated
     assert_close([l for _, l in resumed], [l for _, l in reference], atol=1e-5, what="losses")
+
+
+def test_more_bad_settings_are_one_line_before_out_dir_is_made(dataset, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    cases = {
+        "--seed=-1": r"seed must be in \[0, 2\*\*32\), got -1",
+        "--wandb_log=True": "wandb_log=True needs wandb: pip install wandb",
+        "--init_from=resume --start_over=True": "start_over=True moves the checkpoints that init_from='resume'",
+        f"--out_dir={tmp_path / 'a_file'}": "a_file is a file: give a directory",
+        f"--out_dir={tmp_path / 'a_file' / 'out'}": "cannot be created: .*a_file is a file",
+    }
+    for args, message in cases.items():
+        with pytest.raises(UsageError, match=message):
+            train.Trainer(settings(dataset, tmp_path / "out", *args.split()))
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
+    # a path the OS refuses however it looks: one line, exit 2
+    err = one_line_error(train_cli([*TINY, f"--dataset={dataset}", "--out_dir=/proc/nanogpt-jax-out"]), 2)
+    assert "/proc/nanogpt-jax-out" in err, err
+
+
+def test_a_new_run_into_an_old_out_dir_is_refused_before_anything_is_written(dataset, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    run(dataset, out, "--max_iters=4", "--checkpoint_interval=2")
+    before = snapshot(out)
+    built = []
+    monkeypatch.setattr(train, "sharded_model", lambda *a: built.append(a))
+    with pytest.raises(UsageError, match=r"out holds the checkpoints of another run \(steps 2, 4\): continue it with "
+                                         r"--init_from=resume, give this run a new --out_dir, or --start_over=True"):
+        train.Trainer(settings(dataset, out, "--max_iters=8"))
+    assert snapshot(out) == before and not built
+    monkeypatch.undo()
+    # an eval of the checkpoint's run is no new run; start_over moves the old run aside, whole
+    train.Trainer(settings(dataset, out, "--eval_only=True", "--init_from=resume")).run()
+    t = train.Trainer(settings(dataset, out, "--max_iters=2", "--start_over=True", "--seed=7")).run()
+    aside = [p for p in os.listdir(out) if p.startswith("previous-")]
+    assert len(aside) == 1 and checkpoint.all_steps(out / aside[0]) == [2, 4]
+    assert checkpoint.all_steps(out) == [2] and checkpoint.restore(out)["meta"]["config"]["seed"] == 7
+    assert [i for i, _ in read_log(out, "event")] == [0] and t.iter_num == 2
+
+
+def test_a_locked_out_dir_is_refused_before_the_model_is_built(dataset, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    held = checkpoint.lock_out_dir(str(out))  # another run's lock (flock: per open file, so one process shows it)
+    monkeypatch.setattr(train, "sharded_model", lambda *a: pytest.fail("the model was built"))
+    with pytest.raises(UsageError, match=r"out is in use by another run \(pid \d+"):
+        train.Trainer(settings(dataset, out))
+    held.close()
+
+
+def test_resume_lists_every_ignored_setting_and_saves_a_config_that_agrees(dataset, tmp_path, capsys):
+    run(dataset, tmp_path, "--max_iters=2", "--gelu=tanh")
+    run(dataset, tmp_path, "--init_from=resume", "--max_iters=4", "--gelu=exact", "--n_embd=64")
+    assert "ignored --n_embd=64, --gelu=exact" in capsys.readouterr().out
+    meta = checkpoint.restore(tmp_path)["meta"]
+    assert meta["iter_num"] == 4 and meta["config"]["gelu"] == meta["model_args"]["gelu"] == "tanh"
+    assert meta["config"]["n_embd"] == meta["model_args"]["n_embd"] == 32
+
+
+def test_a_full_disk_at_start_or_at_a_log_line_is_one_line_naming_the_path(dataset, tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "run.lock"))
+
+    monkeypatch.setattr(checkpoint, "lock_out_dir", full)
+    with pytest.raises(RunStopped, match=r"cannot write .*out/run.lock \(No space left on device\): the run stopped, "
+                                         r"nothing was saved; free space and run again$"):
+        train.Trainer(settings(dataset, tmp_path / "out"))
+    monkeypatch.undo()
+
+    append, lines = checkpoint.append_line, []
+
+    def full_after_the_first_save(path, line):
+        lines.append(line)
+        if len(lines) > 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        append(path, line)
+
+    monkeypatch.setattr(checkpoint, "append_line", full_after_the_first_save)
+    t = train.Trainer(settings(dataset, tmp_path / "log", "--max_iters=20", "--checkpoint_interval=2"))
+    with pytest.raises(RunStopped, match=r"cannot write .*log/log.jsonl \(No space left on device\): the run stopped, "
+                                         r"checkpoint 2 in .*log/ckpt is intact; free space and resume with "
+                                         r"--init_from=resume$"):
+        t.run()
+    assert checkpoint.all_steps(tmp_path / "log")[-1] == 2
+
+
+def test_ctrl_c_during_the_first_compilation_is_one_line_and_exit_130(dataset, tmp_path):
+    """The signal arrives while XLA compiles (no cache: the compilation takes seconds): no traceback, no crash."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": "", "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--dataset={dataset}", f"--out_dir={tmp_path}",
+                          "--n_layer=6"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:  # printed as the model is about to be built and compiled
+        if line.startswith("found vocab_size"):
+            break
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 130, stderr[-3000:]
+    assert stderr == "error: interrupted before the first step: nothing saved\n", stderr[-3000:]
+    assert "iter 0:" not in stdout and not os.path.exists(tmp_path / "ckpt")

@@ -10,11 +10,12 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
 import sample
-from configurator import exit_on_bad_input
+from configurator import UsageError, configure, exit_on_bad_input
 from helpers import tiny_config
 from model import GPT
 from parity.common import save_random_hf_model
@@ -136,11 +137,48 @@ def test_a_start_file_that_is_not_text_is_one_line(tmp_path):
         sample.main([f"--start=FILE:{tmp_path / 'prompt.bin'}"])
 
 
-def test_prompt_ids_outside_a_small_vocabulary(tmp_path):
+def test_a_small_vocabulary_is_never_decoded_as_bpe(tmp_path, char_run, monkeypatch):
     path = save_random_hf_model(tmp_path / "hf", seed=1, n_layer=1, n_head=2, n_embd=32, n_positions=16,
                                 vocab_size=128)
-    with pytest.raises(ValueError, match=r"token id 198, outside the model's vocabulary \(vocab_size 128\)"):
-        sample.main([f"--init_from={path}"])  # "\n" is GPT-2 token 198
+    with pytest.raises(FileNotFoundError, match=r"the model's 128 token ids are not GPT-2's BPE, and no meta.pkl "
+                                                r"holds their characters \(.*hf/meta.pkl\)"):
+        sample.main([f"--init_from={path}"])
+    # a checkpoint saved before checkpoints carried their vocabulary, sampled from another directory
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no meta.pkl holds their characters \(data/toy/meta.pkl, "
+                                                r"toy/meta.pkl\): run from the directory it was trained in"):
+        sample.main([f"--out_dir={char_run / 'out'}"])
+
+
+def test_a_char_level_run_samples_from_any_directory(tmp_path, monkeypatch, capsys):
+    """The checkpoint carries its characters: sample.py needs no meta.pkl, and export.py puts one beside the export."""
+    import export
+    import hellaswag
+    import train
+    from test_train import TINY
+
+    data = tmp_path / "data" / "chars"
+    data.mkdir(parents=True)
+    chars = [chr(ord("0") + i) for i in range(64)]
+    (np.arange(3000) * 7 % 64).astype(np.uint16).tofile(data / "train.bin")
+    (np.arange(300) * 5 % 64).astype(np.uint16).tofile(data / "val.bin")
+    with open(data / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 64, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}, f)
+    monkeypatch.chdir(tmp_path)
+    train.Trainer(configure(train.DEFAULTS, [*TINY, "--dataset=chars", "--out_dir=out", "--max_iters=2"])).run()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    argv = [f"--out_dir={tmp_path / 'out'}", "--start=0123", "--num_samples=2", "--max_new_tokens=10"]
+    out = samples(run(capsys, *argv))
+    assert all(s.startswith("0123") and len(s) == 14 and set(s) <= set(chars) for s in out), out
+    assert export.main([f"--out_dir={tmp_path / 'out'}", "--to=hf"]) == 0
+    capsys.readouterr()
+    assert samples(run(capsys, "--init_from=hf", *argv[1:])) == out
+    fixture = os.path.join(ROOT, "tests", "fixtures", "hellaswag_small.jsonl")
+    with pytest.raises(UsageError, match=r"out is a character-level model \(a vocabulary of 64 characters\)"):
+        hellaswag.main(["--init_from=resume", f"--out_dir={tmp_path / 'out'}", "--path", fixture])
 
 
 def test_command_line(char_run, hf_dir, capsys):

@@ -1,0 +1,60 @@
+"""python -m pytest tests/test_multiprocess.py -q
+
+A lost process in a run of several (watchdog.ProcessWatch): two train.py processes of 2 CPU devices each on loopback,
+one of them killed (kill -9) or frozen (SIGSTOP, as a host that is down: nothing closes its connections), and the
+other stops, exit 1, its stderr ending in one line that names the lost one. Process 0 hosts JAX's coordination
+service, so losing it is a case of its own."""
+
+import signal
+import time
+
+import pytest
+
+import watchdog
+from test_reliability import popen_train
+from test_train import TINY, dataset, free_port  # noqa: F401
+
+ABORT_TEXT = ["Traceback", "F0000", "Check failure", "SIGABRT", "Terminating process", "coordination_service"]
+
+
+def lose_one_of_two(dataset, tmp_path, lost, signum):
+    """Two processes training; once process 0 logs a step, `signum` to process `lost`. The other's stderr, and the
+    seconds from the signal to its end."""
+    args = [*TINY, f"--dataset={dataset}", "--batch_size=2", "--gradient_accumulation_steps=4",
+            f"--out_dir={tmp_path / 'out'}", "--max_iters=100000"]
+    port = free_port()
+    procs = [popen_train(args, i, port) for i in range(2)]
+    survivor = procs[1 - lost]
+    try:
+        deadline = time.time() + 240
+        for line in procs[0].stdout:  # training: both processes past their compilations
+            if line.startswith("iter ") or time.time() > deadline:
+                break
+        assert line.startswith("iter "), f"no step in 240 s: {procs[0].poll()=}"
+        procs[lost].send_signal(signum)
+        sent = time.time()
+        _, err = survivor.communicate(timeout=60)
+        took = time.time() - sent
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+                p.communicate()
+    print(f"process {1 - lost} stopped {took:.1f} s after {signal.Signals(signum).name} to process {lost}")
+    assert survivor.returncode == 1, err[-3000:]
+    assert err.strip().splitlines()[-1] == watchdog.LOST.format(lost, 2), err[-3000:]
+    assert err.count("error:") == 1 and not any(text in err for text in ABORT_TEXT), err[-3000:]
+    return took
+
+
+@pytest.mark.parametrize("lost", [1, 0])
+def test_a_killed_process_stops_the_other_within_seconds_in_one_line(dataset, tmp_path, lost):
+    # within seconds (0.1 s here), not after SILENT_S: the kernel closes a killed process's connections at once
+    assert lose_one_of_two(dataset, tmp_path, lost, signal.SIGKILL) < watchdog.SILENT_S
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", [1, 0])
+def test_a_frozen_process_stops_the_other_once_silent_for_SILENT_S(dataset, tmp_path, lost):
+    took = lose_one_of_two(dataset, tmp_path, lost, signal.SIGSTOP)
+    assert watchdog.SILENT_S - watchdog.HEARTBEAT_S <= took < 60
