@@ -5,7 +5,7 @@ What the checksums of a checkpoint cost: saving and restoring a training state w
     python bench_checkpoint.py --preset tiny --rounds 1    # a smoke test
     python bench_checkpoint.py --dir /mnt/disk             # the checkpoints on another disk (default: the temp dir)
 
-The state is train.py's from scratch (train.sharded_model, make_optimizer) on every device of the mesh, after one
+The state is train.py's from scratch (train_step.sharded_model, make_optimizer) on every device of the mesh, after one
 AdamW update with random gradients: at init Adam's moments are zeros, which compress to next to nothing, where a
 run saves them after many updates. Each round saves it to a temporary directory and restores it as a resume does
 (checkpoint.restore_state), once as train.py saves, with the digests of its arrays in meta (checkpoint.save), and
@@ -31,6 +31,7 @@ from flax import nnx
 import checkpoint
 import sharding
 import train
+import train_step
 from bench_train import PRESETS
 from configurator import UsageError, configure, exit_on_bad_input
 from model import GPT, GPTConfig
@@ -61,7 +62,7 @@ def timed(digests, spent):
 
 def training_state(config, tx, mesh):
     """(params, AdamW state) after one update with random gradients, each array split over the mesh by its spec."""
-    _, params = train.sharded_model(lambda: GPT(config, nnx.Rngs(0)), mesh)
+    _, params = train_step.sharded_model(lambda: GPT(config, nnx.Rngs(0)), mesh)
     opt_shardings = sharding.shardings_for(jax.eval_shape(tx.init, params), mesh)
     opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
 
@@ -101,7 +102,7 @@ def main():
     preset = PRESETS[args.preset]
     config = GPTConfig(**{k: preset[k] for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")})
     c = configure(train.DEFAULTS, [])
-    tx = train.make_optimizer(c)
+    tx = train_step.make_optimizer(c)
     mesh = sharding.make_mesh()
     state = params, _ = training_state(config, tx, mesh)
     meta = checkpoint.meta_for(config, c, 0, math.inf, {"step": 0})

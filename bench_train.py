@@ -60,6 +60,7 @@ def bench_jax(s):
 
     import sharding
     import train
+    import train_step
     from model import GPT
 
     sharding.start_backend()
@@ -67,15 +68,15 @@ def bench_jax(s):
     c = dict(train.DEFAULTS, learning_rate=1e-3, warmup_iters=10, lr_decay_iters=1000, min_lr=1e-4)
     mesh = sharding.make_mesh()  # data parallel over every device, as train.py's defaults
     s = dict(s, scan_layers=train.resolve_scan_layers(s["scan_layers"], sharding.platform_of(mesh)))
-    graphdef, params = train.sharded_model(lambda: GPT(model_config(s), nnx.Rngs(0)), mesh)
+    graphdef, params = train_step.sharded_model(lambda: GPT(model_config(s), nnx.Rngs(0)), mesh)
     model = nnx.merge(graphdef, params)
-    tx = train.make_optimizer(c)
+    tx = train_step.make_optimizer(c)
     opt_state = jax.jit(tx.init, out_shardings=sharding.shardings_for(jax.eval_shape(tx.init, params), mesh))(params)
     rows = s["batch_size"] * sharding.batch_shards(mesh)
     batch_sharding = sharding.batch_sharding(mesh)
     t_compile = time.perf_counter()
-    step, _, _ = train.compile_step(train.make_train_step(graphdef, tx, grad_clip=1.0), params, opt_state,
-                                    (s["accum"], rows, s["block_size"]), batch_sharding)
+    step, _, _ = train_step.compile_step(train_step.make_train_step(graphdef, tx, grad_clip=1.0), params,
+                                         opt_state, (s["accum"], rows, s["block_size"]), batch_sharding)
     compile_s = time.perf_counter() - t_compile
     # XLA's own account of the step's scratch memory (activations, grads in flight): exact, on any backend
     temp = step.memory_analysis().temp_size_in_bytes
@@ -118,6 +119,7 @@ def bench_memory(s):
 
     import sharding
     import train
+    import train_step
     from model import GPT
 
     if s["topology"]:
@@ -132,7 +134,7 @@ def bench_memory(s):
     sharding.check_model_fits_mesh(config, mesh)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
     params = sharding.abstract(params, sharding.shardings_for(params, mesh))
-    tx = train.make_optimizer(dict(train.DEFAULTS))
+    tx = train_step.make_optimizer(dict(train.DEFAULTS))
     opt_state = jax.eval_shape(tx.init, params)
     opt_state = sharding.abstract(opt_state, sharding.shardings_for(opt_state, mesh))
     shape = (1, s["batch_size"] * sharding.batch_shards(mesh), s["block_size"])
@@ -141,8 +143,8 @@ def bench_memory(s):
          "hbm": sharding.hbm_bytes(devices[0])}
     t0 = time.perf_counter()
     try:
-        _, _, r["peak"] = train.compile_step(train.make_train_step(graphdef, tx, grad_clip=1.0), params, opt_state,
-                                             shape, sharding.batch_sharding(mesh))
+        step = train_step.make_train_step(graphdef, tx, grad_clip=1.0)
+        _, _, r["peak"] = train_step.compile_step(step, params, opt_state, shape, sharding.batch_sharding(mesh))
     except jax.errors.JaxRuntimeError as e:
         if not str(e).startswith("RESOURCE_EXHAUSTED") or (refusal := tpu_out_of_memory(str(e))) is None:
             raise

@@ -11,12 +11,9 @@ loadable.
 """
 
 import dataclasses
-import fcntl
-import json
 import logging
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -29,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.experimental import multihost_utils
 
 import sharding as sharding_  # `sharding` is restore's argument
 import tokenizer
@@ -37,10 +33,8 @@ from configurator import InputNotFound, RunStopped, UsageError, stderr_into
 from model import GPT, RUNTIME_FIELDS, GPTConfig, relayout_blocks
 
 CKPT_SUBDIR = "ckpt"
-LOCK_FILE = "run.lock"
 META_KEYS = ("iter_num", "best_val_loss", "model_args", "config", "loader")
 ARCHITECTURE = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "bias")  # model_args a restore needs
-METRICS = "metrics"  # orbax's item of a step's metrics: {"val_loss": v}
 
 
 class CheckpointError(UsageError):
@@ -106,23 +100,6 @@ def save(mngr, iter_num, params, opt_state, meta, val_loss=None):
                       params=ocp.args.StandardSave(params),
                       opt_state=ocp.args.StandardSave(opt_state),
                       meta=ocp.args.JsonSave(meta)))
-
-
-def add_val_loss(mngr, iter_num, val_loss):
-    """The val loss of an eval of step `iter_num`, saved before without one (checkpoint_interval's save comes before
-    the loop's eval of that step; a resume evaluates the step it resumed from): written beside it as orbax writes a
-    save's metrics, so that rotation can keep it as the best. A step that has one already keeps it."""
-    wait_saved(mngr)  # the step is complete, under its final name
-    if jax.process_index() == 0 and mngr.metrics(iter_num) is None:
-        folder = os.path.join(mngr.directory, str(iter_num), METRICS)  # orbax's default step names: the number
-        with _save_errors(mngr):
-            os.makedirs(folder, exist_ok=True)
-            with open(os.path.join(folder, METRICS + ".tmp"), "w") as f:
-                json.dump({"val_loss": float(val_loss)}, f)
-            os.replace(os.path.join(folder, METRICS + ".tmp"), os.path.join(folder, METRICS))
-    if jax.process_count() > 1:  # every process, whatever process 0 found: then they all read it
-        multihost_utils.sync_global_devices("checkpoint.add_val_loss")
-    mngr.reload()  # orbax's list of steps, with their metrics, read again
 
 
 def check_saved(mngr):
@@ -343,46 +320,6 @@ def _sum(v, whole_axes):
     return jnp.sum(v, dtype=jnp.uint32)
 
 
-def lock_out_dir(out_dir):
-    """This run's exclusive lock on out_dir, or one line naming the run that holds it. flock: the OS releases it
-    when the process ends, however it ends, so a crashed run's lock file is stale and the next run takes it.
-    Returns the open lock file: closing it releases the lock."""
-    f = open(os.path.join(out_dir, LOCK_FILE), "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise UsageError(f"{out_dir} is in use by another run ({holder}): wait for it to end, "
-                         "or give this one another --out_dir") from None
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    f.flush()
-    return f
-
-
-def append_line(path, line):
-    """One write() of the whole line, so that a crash leaves at most a partial last line, never two mixed."""
-    data = (line + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        if os.write(fd, data) != len(data):
-            raise OSError(f"{path}: short write (disk full?)")
-    finally:
-        os.close(fd)
-
-
-def drop_partial_line(path):
-    """Cut a last line without its newline (a crash mid-write), which would otherwise sit mid-file once appended to."""
-    if not os.path.exists(path):
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data and not data.endswith(b"\n"):
-            f.truncate(data.rfind(b"\n") + 1)
-
-
 def model_config_from_meta(meta, **settings):
     """The architecture from the checkpoint; the run's choices (model.RUNTIME_FIELDS: dtype, dropout, attention,
     remat, loss_chunk) from `settings` or GPTConfig's defaults, never the checkpoint's: a run saved with
@@ -462,6 +399,7 @@ def load_with_codec(init_from, out_dir, dtype):
         model, meta = load_checkpoint_model(out_dir, dtype=dtype)
         return model, tokenizer.codec_for(model.config.vocab_size, meta.get("vocab"), meta["config"].get("dataset"))
     model, train_config = load_model(init_from, out_dir, dtype)
-    beside = init_from if os.path.isdir(init_from) else os.path.dirname(init_from) if os.path.isfile(init_from) else None
+    beside = init_from if os.path.isdir(init_from) else os.path.dirname(init_from) if os.path.isfile(init_from) \
+        else None  # a hub name
     dataset = (train_config or {}).get("dataset")
     return model, tokenizer.codec_for(model.config.vocab_size, dataset=dataset, beside=beside)

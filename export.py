@@ -16,6 +16,7 @@ import pickle
 import sys
 
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
+from runlog import nearest_existing
 from tokenizer import CharCodec, codec_for
 
 defaults = dict(
@@ -37,9 +38,7 @@ def target(cfg):
     directory = to if cfg["format"] == "hf" else os.path.dirname(path)
     if os.path.isdir(path):
         raise UsageError(f"cannot write to {path}: it is a directory")
-    existing = os.path.abspath(directory or ".")
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = nearest_existing(directory or ".")
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write to {to}: {existing} is not a writable directory")
     return path

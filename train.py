@@ -14,11 +14,9 @@ or Open MPI; elsewhere set JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=
 """
 
 import ctypes
-import errno
 import importlib.util
 import json
 import logging
-import math
 import os
 import pickle
 import platform
@@ -29,17 +27,19 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
 import attention
 import checkpoint
+import runlog
 import sharding
 import watchdog
 from configurator import InputNotFound, RunStopped, UsageError, configure, exit_on_bad_input, exit_on_interrupt
 from dataloader import Prefetcher, make_loader
-from model import GPT, REMAT, RUNTIME_FIELDS, GPTConfig, mean_of, peak_flops
+from model import GPT, REMAT, RUNTIME_FIELDS, GPTConfig, peak_flops
+from train_step import (all_finite, compile_step, first_nonfinite, get_lr, make_eval_step, make_optimizer,
+                        make_train_step, sharded_model)
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText (nanoGPT's)
@@ -137,35 +137,10 @@ def validate(c):
         raise UsageError("wandb_log=True needs wandb: pip install wandb, or set --wandb_log=False")
     if c["start_over"] and c["init_from"] == "resume":
         raise UsageError("start_over=True moves the checkpoints that init_from='resume' would continue: choose one")
-    check_out_dir(c["out_dir"])
+    runlog.check_out_dir(c["out_dir"])
     if os.path.isfile(c["dataset"]):
         raise UsageError(f"--dataset={c['dataset']} is a file: give the folder holding train.bin and val.bin "
                          "(or the .npy shards), or a name under data/")
-
-
-def check_out_dir(out_dir):
-    """out_dir must be a directory, or creatable as one by this user."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UsageError(f"out_dir {out_dir} is a file: give a directory")
-    existing = os.path.abspath(out_dir)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise UsageError(f"out_dir {out_dir} cannot be created: {existing} is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"out_dir {out_dir} cannot be written: {existing} is not writable by this user")
-
-
-def write_failed(path, error, last_saved=None, out_dir=None):
-    """An OSError writing the run's own files, as one line: a full disk or quota stops the run (RunStopped, exit 1);
-    anything else (a path the OS refuses, /proc/x) is the user's to fix (UsageError, exit 2)."""
-    reason = error.strerror or str(error)
-    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return UsageError(f"cannot write {path} ({reason}): give another --out_dir")
-    kept = (f"checkpoint {last_saved} in {checkpoint.ckpt_dir(out_dir)} is intact" if last_saved is not None
-            else "nothing was saved")
-    return RunStopped(f"cannot write {path} ({reason}): the run stopped, {kept}; free space and "
-                      f"{'resume with --init_from=resume' if last_saved is not None else 'run again'}")
 
 
 def profile_range(profile):
@@ -179,147 +154,6 @@ def profile_range(profile):
     if not 0 <= start < stop:
         raise UsageError(f"profile must be START:STOP, the iterations to trace (0 <= START < STOP), got {profile!r}")
     return start, stop
-
-
-def get_lr(it, c):
-    """nanoGPT's schedule: linear warmup, cosine decay to min_lr, then min_lr. Works on ints and tracers."""
-    if not c["decay_lr"]:
-        return jnp.asarray(c["learning_rate"], jnp.float32)
-    it = jnp.asarray(it, jnp.float32)
-    warmup = c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
-    ratio = jnp.clip((it - c["warmup_iters"]) / max(c["lr_decay_iters"] - c["warmup_iters"], 1), 0.0, 1.0)
-    coeff = 0.5 * (1.0 + jnp.cos(math.pi * ratio))  # coeff ranges 0..1
-    cosine = c["min_lr"] + coeff * (c["learning_rate"] - c["min_lr"])
-    return jnp.where(it < c["warmup_iters"], warmup, jnp.where(it > c["lr_decay_iters"], c["min_lr"], cosine))
-
-
-def decay_mask(params):
-    """nanoGPT's grouping: every >=2-D tensor decays (matmul weights and embeddings), biases and norms don't. The
-    stacked blocks' params (scan_layers) count without their layer axis."""
-    def decays(path, p):
-        return p.ndim - bool(sharding.STACKED.search(jax.tree_util.keystr(path, simple=True, separator="."))) >= 2
-
-    return jax.tree_util.tree_map_with_path(decays, params)
-
-
-def make_optimizer(c):
-    return optax.adamw(learning_rate=partial(get_lr, c=c), b1=c["beta1"], b2=c["beta2"], eps=1e-8,
-                       weight_decay=c["weight_decay"], mask=decay_mask)
-
-
-def batch_loss(model, x, y, key=None):
-    """The model's mean loss on a batch (B, T) (GPT.loss: the logits in chunks where loss_chunk says so). On a
-    single CPU device the rows go through the model as two independent halves, which XLA:CPU's executor runs side
-    by side on two cores: ~7% faster a step than one batch whose every op splits its work over the threads
-    (bench_train.py). Same loss: one mean over both halves' targets; dropout draws a key per half."""
-    if sharding.target_platform() != "cpu" or sharding.target_size() > 1 or x.shape[0] % 2:
-        return model.loss(x, y, key=key)
-    keys = jax.random.split(key) if key is not None else (None, None)
-    halves = [model.loss_terms(model.hidden_states(rows, k)[1], targets)
-              for rows, targets, k in zip(jnp.split(x, 2), jnp.split(y, 2), keys)]
-    return mean_of(*(a + b for a, b in zip(*halves)))  # (total, count) of both halves
-
-
-def make_train_step(graphdef, tx, grad_clip, lr_schedule=None):
-    """The one step: scan over micro-batches (memory flat in their number), average the grads, clip by
-    global norm as torch.nn.utils.clip_grad_norm_ does, apply AdamW. x, y: (accum, B, T). Jitted by
-    on_leaves with the state's shardings pinned. With `lr_schedule` (tx's), the metrics hold the step's
-    learning rate, so that the loop never computes it on the host."""
-
-    def loss_fn(params, x, y, key):
-        return batch_loss(nnx.merge(graphdef, params), x, y, key)
-
-    def train_step(params, opt_state, x, y, key):
-        accum = x.shape[0]
-
-        def micro_step(grad_sum, batch):
-            x, y, key = batch
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, y, key)
-            return jax.tree.map(jnp.add, grad_sum, grads), loss
-
-        zeros = jax.tree.map(jnp.zeros_like, params)  # the gradient sum takes the params' shardings
-        grads, losses = jax.lax.scan(micro_step, zeros, (x, y, jax.random.split(key, accum)))
-        # the loss is a mean over each micro-batch; the sum over micro-batches must become a mean too
-        grads = jax.tree.map(lambda g: g / accum, grads)
-        grad_norm = optax.tree.norm(grads)
-        if grad_clip > 0.0:
-            scale = jnp.minimum(1.0, grad_clip / (grad_norm + 1e-6))
-            grads = jax.tree.map(lambda g: g * scale, grads)
-        metrics = {"loss": jnp.mean(losses), "grad_norm": grad_norm}
-        if lr_schedule is not None:
-            metrics["lr"] = lr_schedule(schedule_count(opt_state))
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        # read on the host only at log steps and saves
-        metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-        return params, opt_state, metrics
-
-    return train_step
-
-
-def schedule_count(opt_state):
-    """The number of updates AdamW's learning-rate schedule has counted (the step's iteration number)."""
-    is_schedule = lambda s: isinstance(s, optax.ScaleByScheduleState)  # noqa: E731
-    return next(s.count for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s))
-
-
-def on_leaves(step, params, opt_state, batch_sharding=None):
-    """`step` jitted over flat lists of arrays: (param leaves, opt leaves, x, y, key) -> the same, and
-    metrics. jit flattens nnx Variables in Python, ~6 ms a call for the baby model's 158 (CPU time a 2-core
-    machine takes from the step itself); lists of arrays cost ~1.7 ms. The state's shardings (those of
-    `params` and `opt_state`) are pinned on input and output, so the step compiles once and nothing reshards."""
-    param_def, opt_def = jax.tree.structure(params), jax.tree.structure(opt_state)
-    shardings = None
-    if batch_sharding is not None:
-        state = [[x.sharding for x in jax.tree.leaves(t)] for t in (params, opt_state)]
-        replicated = sharding.replicated(batch_sharding.mesh)
-        shardings = dict(in_shardings=(*state, batch_sharding, batch_sharding, replicated),
-                         out_shardings=(*state, replicated))
-
-    @partial(jax.jit, donate_argnums=(0, 1), **(shardings or {}))
-    def leaves_step(params, opt_state, x, y, key):
-        params, opt_state, metrics = step(param_def.unflatten(params), opt_def.unflatten(opt_state), x, y, key)
-        return jax.tree.leaves(params), jax.tree.leaves(opt_state), metrics
-
-    return leaves_step
-
-
-def compile_step(step, params, opt_state, batch_shape, batch_sharding):
-    """`step` jitted on the state's shardings (see on_leaves) and compiled for (accum, B, T) batches ->
-    (compiled step, state bytes per device, XLA's step peak bytes per device). params and opt_state may be
-    abstract (ShapeDtypeStructs with shardings): then nothing is materialized (bench_train.py --memory)."""
-    jitted = on_leaves(step, params, opt_state, batch_sharding)
-    batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding)
-    # an abstract key: a concrete one made under (or placed on) a mesh of devices this process cannot address, a TPU
-    # topology compiled for on a CPU, fails
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.replicated(batch_sharding.mesh))
-    with jax.set_mesh(batch_sharding.mesh):  # the model pins its activations to it (sharding.constrain_batch)
-        lowered = jitted.lower(jax.tree.leaves(params), jax.tree.leaves(opt_state), batch, batch, key)
-    compiled = lowered.compile()
-    peak = sharding.step_peak_bytes(compiled, sharding.platform_of(batch_sharding.mesh))
-    return compiled, sharding.bytes_per_device([params, opt_state]), peak
-
-
-@jax.jit
-def first_nonfinite(so_far, iter_num, finite):
-    """The first iteration whose step was not finite (-1: none yet), combined on device: no host sync a step."""
-    return jnp.where((so_far < 0) & ~finite, iter_num, so_far)
-
-
-@jax.jit
-def all_finite(tree):
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
-def make_eval_step(graphdef, params):
-    """Mean loss of one batch; takes the param leaves, as the train step does (see on_leaves)."""
-    param_def = jax.tree.structure(params)
-
-    @jax.jit
-    def eval_step(param_leaves, x, y):
-        return nnx.merge(graphdef, param_def.unflatten(param_leaves)).loss(x, y)
-
-    return eval_step
 
 
 def resolve_dtype(dtype, platform):
@@ -377,15 +211,17 @@ def check_one_run(c):
                      "to move them aside first")
 
 
-def data_vocab(data_dir):
-    """What decodes the data's tokens, saved in each checkpoint: a character-level dataset's characters (its
-    meta.pkl's itos, nanoGPT's), or 'gpt2' (BPE) where the data has no meta.pkl."""
+def data_meta(data_dir):
+    """(vocab_size, vocab) of the data's meta.pkl (nanoGPT's char-level datasets write one): its vocab_size (0: no
+    meta.pkl) and what decodes its tokens, saved in each checkpoint: the characters (its itos), 'gpt2' (BPE) where
+    there is no meta.pkl, None where it holds no itos."""
     path = os.path.join(data_dir, "meta.pkl")
     if not os.path.exists(path):
-        return "gpt2"
+        return 0, "gpt2"
     with open(path, "rb") as f:
-        itos = pickle.load(f).get("itos")
-    return [itos[i] for i in range(len(itos))] if itos else None  # None: not known
+        meta = pickle.load(f)
+    itos = meta.get("itos")
+    return meta["vocab_size"], [itos[i] for i in range(len(itos))] if itos else None
 
 
 def data_dir_for(dataset):
@@ -432,7 +268,7 @@ class Trainer:
         # model + optimizer state, from scratch, a checkpoint or GPT-2 weights, each array created or read
         # straight into its shards (sharding.PARAM_SPECS): no device holds a full replica on the way
         tx = make_optimizer(c)
-        meta, self.vocab = None, data_vocab(self.data_dir)
+        meta, (self.data_vocab_size, self.vocab) = None, data_meta(self.data_dir)
         if c["init_from"] == "scratch":
             model_config = self._model_config()
         elif c["init_from"] == "resume":
@@ -452,7 +288,8 @@ class Trainer:
         check_one_run(c)
         hellaswag_path = self._hellaswag_path() if c["hellaswag_interval"] > 0 else None
         # out_dir is made and locked before the model is built, so that a second run on it is refused at once
-        self.lock = self._claim_out_dir() if self.master else None
+        start_over = (checkpoint.CKPT_SUBDIR, runlog.LOG_FILE) if c["start_over"] else ()
+        self.lock = runlog.claim_out_dir(c["out_dir"], start_over) if self.master else None
         if c["init_from"] == "scratch":
             graphdef, params = sharded_model(lambda: GPT(model_config, nnx.Rngs(c["seed"])), self.mesh)
             model = nnx.merge(graphdef, params)
@@ -514,11 +351,9 @@ class Trainer:
     def _model_config(self):
         c = self.c
         vocab_size = c["vocab_size"]
-        meta_path = os.path.join(self.data_dir, "meta.pkl")
-        if not vocab_size and os.path.exists(meta_path):
-            with open(meta_path, "rb") as f:
-                vocab_size = pickle.load(f)["vocab_size"]
-            print(f"found vocab_size = {vocab_size} (inside {meta_path})")
+        if not vocab_size and self.data_vocab_size:
+            vocab_size = self.data_vocab_size
+            print(f"found vocab_size = {vocab_size} (inside {os.path.join(self.data_dir, 'meta.pkl')})")
         return GPTConfig(block_size=c["block_size"], vocab_size=vocab_size or 50304, n_layer=c["n_layer"],
                          n_head=c["n_head"], n_embd=c["n_embd"], bias=c["bias"], gelu=c["gelu"],
                          **{k: c[k] for k in RUNTIME_FIELDS})
@@ -587,11 +422,13 @@ class Trainer:
     def log(self, record):
         if not self.master:
             return
-        path = os.path.join(self.c["out_dir"], "log.jsonl")
+        path = os.path.join(self.c["out_dir"], runlog.LOG_FILE)
         try:
-            checkpoint.append_line(path, json.dumps(record))
+            runlog.append_line(path, json.dumps(record))
         except OSError as e:
-            raise write_failed(path, e, self.last_saved, self.c["out_dir"]) from None
+            intact = None if self.last_saved is None else \
+                f"checkpoint {self.last_saved} in {checkpoint.ckpt_dir(self.c['out_dir'])}"
+            raise runlog.write_failed(path, e, intact) from None
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
@@ -611,9 +448,7 @@ class Trainer:
     def save(self, mngr, val_loss=None):
         """A checkpoint of this step. `val_loss`: that of the eval of this step, with which rotation keeps the best
         checkpoint (checkpoint.manager); None for a save without an eval (checkpoint_interval, a stop)."""
-        if self.last_saved == self.iter_num:  # the eval right after a resume, or of a step checkpoint_interval saved
-            if val_loss is not None:
-                checkpoint.add_val_loss(mngr, self.iter_num, val_loss)
+        if self.last_saved == self.iter_num:  # e.g. the eval right after a resume
             return
         self.check_finite(params=True)
         checkpoint.check_saved(mngr)  # the previous save, before the next one can rotate its predecessor out
@@ -634,26 +469,6 @@ class Trainer:
         if jax.process_count() == 1:
             return self.stop_requested
         return "SIGTERM" if multihost_utils.reached_preemption_sync_point(self.iter_num) else None
-
-    def _claim_out_dir(self):
-        """out_dir made and locked for this run (the lock file open: closing it releases the lock); with start_over,
-        the previous run's checkpoints and log moved aside, never mixed with this run's."""
-        out_dir = self.c["out_dir"]
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-            lock = checkpoint.lock_out_dir(out_dir)
-        except OSError as e:
-            raise write_failed(e.filename or out_dir, e) from None
-        if self.c["start_over"]:
-            old = [p for p in (checkpoint.CKPT_SUBDIR, "log.jsonl") if os.path.exists(os.path.join(out_dir, p))]
-            if old:
-                aside = os.path.join(out_dir, f"previous-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-                os.makedirs(aside)
-                for p in old:
-                    os.rename(os.path.join(out_dir, p), os.path.join(aside, p))
-                print(f"start_over: the previous run's {' and '.join(old)} moved to {aside}")
-        checkpoint.drop_partial_line(os.path.join(out_dir, "log.jsonl"))  # a crash mid-write
-        return lock
 
     def run(self, started=None):
         """The loop, to max_iters or a stop. `started()` is called as the first step begins (train.main: Ctrl-C
@@ -739,7 +554,8 @@ class Trainer:
                 self._stop_profile(metrics)
             if self.iter_num % c["log_interval"] == 0 or self.iter_num == c["max_iters"]:
                 self._unlogged = (self.iter_num - 1, metrics, self._first_nonfinite)
-            if c["checkpoint_interval"] and self.iter_num % c["checkpoint_interval"] == 0:
+            # a step evaluated next is saved by its eval, with its val loss (for rotation to keep the best)
+            if self._interval_save_due() and not self._evaluates_next():
                 self._log_unlogged(mngr)
                 self.save(mngr)
             stop = self._stop_agreed()
@@ -774,10 +590,15 @@ class Trainer:
                   "lr": float(get_lr(self.iter_num, c))})
         improved = losses["val"] < self.best_val_loss
         self.best_val_loss = min(self.best_val_loss, losses["val"])
-        # a step saved already (checkpoint_interval) gets this val loss too, so that rotation can keep it as the best
-        if self.iter_num > 0 and (improved or c["always_save_checkpoint"] or last_step
-                                  or self.last_saved == self.iter_num):
+        if self.iter_num > 0 and (improved or c["always_save_checkpoint"] or last_step or self._interval_save_due()):
             self.save(mngr, val_loss=losses["val"])
+
+    def _interval_save_due(self):
+        return self.c["checkpoint_interval"] and self.iter_num % self.c["checkpoint_interval"] == 0
+
+    def _evaluates_next(self):
+        """The loop's next turn begins with an eval of this step."""
+        return self.iter_num % self.c["eval_interval"] == 0 or self.iter_num == self.c["max_iters"]
 
     def _log_unlogged(self, mngr):
         """The log line of the last log step, if not printed yet: the loop's only read of a step's metrics."""
@@ -801,13 +622,6 @@ class Trainer:
         self.log({"iter": it, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
                   "grad_norm": float(metrics["grad_norm"]), "ms": dt * 1000, "tok_per_s": self.tokens_per_iter / dt,
                   "mfu": mfu})
-
-
-def sharded_model(make_model, mesh):
-    """(graphdef, params) of make_model(), each param created on the mesh already split by its spec."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
-    params = jax.jit(lambda: nnx.split(make_model())[1], out_shardings=sharding.shardings_for(abstract, mesh))()
-    return graphdef, params
 
 
 def sigint_as_sigterm(signum, frame):

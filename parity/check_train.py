@@ -41,7 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # of seeds 0-3 x {1 device, 8 devices + accum 4}:
 LOSS_TOL = 1e-5  # |loss diff| / loss; measured 4.9e-7 / 2.1e-7 / 2.3e-7 / 3.2e-7, worst 1.1e-6
 GRAD_NORM_TOL = 1e-4  # |pre-clip grad norm diff| / grad norm; measured 4.4e-7 / 3.3e-7 / 2.1e-6 / 4.9e-6, worst 1.4e-5
-LR_TOL = 1e-6  # |lr diff| / lr (train.get_lr in float32, nanoGPT's in float64); measured 2.1e-7 everywhere
+LR_TOL = 1e-6  # |lr diff| / lr (train_step.get_lr in float32, nanoGPT's in float64); measured 2.1e-7 everywhere
 PARAM_NORM_TOL = 2e-4  # ||param diff|| / ||param|| per tensor group; measured 1.6e-6 / 1.6e-6 / 5.0e-6 / 9.2e-6,
 # worst 3.3e-5
 # max |param diff| / max |param| per tensor group: measured 4.1e-6 / 4.4e-6 / 3.6e-5 / 7.6e-5, worst 2.0e-4, and
@@ -100,7 +100,7 @@ class JaxTrainer:
         from flax import nnx
 
         import sharding
-        import train
+        import train_step
         from model import GPT, RUNTIME_FIELDS
 
         self.c = c
@@ -109,25 +109,21 @@ class JaxTrainer:
         sharding.check_model_fits_mesh(model.config, mesh)
         self.graphdef, params = nnx.split(model)
         self.batch_sharding = sharding.batch_sharding(mesh)
-        tx = train.make_optimizer(c)
+        tx = train_step.make_optimizer(c)
         self.params = jax.device_put(params, sharding.shardings_for(params, mesh))
         opt_shardings = sharding.shardings_for(jax.eval_shape(tx.init, self.params), mesh)
         self.opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(self.params)
-        self.train_step, _, _ = train.compile_step(train.make_train_step(self.graphdef, tx, c["grad_clip"]),
-                                                   self.params, self.opt_state, batch_shape, self.batch_sharding)
+        step = train_step.make_train_step(self.graphdef, tx, c["grad_clip"])
+        self.train_step, _, _ = train_step.compile_step(step, self.params, self.opt_state, batch_shape,
+                                                        self.batch_sharding)
         self.base_key = jax.random.key(c["seed"])
         self.iter_num = 0
 
     def lr(self):
-        """The lr of the next update: train.get_lr at the optimizer's own schedule count."""
-        import jax
-        import optax
+        """The lr of the next update: train_step.get_lr at the optimizer's own schedule count."""
+        import train_step
 
-        import train
-
-        is_schedule = lambda s: isinstance(s, optax.ScaleByScheduleState)  # noqa: E731
-        (state,) = [s for s in jax.tree.leaves(self.opt_state, is_leaf=is_schedule) if is_schedule(s)]
-        return float(train.get_lr(state.count, self.c))
+        return float(train_step.get_lr(train_step.schedule_count(self.opt_state), self.c))
 
     def step(self, x, y):
         import jax

@@ -39,7 +39,7 @@ def configure_optimizers(model, c):
         {"params": decay_params, "weight_decay": c["weight_decay"]},
         {"params": nodecay_params, "weight_decay": 0.0},
     ]
-    # eps: torch's default 1e-8, as nanoGPT (and train.make_optimizer)
+    # eps: torch's default 1e-8, as nanoGPT (and train_step.make_optimizer)
     return torch.optim.AdamW(optim_groups, lr=c["learning_rate"], betas=(c["beta1"], c["beta2"]), eps=1e-8)
 
 

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import train
+
+import train_step
 from helpers import assert_close
 from parity import check_train
 
@@ -96,7 +97,7 @@ def no_decay_on_embeddings(params):
         lambda path, p: p.ndim >= 2 and "embedding" not in jax.tree_util.keystr(path), params)
 
 
-get_lr, make_train_step = train.get_lr, train.make_train_step
+get_lr, make_train_step = train_step.get_lr, train_step.make_train_step
 # The ways JAX ports of nanoGPT have differed from it (the list), each applied to our side only; each is
 # another compile, so only the first runs in the fast suite
 BUGS = {
@@ -109,7 +110,7 @@ BUGS = {
 
 @pytest.mark.parametrize("bug", [pytest.param(b, marks=[] if i == 0 else pytest.mark.slow) for i, b in enumerate(BUGS)])
 def test_a_port_that_differs_from_nanogpt_fails(bug, tiny, monkeypatch, capsys):
-    monkeypatch.setattr(train, *BUGS[bug])
+    monkeypatch.setattr(train_step, *BUGS[bug])
     ok, f = ours_against_reference(tiny)
     assert not ok and "NOT OK" in capsys.readouterr().out
     # caught by a wide margin, not by noise at the edge of a tolerance

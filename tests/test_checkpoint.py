@@ -24,6 +24,7 @@ import checkpoint
 import export
 import sample
 import train
+import train_step
 from configurator import UsageError
 from helpers import tiny_config
 from model import GPT
@@ -52,7 +53,7 @@ def test_a_flipped_bit_in_any_array_file_never_loads(dataset, tmp_path):
     out = tmp_path / "out"
     t = run(dataset, out, "--max_iters=4", "--eval_interval=2")  # checkpoints 2 and 4
     meta = checkpoint.restore(out)["meta"]
-    config, tx = checkpoint.model_config_from_meta(meta), train.make_optimizer(t.c)
+    config, tx = checkpoint.model_config_from_meta(meta), train_step.make_optimizer(t.c)
     restore = lambda: checkpoint.restore_state(out, 4, meta, config, tx)  # noqa: E731 (what a resume reads)
     saved = [np.asarray(x) for x in jax.tree.leaves(restore())]
     rng = random.Random(0)
@@ -210,8 +211,8 @@ def test_a_bad_meta_is_one_line_in_train_sample_and_export(dataset, tmp_path, ca
 
 
 def test_rotation_keeps_the_latest_and_the_best(tmp_path):
-    """keep 2: saves with a val loss and without one (checkpoint_interval, a stop); a val loss added to a step
-    saved without one; a reopened directory (a resumed run) still knows which is best."""
+    """keep 2: saves with a val loss and without one (checkpoint_interval, a stop); a reopened directory (a resumed
+    run) still knows which is best."""
     mngr = checkpoint.manager(tmp_path, keep=2)
     params, opt_state = {"w": np.arange(3, dtype=np.float32)}, {"count": np.zeros((), np.int32)}
 
@@ -227,21 +228,18 @@ def test_rotation_keeps_the_latest_and_the_best(tmp_path):
     assert save(4) == [3, 4]
     assert save(5) == [3, 4, 5]  # the best, and the latest 2 (one without a val loss)
     assert save(6, 9.0) == [3, 5, 6]  # 4 rotated out: no val loss, no longer among the latest
-    checkpoint.add_val_loss(mngr, 6, 0.1)  # 6 has one already, and keeps it
-    checkpoint.add_val_loss(mngr, 5, 0.5)  # 5 had none: now it is the best
-    assert mngr.metrics(6) == {"val_loss": 9.0} and mngr.metrics(5) == {"val_loss": 0.5}
-    assert save(7) == [5, 6, 7]
-    assert save(8, math.nan) == [5, 7, 8]  # NaN is never the best
+    assert save(7, 0.5) == [6, 7]  # the new best is among the latest
+    assert save(8, math.nan) == [7, 8]  # NaN is never the best
     mngr.close()
     mngr = checkpoint.manager(tmp_path, keep=2)
-    assert save(9) == [5, 8, 9]
+    assert save(9) == [7, 8, 9]
     mngr.close()
-    assert checkpoint.all_steps(tmp_path) == [5, 8, 9]
+    assert checkpoint.all_steps(tmp_path) == [7, 8, 9]
 
 
 def test_the_best_checkpoint_outlives_blown_up_ones(dataset, tmp_path, monkeypatch, caplog):
     """The issue's run: checkpoint_interval=1, keep_checkpoints=2, the val loss blows up to 1.6e10 (finite: the
-    run goes on) after step 2. Every step's checkpoint is saved before its eval, which adds its val loss after."""
+    run goes on) after step 2. A step that is evaluated is saved by its eval, with its val loss."""
     vals = {0: 4.0, 2: 2.0, 4: 1.6e10, 6: 1.6e10, 8: 3.0e10, 10: 1.6e10}
     monkeypatch.setattr(train.Trainer, "estimate_loss", lambda self: {"train": 1.0, "val": vals[self.iter_num]})
     args = ["--eval_interval=2", "--checkpoint_interval=1", "--keep_checkpoints=2"]
@@ -249,7 +247,7 @@ def test_the_best_checkpoint_outlives_blown_up_ones(dataset, tmp_path, monkeypat
     assert checkpoint.all_steps(tmp_path) == [2, 5, 6]
     run(dataset, tmp_path, "--init_from=resume", "--max_iters=10", *args)
     assert checkpoint.all_steps(tmp_path) == [2, 9, 10]
-    with open(tmp_path / "ckpt" / "2" / "metrics" / "metrics") as f:  # the val loss of its eval, added after
+    with open(tmp_path / "ckpt" / "2" / "metrics" / "metrics") as f:  # the val loss of its eval
         assert json.load(f) == {"val_loss": 2.0}
     assert "tracked_metric" not in caplog.text  # orbax's warning of a save without a val loss
 
@@ -278,6 +276,7 @@ FILE_SIZE_LIMIT = r"""if True:
     import jax
     import orbax.checkpoint as ocp
     import train
+    import train_step
     from configurator import exit_on_bad_input
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails (EFBIG) instead of ending the process
     save = ocp.CheckpointManager.save

@@ -19,6 +19,7 @@ import pytest
 
 import checkpoint
 import plot
+import runlog
 import train
 from configurator import ConfigError, RunStopped, UsageError, exit_on_bad_input
 from helpers import assert_close
@@ -256,7 +257,7 @@ def test_a_new_run_into_an_old_out_dir_is_refused_before_anything_is_written(dat
 def test_a_locked_out_dir_is_refused_before_the_model_is_built(dataset, tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
-    held = checkpoint.lock_out_dir(str(out))  # another run's lock (flock: per open file, so one process shows it)
+    held = runlog.lock_out_dir(str(out))  # another run's lock (flock: per open file, so one process shows it)
     monkeypatch.setattr(train, "sharded_model", lambda *a: pytest.fail("the model was built"))
     with pytest.raises(UsageError, match=r"out is in use by another run \(pid \d+"):
         train.Trainer(settings(dataset, out))
@@ -276,13 +277,13 @@ def test_a_full_disk_at_start_or_at_a_log_line_is_one_line_naming_the_path(datas
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "run.lock"))
 
-    monkeypatch.setattr(checkpoint, "lock_out_dir", full)
+    monkeypatch.setattr(runlog, "lock_out_dir", full)
     with pytest.raises(RunStopped, match=r"cannot write .*out/run.lock \(No space left on device\): the run stopped, "
                                          r"nothing was saved; free space and run again$"):
         train.Trainer(settings(dataset, tmp_path / "out"))
     monkeypatch.undo()
 
-    append, lines = checkpoint.append_line, []
+    append, lines = runlog.append_line, []
 
     def full_after_the_first_save(path, line):
         lines.append(line)
@@ -290,7 +291,7 @@ def test_a_full_disk_at_start_or_at_a_log_line_is_one_line_naming_the_path(datas
             raise OSError(errno.ENOSPC, "No space left on device")
         append(path, line)
 
-    monkeypatch.setattr(checkpoint, "append_line", full_after_the_first_save)
+    monkeypatch.setattr(runlog, "append_line", full_after_the_first_save)
     t = train.Trainer(settings(dataset, tmp_path / "log", "--max_iters=20", "--checkpoint_interval=2"))
     with pytest.raises(RunStopped, match=r"cannot write .*log/log.jsonl \(No space left on device\): the run stopped, "
                                          r"checkpoint 2 in .*log/ckpt is intact; free space and resume with "

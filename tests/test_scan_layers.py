@@ -18,6 +18,7 @@ import checkpoint
 import export
 import sharding
 import train
+import train_step
 from configurator import ConfigError, UsageError, configure
 from helpers import assert_close, tiny_config
 from model import GPT, relayout_blocks
@@ -101,7 +102,7 @@ def test_hf_in_scanned_model_export_out_gives_back_the_same_tensors(tmp_path):
 def test_a_checkpoint_restores_into_the_other_layout_bit_for_bit(tmp_path, saved_scanned):
     """Params and Adam's moments saved in one layout come back in the other, each layer's row exact."""
     config = tiny_config(scan_layers=saved_scanned)
-    tx = train.make_optimizer(dict(train.DEFAULTS))
+    tx = train_step.make_optimizer(dict(train.DEFAULTS))
     model = GPT(config, nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
@@ -134,7 +135,7 @@ def test_training_scanned_takes_the_loops_steps(tmp_path):
     optimizer's groups as its per-layer self: biases and LayerNorms undecayed)."""
     params = {sc: nnx.state(GPT(tiny_config(scan_layers=sc), nnx.Rngs(0)), nnx.Param) for sc in (False, True)}
     groups = {sc: {(re.sub(r"\.\d+\.", ".", jax.tree_util.keystr(k, simple=True, separator=".")), decays)
-                   for k, decays in jax.tree_util.tree_leaves_with_path(train.decay_mask(p))}
+                   for k, decays in jax.tree_util.tree_leaves_with_path(train_step.decay_mask(p))}
               for sc, p in params.items()}
     assert groups[True] == groups[False] and ("h.ln_1.scale.value", False) in groups[True]
     data = tmp_path / "data"

@@ -22,6 +22,7 @@ import bench_train
 import model as model_lib
 import sharding
 import train
+import train_step
 from helpers import tiny_config
 from model import GPT
 from parity.common import save_random_hf_model
@@ -79,13 +80,13 @@ def test_train_step_compiles_for_a_tpu(variant):
     config = tiny_config(block_size=T, **VARIANTS[variant])
     mesh = tpu_mesh()
     graphdef, params = abstract_model(config, mesh)
-    tx = train.make_optimizer(dict(train.DEFAULTS))
+    tx = train_step.make_optimizer(dict(train.DEFAULTS))
     opt_state = jax.eval_shape(tx.init, params)
     opt_state = sharding.abstract(opt_state, sharding.shardings_for(opt_state, mesh))
     batch = jax.ShapeDtypeStruct((1, 2 * sharding.batch_shards(mesh), T), jnp.int32,
                                  sharding=sharding.batch_sharding(mesh))
-    compiled, state, _ = train.compile_step(train.make_train_step(graphdef, tx, grad_clip=1.0), params, opt_state,
-                                            batch.shape, batch.sharding)
+    step = train_step.make_train_step(graphdef, tx, grad_clip=1.0)
+    compiled, state, _ = train_step.compile_step(step, params, opt_state, batch.shape, batch.sharding)
     assert_tpu_program(compiled)
     # the splash kernel (a Pallas TPU kernel: a custom call) where attention='auto' picks it
     assert ("tpu_custom_call" in compiled.as_text()) == (VARIANTS[variant]["attention"] == "auto")

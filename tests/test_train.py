@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 import train
+
+import train_step
 from configurator import ConfigError, configure
 from helpers import assert_close
 
@@ -108,15 +110,15 @@ def test_get_lr_matches_nanogpt():
     c = dict(train.DEFAULTS, learning_rate=6e-4, warmup_iters=100, lr_decay_iters=1000, min_lr=6e-5)
     for it in [0, 1, 50, 99, 100, 101, 550, 999, 1000, 1001, 5000]:
         ref = nanogpt_get_lr(it, 6e-4, 100, 1000, 6e-5)
-        assert_close(train.get_lr(it, c), ref, rtol=1e-6, what=f"lr at {it}")
-    assert_close(train.get_lr(0, c), 6e-4 / 101, rtol=1e-6)  # warmup start
-    assert_close(train.get_lr(550, c), (6e-4 + 6e-5) / 2, rtol=1e-6)  # mid-cosine
-    assert_close(train.get_lr(2000, dict(c, decay_lr=False)), 6e-4, rtol=1e-7)
+        assert_close(train_step.get_lr(it, c), ref, rtol=1e-6, what=f"lr at {it}")
+    assert_close(train_step.get_lr(0, c), 6e-4 / 101, rtol=1e-6)  # warmup start
+    assert_close(train_step.get_lr(550, c), (6e-4 + 6e-5) / 2, rtol=1e-6)  # mid-cosine
+    assert_close(train_step.get_lr(2000, dict(c, decay_lr=False)), 6e-4, rtol=1e-7)
 
 
 def test_weight_decay_applies_to_2d_params_only(dataset, tmp_path):
     t = train.Trainer(settings(dataset, tmp_path))
-    mask = train.decay_mask(t.params)
+    mask = train_step.decay_mask(t.params)
     flat = {"/".join(map(str, k)): v for k, v in jax.tree_util.tree_leaves_with_path(mask)}
     decayed = {k for k, v in flat.items() if v}
     assert any("wte" in k for k in decayed) and any("wpe" in k for k in decayed)  # embeddings too, as nanoGPT
@@ -151,7 +153,7 @@ def test_keep_freed_memory_serves_big_blocks_from_the_heap():
 
 @pytest.mark.parametrize("loss_chunk", [0, 5])
 def test_batch_loss_in_halves_is_the_models_loss(loss_chunk):
-    """train.batch_loss forwards the rows as two halves on one CPU device: still one mean over every valid
+    """train_step.batch_loss forwards the rows as two halves on one CPU device: still one mean over every valid
     target, also when the halves hold different numbers of ignored (-1) targets, and with the chunked loss."""
     from flax import nnx
 
@@ -162,7 +164,7 @@ def test_batch_loss_in_halves_is_the_models_loss(loss_chunk):
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, 32, (4, 16)).astype(np.int32) for _ in range(2))
     y[:2, :12] = -1  # the first half keeps 8 targets, the second 32
-    loss_fn = jax.jit(lambda x, y: train.batch_loss(model, x, y))
+    loss_fn = jax.jit(lambda x, y: train_step.batch_loss(model, x, y))
     dots = lambda f, *args: f.lower(*args).compile().as_text().count(" dot(")
     assert dots(loss_fn, x, y) >= 2 * dots(jax.jit(lambda x: model(x)[0]), x)  # the model twice: halves
     assert_close(loss_fn(x, y), model(x, y)[1], rtol=1e-6, what="loss in halves")
@@ -224,7 +226,7 @@ def test_logged_learning_rate_is_the_steps(dataset, tmp_path):
     run(dataset, tmp_path, "--max_iters=5")
     c = configure(train.DEFAULTS, TINY)
     assert [(i, pytest.approx(lr, rel=1e-6)) for i, lr in read_log(tmp_path, "lr")[1:-1]] == \
-        [(i, float(train.get_lr(i, c))) for i in range(5)]
+        [(i, float(train_step.get_lr(i, c))) for i in range(5)]
 
 
 def test_profile_writes_a_trace_of_the_steps_asked_for(dataset, tmp_path, capsys):

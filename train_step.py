@@ -1,0 +1,164 @@
+"""
+The training step, shared by train.py, parity/check_train.py and the benchmarks: nanoGPT's optimizer (AdamW with
+its weight-decay grouping) and schedule, the jitted step (micro-batches scanned, gradients averaged, clipped by
+global norm), the eval step, and the model's params created straight into their shards.
+"""
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import sharding
+from model import mean_of
+
+
+def get_lr(it, c):
+    """nanoGPT's schedule: linear warmup, cosine decay to min_lr, then min_lr. Works on ints and tracers."""
+    if not c["decay_lr"]:
+        return jnp.asarray(c["learning_rate"], jnp.float32)
+    it = jnp.asarray(it, jnp.float32)
+    warmup = c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
+    ratio = jnp.clip((it - c["warmup_iters"]) / max(c["lr_decay_iters"] - c["warmup_iters"], 1), 0.0, 1.0)
+    coeff = 0.5 * (1.0 + jnp.cos(math.pi * ratio))  # coeff ranges 0..1
+    cosine = c["min_lr"] + coeff * (c["learning_rate"] - c["min_lr"])
+    return jnp.where(it < c["warmup_iters"], warmup, jnp.where(it > c["lr_decay_iters"], c["min_lr"], cosine))
+
+
+def decay_mask(params):
+    """nanoGPT's grouping: every >=2-D tensor decays (matmul weights and embeddings), biases and norms don't. The
+    stacked blocks' params (scan_layers) count without their layer axis."""
+    def decays(path, p):
+        return p.ndim - bool(sharding.STACKED.search(jax.tree_util.keystr(path, simple=True, separator="."))) >= 2
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(c):
+    return optax.adamw(learning_rate=partial(get_lr, c=c), b1=c["beta1"], b2=c["beta2"], eps=1e-8,
+                       weight_decay=c["weight_decay"], mask=decay_mask)
+
+
+def batch_loss(model, x, y, key=None):
+    """The model's mean loss on a batch (B, T) (GPT.loss: the logits in chunks where loss_chunk says so). On a
+    single CPU device the rows go through the model as two independent halves, which XLA:CPU's executor runs side
+    by side on two cores: ~7% faster a step than one batch whose every op splits its work over the threads
+    (bench_train.py). Same loss: one mean over both halves' targets; dropout draws a key per half."""
+    if sharding.target_platform() != "cpu" or sharding.target_size() > 1 or x.shape[0] % 2:
+        return model.loss(x, y, key=key)
+    keys = jax.random.split(key) if key is not None else (None, None)
+    halves = [model.loss_terms(model.hidden_states(rows, k)[1], targets)
+              for rows, targets, k in zip(jnp.split(x, 2), jnp.split(y, 2), keys)]
+    return mean_of(*(a + b for a, b in zip(*halves)))  # (total, count) of both halves
+
+
+def make_train_step(graphdef, tx, grad_clip, lr_schedule=None):
+    """The one step: scan over micro-batches (memory flat in their number), average the grads, clip by
+    global norm as torch.nn.utils.clip_grad_norm_ does, apply AdamW. x, y: (accum, B, T). Jitted by
+    on_leaves with the state's shardings pinned. With `lr_schedule` (tx's), the metrics hold the step's
+    learning rate, so that the loop never computes it on the host."""
+
+    def loss_fn(params, x, y, key):
+        return batch_loss(nnx.merge(graphdef, params), x, y, key)
+
+    def train_step(params, opt_state, x, y, key):
+        accum = x.shape[0]
+
+        def micro_step(grad_sum, batch):
+            x, y, key = batch
+            loss, grads = jax.value_and_grad(loss_fn)(params, x, y, key)
+            return jax.tree.map(jnp.add, grad_sum, grads), loss
+
+        zeros = jax.tree.map(jnp.zeros_like, params)  # the gradient sum takes the params' shardings
+        grads, losses = jax.lax.scan(micro_step, zeros, (x, y, jax.random.split(key, accum)))
+        # the loss is a mean over each micro-batch; the sum over micro-batches must become a mean too
+        grads = jax.tree.map(lambda g: g / accum, grads)
+        grad_norm = optax.tree.norm(grads)
+        if grad_clip > 0.0:
+            scale = jnp.minimum(1.0, grad_clip / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda g: g * scale, grads)
+        metrics = {"loss": jnp.mean(losses), "grad_norm": grad_norm}
+        if lr_schedule is not None:
+            metrics["lr"] = lr_schedule(schedule_count(opt_state))
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        # read on the host only at log steps and saves
+        metrics["finite"] = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+        return params, opt_state, metrics
+
+    return train_step
+
+
+def schedule_count(opt_state):
+    """The number of updates AdamW's learning-rate schedule has counted (the step's iteration number)."""
+    is_schedule = lambda s: isinstance(s, optax.ScaleByScheduleState)  # noqa: E731
+    return next(s.count for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s))
+
+
+def on_leaves(step, params, opt_state, batch_sharding=None):
+    """`step` jitted over flat lists of arrays: (param leaves, opt leaves, x, y, key) -> the same, and
+    metrics. jit flattens nnx Variables in Python, ~6 ms a call for the baby model's 158 (CPU time a 2-core
+    machine takes from the step itself); lists of arrays cost ~1.7 ms. The state's shardings (those of
+    `params` and `opt_state`) are pinned on input and output, so the step compiles once and nothing reshards."""
+    param_def, opt_def = jax.tree.structure(params), jax.tree.structure(opt_state)
+    shardings = None
+    if batch_sharding is not None:
+        state = [[x.sharding for x in jax.tree.leaves(t)] for t in (params, opt_state)]
+        replicated = sharding.replicated(batch_sharding.mesh)
+        shardings = dict(in_shardings=(*state, batch_sharding, batch_sharding, replicated),
+                         out_shardings=(*state, replicated))
+
+    @partial(jax.jit, donate_argnums=(0, 1), **(shardings or {}))
+    def leaves_step(params, opt_state, x, y, key):
+        params, opt_state, metrics = step(param_def.unflatten(params), opt_def.unflatten(opt_state), x, y, key)
+        return jax.tree.leaves(params), jax.tree.leaves(opt_state), metrics
+
+    return leaves_step
+
+
+def compile_step(step, params, opt_state, batch_shape, batch_sharding):
+    """`step` jitted on the state's shardings (see on_leaves) and compiled for (accum, B, T) batches ->
+    (compiled step, state bytes per device, XLA's step peak bytes per device). params and opt_state may be
+    abstract (ShapeDtypeStructs with shardings): then nothing is materialized (bench_train.py --memory)."""
+    jitted = on_leaves(step, params, opt_state, batch_sharding)
+    batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding)
+    # an abstract key: a concrete one made under (or placed on) a mesh of devices this process cannot address, a TPU
+    # topology compiled for on a CPU, fails
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.replicated(batch_sharding.mesh))
+    with jax.set_mesh(batch_sharding.mesh):  # the model pins its activations to it (sharding.constrain_batch)
+        lowered = jitted.lower(jax.tree.leaves(params), jax.tree.leaves(opt_state), batch, batch, key)
+    compiled = lowered.compile()
+    peak = sharding.step_peak_bytes(compiled, sharding.platform_of(batch_sharding.mesh))
+    return compiled, sharding.bytes_per_device([params, opt_state]), peak
+
+
+@jax.jit
+def first_nonfinite(so_far, iter_num, finite):
+    """The first iteration whose step was not finite (-1: none yet), combined on device: no host sync a step."""
+    return jnp.where((so_far < 0) & ~finite, iter_num, so_far)
+
+
+@jax.jit
+def all_finite(tree):
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def make_eval_step(graphdef, params):
+    """Mean loss of one batch; takes the param leaves, as the train step does (see on_leaves)."""
+    param_def = jax.tree.structure(params)
+
+    @jax.jit
+    def eval_step(param_leaves, x, y):
+        return nnx.merge(graphdef, param_def.unflatten(param_leaves)).loss(x, y)
+
+    return eval_step
+
+
+def sharded_model(make_model, mesh):
+    """(graphdef, params) of make_model(), each param created on the mesh already split by its spec."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
+    params = jax.jit(lambda: nnx.split(make_model())[1], out_shardings=sharding.shardings_for(abstract, mesh))()
+    return graphdef, params
