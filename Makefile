@@ -18,11 +18,11 @@ $(VENV)/.test-requirements: $(BIN)/activate requirements-test.txt
 	touch $@
 
 test: $(VENV)/.test-requirements
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 # the slow tests too (golden runs, benchmarks-as-tests)
 test-all: $(VENV)/.test-requirements
-	$(BIN)/python -m pytest -q -m ""
+	$(BIN)/python -m pytest -q -n auto -m ""
 
 # the bundled default: nanoGPT's CPU Shakespeare run (char-level baby GPT, 2000 iters), then samples. Each time it
 # starts over: the last run's checkpoints and log are moved to out-shakespeare-char/previous-<time>/ (--start_over)

@@ -17,6 +17,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import PartitionSpec as P
 
 import sharding
+from configurator import UsageError
 
 SETTINGS = ("auto", "xla", "cudnn", "splash")  # GPTConfig.attention values
 SPLASH_MULTIPLE = 128  # splash tiles the sequence in blocks of a multiple of 128 (the TPU's lane width)
@@ -76,6 +77,17 @@ def check_setting(setting, *, platform, dtype, head_size, block_size, dropout, c
     if setting == "splash" and (reason := _splash_reason(block_size, head_size, "block_size")):
         raise _cannot_run(setting, reason)
     choose(setting, platform=platform, dtype=dtype, seq_len=block_size, head_size=head_size, capability=capability)
+
+
+def check_run(config, device):
+    """check_setting for a run of `config` (a GPTConfig) on `device`'s kind, as a one-line UsageError: before
+    anything is written."""
+    try:
+        check_setting(config.attention, platform=device.platform, dtype=config.dtype,
+                      head_size=config.n_embd // config.n_head, block_size=config.block_size,
+                      dropout=config.dropout, capability=cuda_capability(device))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def choose(setting, *, platform, dtype, seq_len, head_size, capability=None):

@@ -5,7 +5,7 @@ What the checksums of a checkpoint cost: saving and restoring a training state w
     python bench_checkpoint.py --preset tiny --rounds 1    # a smoke test
     python bench_checkpoint.py --dir /mnt/disk             # the checkpoints on another disk (default: the temp dir)
 
-The state is train.py's from scratch (train_step.sharded_model, make_optimizer) on every device of the mesh, after one
+The state is train.py's from scratch (train_step.init_state, make_optimizer) on every device of the mesh, after one
 AdamW update with random gradients: at init Adam's moments are zeros, which compress to next to nothing, where a
 run saves them after many updates. Each round saves it to a temporary directory and restores it as a resume does
 (checkpoint.restore_state), once as train.py saves, with the digests of its arrays in meta (checkpoint.save), and
@@ -26,15 +26,14 @@ from contextlib import contextmanager
 
 import jax
 import optax
-from flax import nnx
 
 import checkpoint
 import sharding
-import train
+import settings
 import train_step
 from bench_train import PRESETS
 from configurator import UsageError, configure, exit_on_bad_input
-from model import GPT, GPTConfig
+from model import GPTConfig
 from parity.common import print_table
 
 
@@ -62,9 +61,7 @@ def timed(digests, spent):
 
 def training_state(config, tx, mesh):
     """(params, AdamW state) after one update with random gradients, each array split over the mesh by its spec."""
-    _, params = train_step.sharded_model(lambda: GPT(config, nnx.Rngs(0)), mesh)
-    opt_shardings = sharding.shardings_for(jax.eval_shape(tx.init, params), mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    _, params, opt_state = train_step.init_state(config, mesh, tx)
 
     def update(params, opt_state, key):
         keys = iter(jax.random.split(key, len(jax.tree.leaves(params))))
@@ -72,7 +69,7 @@ def training_state(config, tx, mesh):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    shardings = (jax.tree.map(lambda x: x.sharding, params), opt_shardings)
+    shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
     return jax.jit(update, out_shardings=shardings, donate_argnums=(0, 1))(params, opt_state, jax.random.key(0))
 
 
@@ -82,7 +79,8 @@ def save_and_restore(out_dir, mngr, step, state, meta, config, tx, mesh):
     checkpoint.save(mngr, step, *state, dict(meta, iter_num=step))
     checkpoint.wait_saved(mngr)
     t1 = time.perf_counter()
-    jax.block_until_ready(checkpoint.restore_state(out_dir, step, meta, config, tx, mesh))
+    saved_meta = checkpoint.restore(out_dir, step=step, mngr=mngr)["meta"]  # as a resume: meta first, once
+    jax.block_until_ready(checkpoint.restore_state(out_dir, step, saved_meta, config, tx, mesh, mngr))
     return t1 - t0, time.perf_counter() - t1
 
 
@@ -98,10 +96,10 @@ def main():
     checkpoint.use_compilation_cache()
     sharding.start_backend()
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's note of a save that waited for the one before
-    train.keep_freed_memory()  # as train.py: XLA:CPU's freed buffers stay in the process
+    sharding.keep_freed_memory()  # as train.py: XLA:CPU's freed buffers stay in the process
     preset = PRESETS[args.preset]
     config = GPTConfig(**{k: preset[k] for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")})
-    c = configure(train.DEFAULTS, [])
+    c = configure(settings.DEFAULTS, [])
     tx = train_step.make_optimizer(c)
     mesh = sharding.make_mesh()
     state = params, _ = training_state(config, tx, mesh)

@@ -12,40 +12,34 @@ Exit code: 0 done and agreeing, 1 the backends disagree, 2 bad input.
 """
 
 import argparse
+import os
+import tempfile
 import time
 
+import jax
 import numpy as np
 
+import hellaswag
+import sharding
 from configurator import UsageError, exit_on_bad_input
-from parity.common import HF_SIZES, print_table, random_hf_model, verdict
-
-LOSS_RTOL = 1e-5
+from parity.check_hellaswag import LOSS_RTOL, agree, compare, evaluate_torch, load_models
+from parity.common import HF_SIZES, pin_numerics, print_table, save_random_hf_model, verdict
 
 
 def synthetic_examples(n, seed=0):
     """Random-token examples whose lengths follow HellaSwag val roughly (ActivityNet: short contexts; WikiHow:
     longer ones and longer endings): context 15-110 tokens, endings 6-45 tokens. Content is irrelevant to a
     random-weight model; the lengths decide the cost."""
-    from hellaswag import Rendered
-
     rng = np.random.default_rng(seed)
     examples = []
     for i in range(n):
         wikihow = rng.random() < 0.5
         n_ctx = int(rng.integers(50, 111) if wikihow else rng.integers(15, 50))
         n_end = rng.integers(15, 46, 4) if wikihow else rng.integers(6, 25, 4)
-        examples.append(Rendered(rng.integers(0, 50257, n_ctx).tolist(),
-                                 [rng.integers(0, 50257, k).tolist() for k in n_end], int(rng.integers(4)), line=i + 1))
+        examples.append(hellaswag.Rendered(rng.integers(0, 50257, n_ctx).tolist(),
+                                           [rng.integers(0, 50257, k).tolist() for k in n_end],
+                                           int(rng.integers(4)), line=i + 1))
     return examples
-
-
-def gpt_from_hf(hf_model):
-    """Our GPT with the HF model's weights, in memory (GPT.from_pretrained without the disk round trip)."""
-    from weights import MASK_BUFFERS, TIED_KEY, config_from_hf, model_from
-
-    state = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()
-             if not k.endswith(MASK_BUFFERS) and k != TIED_KEY}
-    return model_from(config_from_hf(hf_model.config.to_dict()), state)
 
 
 def timed(fn, *args, **kwargs):
@@ -63,21 +57,16 @@ def main(argv=None):
     p.add_argument("--batch_size", type=int, default=8, help="jax: examples per device per batch")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    import sharding
-
     sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is
     if args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
 
-    import jax
     import torch
 
-    import hellaswag
-    from parity.common import pin_numerics
-
     pin_numerics()
-    hf_model = random_hf_model(args.seed, **HF_SIZES[args.size])
-    model = gpt_from_hf(hf_model)
+    with tempfile.TemporaryDirectory() as tmp:  # both frameworks load the same HF directory
+        model, hf_model = load_models(save_random_hf_model(os.path.join(tmp, args.size), args.seed,
+                                                           **HF_SIZES[args.size]))
     if args.path:
         examples = hellaswag.load_examples(args.path, model.config.block_size, args.limit)
     else:
@@ -90,21 +79,19 @@ def main(argv=None):
 
     first, t_first = timed(hellaswag.evaluate, model, examples, batch_size=args.batch_size)
     ours, t_jax = timed(hellaswag.evaluate, model, examples, batch_size=args.batch_size)
-    hellaswag.evaluate_torch(hf_model, examples[:2])  # warm-up: first-call allocations
-    ref, t_torch = timed(hellaswag.evaluate_torch, hf_model, examples)
+    evaluate_torch(hf_model, examples[:2])  # warm-up: first-call allocations
+    ref, t_torch = timed(evaluate_torch, hf_model, examples)
     n = len(examples)
     print_table([["jax, first pass (with compilation)", n / t_first, t_first],
                  ["jax, steady state", n / t_jax, t_jax],
                  ["torch (reference)", n / t_torch, t_torch]], ["backend", "examples/s", "seconds"])
     print(f"jax / torch, steady state: {t_torch / t_jax:.2f}x")
 
-    a = np.array([r.sum_losses + r.mean_losses for r in ours.results])
-    b = np.array([r.sum_losses + r.mean_losses for r in ref.results])
-    rel = float(np.max(np.abs(a - b) / np.abs(b)))
-    same = all((x.pred, x.pred_norm) == (y.pred, y.pred_norm) for x, y in zip(ours.results, ref.results))
+    figures = compare(ref, ours)
+    rel = max(f["max_rel"] for f in figures.values())
     print(f"acc {ours.acc:.4f} / {ref.acc:.4f}, acc_norm {ours.acc_norm:.4f} / {ref.acc_norm:.4f} (jax / torch); "
           f"max relative loss diff {rel:.2g}")
-    ok = verdict(same and rel <= LOSS_RTOL and first.results == ours.results,
+    ok = verdict(agree(figures, n) and first.results == ours.results,
                  f"agreement (identical predictions, losses within {LOSS_RTOL:g} relative)")
     return 0 if ok else 1
 

@@ -89,6 +89,8 @@ TRANSFORMERS_SCRIPT = """
 import sys, torch
 from transformers import GPT2LMHeadModel
 from tokenizer import get_encoding
+
+# jax, and our modules on it, are imported in the functions that use them: bad arguments fail before jax loads
 model = GPT2LMHeadModel.from_pretrained(sys.argv[1]).eval()
 model.generation_config.eos_token_id = None  # 200 tokens, as sample.py
 torch.manual_seed(1337)

@@ -11,17 +11,14 @@ process, so peak memory is that run's alone.
     python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 --remat=none
     python bench_train.py --memory --topology=v5e:2x4 --preset gpt2 --batch_size=16 --dtype=bfloat16   # a v5e-8 VM
 
-Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's peak is
-known, peak memory (device peak on GPU/TPU, process peak RSS on CPU) and, for ours, the compiled step's
-scratch memory (XLA's memory analysis); then ours with gradient accumulation 8 vs 1 (memory must stay
-flat: lax.scan over micro-batches). --full-run times whole runs instead: train.py with the main command's
-settings, and nanoGPT's training loop (its get_batch, get_lr, evals every 250 iterations, checkpoints when
-val improves) on the same data, one after the other, in pairs (--repeats): wall time and final val loss of
-each, and the median ratio. --memory prints `memory per device: state, step peak` of one step on a mesh,
-as train.py does at start-up, from XLA's analysis of an abstract model (compile only). With --topology (v5e:2x4,
-v4:2x2x1, v5p:2x2x1, v6e:2x2...) libtpu's compiler, here on the CPU, compiles the step for that TPU: its memory,
-the compile time, and whether it fits the chip's HBM (a step that does not fit is the compiler's refusal, reported
-with the compiler's figure). libtpu comes with requirements-test.txt.
+Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's peak is known,
+peak memory (the device's on GPU/TPU, the process's peak RSS on CPU) and, for ours, the compiled step's scratch
+memory (XLA's memory analysis); then ours with gradient accumulation 8 vs 1 (memory must stay flat: lax.scan over
+micro-batches). --full-run times whole runs instead, in pairs (--repeats): train.py with the main command's settings,
+then nanoGPT's training loop (nanogpt_run) on the same data: the wall time and final val loss of each, and the
+median ratio. --memory prints `memory per device: state, step peak` of one step on a mesh, as train.py does at
+start-up, compiled only (bench_memory). With --topology (v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x2...) libtpu's
+compiler (requirements-test.txt) compiles it here for that TPU: its memory, compile time, and whether it fits.
 """
 
 import argparse
@@ -31,9 +28,16 @@ import re
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
+import numpy as np
+
 from configurator import UsageError, configure, exit_on_bad_input
+from dataloader import data_meta
+
+# jax, and our modules on it, are imported in the functions that use them: this file is also each measurement's
+# worker process (run_worker), and a torch worker's peak RSS must be torch's own
 
 PRESETS = {
     "baby": dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128, vocab_size=65),
@@ -55,23 +59,20 @@ TPU_OUT_OF_MEMORY = [re.compile(r"\(([\d.]+)([KMGT])\) exceeds available HBM \((
 
 def bench_jax(s):
     import jax
-    import numpy as np
     from flax import nnx
 
+    import runlog
     import sharding
-    import train
     import train_step
-    from model import GPT
+    from settings import DEFAULTS
 
     sharding.start_backend()
-    train.keep_freed_memory()  # as train.py's main does
-    c = dict(train.DEFAULTS, learning_rate=1e-3, warmup_iters=10, lr_decay_iters=1000, min_lr=1e-4)
+    sharding.keep_freed_memory()  # as train.py's main does
+    c = dict(DEFAULTS, learning_rate=1e-3, warmup_iters=10, lr_decay_iters=1000, min_lr=1e-4)
     mesh = sharding.make_mesh()  # data parallel over every device, as train.py's defaults
-    s = dict(s, scan_layers=train.resolve_scan_layers(s["scan_layers"], sharding.platform_of(mesh)))
-    graphdef, params = train_step.sharded_model(lambda: GPT(model_config(s), nnx.Rngs(0)), mesh)
-    model = nnx.merge(graphdef, params)
     tx = train_step.make_optimizer(c)
-    opt_state = jax.jit(tx.init, out_shardings=sharding.shardings_for(jax.eval_shape(tx.init, params), mesh))(params)
+    graphdef, params, opt_state = train_step.init_state(model_config(s, sharding.platform_of(mesh)), mesh, tx)
+    flops_per_token = nnx.merge(graphdef, params).flops_per_token()
     rows = s["batch_size"] * sharding.batch_shards(mesh)
     batch_sharding = sharding.batch_sharding(mesh)
     t_compile = time.perf_counter()
@@ -91,36 +92,34 @@ def bench_jax(s):
         params, opt_state, metrics = step(params, opt_state, x, y, key)
         float(metrics["loss"])  # sync, to time each step
         times.append(time.perf_counter() - t0)
-    stats = jax.devices()[0].memory_stats() or {}
-    peak = stats.get("peak_bytes_in_use")
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     dt = float(np.median(times[s["warmup"]:]))
-    mfu = model.estimate_mfu(s["accum"] * rows, dt)
+    tokens = s["accum"] * rows * s["block_size"]
     return {"ms": dt * 1000, "compile_s": compile_s, "peak_mb": (peak or rss_bytes()) / 2**20,
-            "memory": "device" if peak else "RSS", "mfu": mfu, "device": jax.devices()[0].device_kind,
-            "temp_mb": temp / 2**20,
-            "tokens": s["accum"] * rows * s["block_size"]}
+            "memory": "device" if peak else "RSS", "mfu": runlog.mfu(flops_per_token * tokens, dt, jax.devices()),
+            "device": jax.devices()[0].device_kind, "temp_mb": temp / 2**20, "tokens": tokens}
 
 
-def model_config(s):
+def model_config(s, platform):
+    """The GPTConfig of the preset's shape and our settings, scan_layers resolved for `platform` as train.py does."""
     from model import GPTConfig
+    from settings import resolve_scan_layers
 
-    return GPTConfig(block_size=s["block_size"], vocab_size=s["vocab_size"], n_layer=s["n_layer"],
-                     n_head=s["n_head"], n_embd=s["n_embd"], bias=True, dtype=s["dtype"],
-                     remat=s["remat"], loss_chunk=s["loss_chunk"], attention=s["attention"],
-                     scan_layers=s["scan_layers"])
+    fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dtype", "remat", "loss_chunk", "attention")
+    scan_layers = resolve_scan_layers(s["scan_layers"], platform)
+    return GPTConfig(**{k: s[k] for k in fields}, bias=True, scan_layers=scan_layers)
 
 
 def bench_memory(s):
-    """The memory per device of a train step on a mesh, from an abstract model: XLA compiles the step for
-    ShapeDtypeStructs, nothing is materialized, so a laptop can size a pod's run. With a topology, libtpu's compiler
-    compiles it for that TPU; a step that does not fit its HBM comes back as the compiler's refusal."""
+    """The memory per device of a train step on a mesh, from abstract state: train_step.init_state traced only
+    (jax.eval_shape), XLA compiles the step for ShapeDtypeStructs, nothing is materialized, so a laptop can size a
+    pod's run. With a topology, libtpu's compiler compiles it for that TPU; a step that does not fit its HBM comes
+    back as the compiler's refusal."""
     import jax
-    from flax import nnx
 
     import sharding
-    import train
     import train_step
-    from model import GPT
+    from settings import DEFAULTS
 
     if s["topology"]:
         devices = sharding.topology_devices(s["topology"])[:s["devices"]]
@@ -130,13 +129,12 @@ def bench_memory(s):
         devices = jax.devices()[:s["devices"]]
     mesh = sharding.make_mesh(s["fsdp"], s["tensor_parallel"], devices)
     platform = sharding.platform_of(mesh)
-    config = model_config(dict(s, scan_layers=train.resolve_scan_layers(s["scan_layers"], platform)))
+    config = model_config(s, platform)
     sharding.check_model_fits_mesh(config, mesh)
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
-    params = sharding.abstract(params, sharding.shardings_for(params, mesh))
-    tx = train_step.make_optimizer(dict(train.DEFAULTS))
-    opt_state = jax.eval_shape(tx.init, params)
-    opt_state = sharding.abstract(opt_state, sharding.shardings_for(opt_state, mesh))
+    tx = train_step.make_optimizer(dict(DEFAULTS))
+    graphdef, *state = jax.eval_shape(lambda: train_step.init_state(config, mesh, tx))
+    # eval_shape returns no shardings: each array placed by the table again
+    params, opt_state = (sharding.abstract(t, sharding.shardings_for(t, mesh)) for t in state)
     shape = (1, s["batch_size"] * sharding.batch_shards(mesh), s["block_size"])
     r = {"state": sharding.bytes_per_device([params, opt_state]), "backend": platform, "mesh": dict(mesh.shape),
          "scan_layers": config.scan_layers, "device_kind": devices[0].device_kind,
@@ -162,26 +160,24 @@ def tpu_out_of_memory(message):
 
 
 def compute_settings(args):
-    """(remat, loss_chunk, scan_layers, where from): as given, else as the preset's config file sets them for its
+    """({remat, loss_chunk, scan_layers}, where from): as given, else as the preset's config file sets them for its
     run (scan_layers may be 'auto': train.py's, resolved on the platform the step is compiled for)."""
-    given = (args.remat, args.loss_chunk, None if args.scan_layers is None else SCAN_LAYERS[args.scan_layers])
-    if None not in given:
-        return (*given, "")
-    from train import DEFAULTS
+    given = {"remat": args.remat, "loss_chunk": args.loss_chunk,
+             "scan_layers": None if args.scan_layers is None else SCAN_LAYERS[args.scan_layers]}
+    if None not in given.values():
+        return given, ""
+    from settings import DEFAULTS
 
     path = PRESET_CONFIGS[args.preset]
     config = configure(DEFAULTS, [path])
-    return (*(config[k] if v is None else v for k, v in zip(("remat", "loss_chunk", "scan_layers"), given)),
-            f" (from {path})")
+    return {k: config[k] if v is None else v for k, v in given.items()}, f" (from {path})"
 
 
 def memory(args):
-    remat, loss_chunk, scan_layers, source = compute_settings(args)
-    s = dict(PRESETS[args.preset], dtype=args.dtype, devices=args.devices or 1, fsdp=args.fsdp,
-             tensor_parallel=args.tensor_parallel, remat=remat, loss_chunk=loss_chunk, scan_layers=scan_layers,
+    compute, source = compute_settings(args)
+    s = dict(PRESETS[args.preset], batch_size=args.batch_size or PRESETS[args.preset]["batch_size"], dtype=args.dtype,
+             devices=args.devices or 1, fsdp=args.fsdp, tensor_parallel=args.tensor_parallel, **compute,
              attention=args.attention, topology=args.topology)
-    if args.batch_size:
-        s["batch_size"] = args.batch_size
     if args.topology:
         import sharding
 
@@ -217,20 +213,16 @@ def memory(args):
     return 0
 
 
-def nanogpt_model(block_size, vocab_size, n_layer, n_head, n_embd, dropout=0.0, bias=True):
-    """nanoGPT's GPT (parity/nanogpt_reference.py: its model.py's modules, init, weight tying, loss)."""
-    from parity.nanogpt_reference import GPT, GPTConfig
-
-    return GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                         n_embd=n_embd, dropout=dropout, bias=bias))
-
-
 def torch_model(s, device):
-    """(model, loss_fn) for s["framework"]: nanoGPT's GPT or transformers' GPT2LMHeadModel."""
+    """(model, loss_fn) for s["framework"]: nanoGPT's GPT (parity/nanogpt_reference.py: its model.py's modules,
+    init, weight tying, loss; bias on, dropout 0) or transformers' GPT2LMHeadModel."""
     import torch
 
     if s["framework"] == "nanogpt":
-        model = nanogpt_model(s["block_size"], s["vocab_size"], s["n_layer"], s["n_head"], s["n_embd"])
+        from parity.nanogpt_reference import GPT, GPTConfig
+
+        model = GPT(GPTConfig(**{k: s[k] for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")},
+                              dropout=0.0, bias=True))
         return model.to(device).train(), lambda x, y: model(x, y)[1]
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -247,21 +239,19 @@ def torch_model(s, device):
 
 
 def torch_mfu(model, s, dt, device_name):
-    """nanoGPT's estimate_mfu for a torch model over the device's bf16 peak (model.PEAK_BF16_FLOPS); None where
+    """nanoGPT's estimate_mfu for a torch model over the device's bf16 peak (runlog.PEAK_BF16_FLOPS); None where
     the peak is unknown (CPU)."""
-    from model import flops_per_token, peak_flops_of
+    from model import flops_per_token
+    from runlog import peak_flops_of
 
-    peak = peak_flops_of(device_name)
-    if peak is None:
+    if (peak := peak_flops_of(device_name)) is None:
         return None
-    wpe = next(p for name, p in model.named_parameters() if "wpe" in name)
-    n = sum(p.numel() for p in model.parameters()) - wpe.numel()
+    n = sum(p.numel() for name, p in model.named_parameters() if "wpe" not in name)  # N without position embeddings
     flops = flops_per_token(n, s["n_layer"], s["n_head"], s["n_embd"], s["block_size"])
     return flops * s["block_size"] * s["accum"] * s["batch_size"] / dt / peak
 
 
 def bench_torch(s):
-    import numpy as np
     import torch
 
     from parity.common import pin_numerics
@@ -296,10 +286,10 @@ def bench_torch(s):
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     dt = float(np.median(times[s["warmup"]:]))
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    # peak_mb before mfu: torch_mfu imports jax, which the RSS must not count
     return {"ms": dt * 1000, "compile_s": None, "peak_mb": (peak or rss_bytes()) / 2**20,
             "memory": "device" if peak else "RSS", "mfu": torch_mfu(model, s, dt, name), "temp_mb": None,
-            "device": name,
-            "tokens": s["accum"] * s["batch_size"] * s["block_size"]}
+            "device": name, "tokens": s["accum"] * s["batch_size"] * s["block_size"]}
 
 
 # the README's main command (Makefile: shakespeare), and nanoGPT's README command for the same run on CPU
@@ -312,69 +302,23 @@ def nanogpt_run(s):
     """nanoGPT's train.py loop, single process, CPU, compile=False, with MAIN_RUN's settings: the random
     windows of get_batch, get_lr, clip_grad_norm_, an eval of eval_iters batches per split every eval_interval
     iterations, a checkpoint (torch.save) when val improves, loss.item() every iteration (log_interval=1)."""
-    import pickle
-    import tempfile
-
-    import numpy as np
     import torch
 
-    from parity.torch_reference import configure_optimizers, get_lr
+    from parity.torch_reference import nanogpt_train_loop
 
     r = MAIN_RUN
     t_start = time.time()
     torch.manual_seed(1337)
     torch.set_num_threads(os.cpu_count())
     data_dir = os.path.join("data", "shakespeare_char")
-    with open(os.path.join(data_dir, "meta.pkl"), "rb") as f:
-        vocab_size = pickle.load(f)["vocab_size"]
-
-    def get_batch(split):
-        data = np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
-        ix = torch.randint(len(data) - r["block_size"], (r["batch_size"],))
-        x = torch.stack([torch.from_numpy(data[i:i + r["block_size"]].astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + r["block_size"]].astype(np.int64)) for i in ix])
-        return x, y
-
-    model = nanogpt_model(r["block_size"], vocab_size, r["n_layer"], r["n_head"], r["n_embd"], r["dropout"])
-    opt = configure_optimizers(model, r)
-
-    @torch.no_grad()
-    def estimate_loss():
-        model.eval()
-        out = {split: float(torch.stack([model(*get_batch(split))[1] for _ in range(r["eval_iters"])]).mean())
-               for split in ("train", "val")}
-        model.train()
-        return out
-
-    best_val, losses = 1e9, None
-    X, Y = get_batch("train")
-    with tempfile.TemporaryDirectory() as out_dir:
-        for it in range(r["max_iters"] + 1):
-            for group in opt.param_groups:
-                group["lr"] = get_lr(it, r)
-            if it % r["eval_interval"] == 0:
-                losses = estimate_loss()
-                if losses["val"] < best_val and it > 0:
-                    best_val = losses["val"]
-                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
-                               os.path.join(out_dir, "ckpt.pt"))
-            if it == r["max_iters"]:
-                break
-            _, loss = model(X, Y)
-            X, Y = get_batch("train")
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), r["grad_clip"])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss.item()
+    model, _ = torch_model(dict(r, vocab_size=data_meta(data_dir)[0], framework="nanogpt"), "cpu")  # dropout 0 too
+    losses = nanogpt_train_loop(model, r, data_dir)
     return {"wall_s": time.time() - t_start, "val_loss": losses["val"]}
 
 
 def ours_run(compilation_cache):
     """train.py with the main command's settings, in a subprocess, with JAX's persistent compilation cache in
     the directory `compilation_cache` (a new one: cold; one a run has filled: warm): wall time, final val loss."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as out_dir:
         args = [f"--{k}={v}" for k, v in MAIN_RUN.items()] + [f"--out_dir={out_dir}", "--log_interval=100"]
         t0 = time.time()
@@ -391,8 +335,6 @@ def full_run(repeats):
     load drifts over minutes, so each round is reported and the median of the ratios is the figure."""
     if not os.path.exists(os.path.join("data", "shakespeare_char", "train.bin")):
         subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], check=True)
-    import tempfile
-
     print(f"main command settings: {MAIN_RUN}")
     print(f"\n{'pair':<5} {'jax cold s':>10} {'jax warm s':>10} {'jax val':>8} {'nanoGPT wall s':>14} "
           f"{'nanoGPT val':>11} {'cold / nanoGPT':>14} {'warm / nanoGPT':>14}")
@@ -430,7 +372,7 @@ def main():
         print(json.dumps(WORKERS[framework](dict(json.loads(settings), framework=framework))))
         return 0
     import attention
-    from model import REMAT
+    from layers import REMAT
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--preset", default="baby", choices=PRESETS)
@@ -443,8 +385,8 @@ def main():
     p.add_argument("--full-run", action="store_true", help="time whole training runs (see above)")
     p.add_argument("--repeats", type=int, default=3, help="--full-run: pairs of runs")
     p.add_argument("--memory", action="store_true", help="memory per device of one step, compile only (see above)")
-    p.add_argument("--devices", type=int, default=None, help="--memory: devices (fake CPU ones if there are fewer; "
-                   "default 1); with --topology, the first N of its devices (default all)")
+    p.add_argument("--devices", type=int, help="--memory: devices (default 1; fake CPU ones if there are fewer); "
+                   "with --topology, the first N of its devices (default all)")
     p.add_argument("--fsdp", type=int, default=1, help="--memory: the mesh's fsdp axis")
     p.add_argument("--tensor_parallel", type=int, default=1, help="--memory: the mesh's tensor axis")
     p.add_argument("--topology", help="--memory: compile for this TPU (e.g. v5e:2x4, v4:2x2x1) with libtpu, here")
@@ -464,16 +406,12 @@ def main():
     if args.memory:
         return memory(args)
 
-    remat, loss_chunk, scan_layers, source = compute_settings(args)
-    s = dict(PRESETS[args.preset], dtype=args.dtype, steps=args.steps, warmup=args.warmup, accum=1, remat=remat,
-             loss_chunk=loss_chunk, scan_layers=scan_layers, attention=args.attention,
+    compute, source = compute_settings(args)
+    s = dict(PRESETS[args.preset], batch_size=args.batch_size or PRESETS[args.preset]["batch_size"], dtype=args.dtype,
+             steps=args.steps, warmup=args.warmup, accum=1, **compute, attention=args.attention,
              as_on_gpu=args.reference_as_on_gpu)
-    if args.batch_size:
-        s["batch_size"] = args.batch_size
     print(f"preset {args.preset}: {s}{source}")
-    rows = []
-    for fw in args.frameworks.split(","):
-        rows.append((fw, 1, run_worker(fw, s)))
+    rows = [(fw, 1, run_worker(fw, s)) for fw in args.frameworks.split(",")]
     if "jax" in args.frameworks and not args.no_accum:
         rows.append(("jax", 8, run_worker("jax", dict(s, accum=8, steps=max(args.steps // 8, 5), warmup=2))))
     print(f"\n{'framework':<12} {'accum':>5} {'ms/iter':>9} {'tok/s':>10} {'mfu':>7} {'peak MB':>9}  "

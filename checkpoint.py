@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 import time
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import asdict, replace
 from functools import partial
 
@@ -30,7 +30,8 @@ from jax import lax
 import sharding as sharding_  # `sharding` is restore's argument
 import tokenizer
 from configurator import InputNotFound, RunStopped, UsageError, stderr_into
-from model import GPT, RUNTIME_FIELDS, GPTConfig, relayout_blocks
+from layers import relayout_blocks
+from model import GPT, RUNTIME_FIELDS, GPTConfig, load_pretrained
 
 CKPT_SUBDIR = "ckpt"
 META_KEYS = ("iter_num", "best_val_loss", "model_args", "config", "loader")
@@ -134,24 +135,31 @@ def _reader(path):
     return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(create=False))
 
 
-def all_steps(out_dir):
-    """The saved steps in out_dir, oldest first; none is an error naming the fix."""
+def _opened(out_dir, mngr):
+    """The run's manager `mngr` (left open), or a reader of out_dir's checkpoints (closed after use)."""
+    return nullcontext(mngr) if mngr is not None else closing(_reader(ckpt_dir(out_dir)))
+
+
+def all_steps(out_dir, mngr=None):
+    """The saved steps in out_dir (read through `mngr`, the run's manager, if given), oldest first; none is an
+    error naming the fix."""
     path = ckpt_dir(out_dir)
     steps = []
-    if os.path.isdir(path):
-        with closing(_reader(path)) as mngr:
-            steps = mngr.all_steps()
+    if mngr is not None or os.path.isdir(path):
+        with _opened(out_dir, mngr) as m:
+            steps = m.all_steps()
     if not steps:
         raise InputNotFound(f"no checkpoint in {path}: train first (python train.py ...) or check --out_dir")
     return sorted(steps)
 
 
-def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
+def restore(out_dir, params=None, opt_state=None, sharding=None, step=None, mngr=None, meta=None):
     """Read the latest (or `step`) checkpoint: {'meta': dict, 'params': ..., 'opt_state': ...}. `params`
     and `opt_state` are templates (abstract or concrete) of what to read; None skips that item. `sharding`:
     where the arrays go, whatever mesh saved them: one Sharding for all (default: the first device), or
-    {'params': tree of shardings, 'opt_state': tree of shardings}. Each process reads only its shards."""
-    steps = all_steps(out_dir)
+    {'params': tree of shardings, 'opt_state': tree of shardings}. Each process reads only its shards.
+    `mngr`: the run's manager, read through instead of opening another; `meta`: the step's, already read."""
+    steps = all_steps(out_dir, mngr)
     step = steps[-1] if step is None else step
     if step not in steps:
         raise CheckpointError(f"no checkpoint of step {step} in {ckpt_dir(out_dir)}: it has steps "
@@ -160,7 +168,7 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
 
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     per_item = (lambda k: sharding) if isinstance(sharding, jax.sharding.Sharding) else sharding.__getitem__
-    items = {"meta": ocp.args.JsonRestore()}
+    items = {} if meta is not None else {"meta": ocp.args.JsonRestore()}
     if params is not None:
         items["params"] = ocp.args.StandardRestore(sharding_.abstract(params, per_item("params")))
     if opt_state is not None:
@@ -171,8 +179,9 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
     with tempfile.TemporaryFile() as log:
         with stderr_into(log):
             try:
-                with closing(_reader(ckpt_dir(out_dir))) as mngr:
-                    restored = mngr.restore(step, args=ocp.args.Composite(**items))
+                with _opened(out_dir, mngr) as m:
+                    restored = dict(m.restore(step, args=ocp.args.Composite(**items)))
+                restored.setdefault("meta", meta)
                 error = None
             except Exception as e:  # orbax raises many kinds; the user needs one line
                 error = f"{type(e).__name__}: {_first_line(e)}"
@@ -191,7 +200,7 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None):
             if arrays and saved is None and jax.process_index() == 0:
                 print(f"checkpoint {os.path.join(ckpt_dir(out_dir), str(step))} carries no checksums (saved before "
                       "they were kept): its arrays load unverified", file=sys.stderr)
-            return {k: restored[k] for k in items}
+            return {k: restored[k] for k in ("meta", *items)}
     earlier = [s for s in steps if s < step]
     fallback = (f"move it away to resume from step {max(earlier)}" if earlier
                 else "no earlier checkpoint to fall back on")
@@ -335,8 +344,6 @@ def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0, step=None
         raise UsageError("init_from='scratch' has no weights to load: use resume, a gpt2* name, an HF directory "
                          "or a nanoGPT ckpt.pt")
     if init_from != "resume":
-        from weights import load_pretrained
-
         return load_pretrained(init_from, dropout=dropout, dtype=dtype)
     model, meta = load_checkpoint_model(out_dir, step, dtype, dropout)
     return model, meta["config"]
@@ -352,7 +359,7 @@ def load_checkpoint_model(out_dir, step=None, dtype="float32", dropout=0.0):
     return model, meta
 
 
-def restore_state(out_dir, step, meta, config: GPTConfig, tx=None, mesh=None):
+def restore_state(out_dir, step, meta, config: GPTConfig, tx=None, mesh=None, mngr=None):
     """(params, optimizer state or None without `tx`) of checkpoint `step`, for a model of `config`: on `mesh`, each
     array split by sharding.PARAM_SPECS (default: the first device). Read in the layout the checkpoint was saved
     in, then converted to config's (scan_layers: the blocks stacked or not), so either resumes with the other."""
@@ -366,7 +373,7 @@ def restore_state(out_dir, step, meta, config: GPTConfig, tx=None, mesh=None):
     saved = replace(config, scan_layers=meta["model_args"].get("scan_layers", False))
     params, opt_state = templates(saved)
     where = None if mesh is None else {"params": shardings(params), "opt_state": shardings(opt_state)}
-    restored = restore(out_dir, params=params, opt_state=opt_state, sharding=where, step=step)
+    restored = restore(out_dir, params=params, opt_state=opt_state, sharding=where, step=step, mngr=mngr, meta=meta)
     state = (restored["params"], restored.get("opt_state"))
     if saved.scan_layers != config.scan_layers:
         target = templates(config)

@@ -13,6 +13,7 @@ of the step.
 
 import glob
 import os
+import pickle
 import queue
 import threading
 import weakref
@@ -101,9 +102,7 @@ class TokenFile:
 class BinLoader:
     """nanoGPT's random windows; the windows of step `it` come from a generator seeded with (seed, it)."""
 
-    vocab_size = None  # set by the trainer: ids at or above it are an error (check_ids)
-
-    def __init__(self, path, block_size, rows, seed, row_slice=None):
+    def __init__(self, path, block_size, rows, seed, row_slice=None, vocab_size=None):
         size = os.path.getsize(path)
         if size == 0 or size % 2:
             what = "is empty" if size == 0 else f"holds {size} bytes, not whole uint16 tokens"
@@ -114,6 +113,7 @@ class BinLoader:
             raise UsageError(f"{path} holds {self.file.count} tokens: too few for block_size {block_size}")
         self.block_size, self.rows, self.seed = block_size, rows, seed
         self.row_slice = row_slice or slice(0, rows)
+        self.vocab_size = vocab_size  # the model's: ids at or above it are an error (check_ids)
         self.step = 0
 
     def _windows(self, starts):
@@ -152,10 +152,9 @@ class ShardLoader:
     Position = (shard, offset) of the global batch; process p reads the rows its devices hold.
     With shuffle_shards, each epoch visits the shards in an order seeded by (seed, epoch)."""
 
-    vocab_size = None  # set by the trainer: ids at or above it are an error (check_ids)
-
-    def __init__(self, paths, block_size, rows, seed, row_slice=None, shuffle_shards=False):
+    def __init__(self, paths, block_size, rows, seed, row_slice=None, shuffle_shards=False, vocab_size=None):
         self.paths = sorted(paths)
+        self.vocab_size = vocab_size  # the model's: ids at or above it are an error (check_ids)
         self.block_size, self.rows, self.seed = block_size, rows, seed
         self.row_slice = row_slice or slice(0, rows)
         self.shuffle_shards = shuffle_shards
@@ -221,15 +220,34 @@ class ShardLoader:
         self.position = (int(state["epoch"]), int(state["shard"]), int(state["offset"]))
 
 
-def make_loader(data_dir, split, block_size, rows, seed, row_slice=None, shuffle_shards=False):
-    """The loader for what `data_dir` holds: `{split}.bin` (nanoGPT) or `*{split}*.npy` shards (build-nanogpt)."""
+def make_loader(data_dir, split, block_size, rows, seed, row_slice=None, shuffle_shards=False, vocab_size=None):
+    """The loader for what `data_dir` holds: `{split}.bin` (nanoGPT) or `*{split}*.npy` shards (build-nanogpt).
+    vocab_size: the model's, which no token id may reach."""
     bin_path = os.path.join(data_dir, f"{split}.bin")
     if os.path.exists(bin_path):
-        return BinLoader(bin_path, block_size, rows, seed, row_slice)
+        return BinLoader(bin_path, block_size, rows, seed, row_slice, vocab_size)
     shards = sorted(glob.glob(os.path.join(data_dir, f"*{split}*.npy")))
     if shards:
-        return ShardLoader(shards, block_size, rows, seed, row_slice, shuffle_shards and split == "train")
+        return ShardLoader(shards, block_size, rows, seed, row_slice, shuffle_shards and split == "train", vocab_size)
     raise InputNotFound(f"no {split}.bin or *{split}*.npy shards in {data_dir}: run `{prepare_hint(data_dir)}` first")
+
+
+def data_meta(data_dir):
+    """(vocab_size, vocab) of the data's meta.pkl (nanoGPT's char-level datasets write one): its vocab_size (0: no
+    meta.pkl) and what decodes its tokens, saved in each checkpoint: the characters (its itos), 'gpt2' (BPE) where
+    there is no meta.pkl, None where it holds no itos."""
+    path = os.path.join(data_dir, "meta.pkl")
+    if not os.path.exists(path):
+        return 0, "gpt2"
+    with open(path, "rb") as f:
+        meta = pickle.load(f)
+    itos = meta.get("itos")
+    return meta["vocab_size"], [itos[i] for i in range(len(itos))] if itos else None
+
+
+def data_dir_for(dataset):
+    return dataset if os.path.isdir(dataset) and not os.path.isdir(os.path.join("data", dataset)) \
+        else os.path.join("data", dataset)
 
 
 class Prefetcher:

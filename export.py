@@ -47,7 +47,7 @@ def target(cfg):
 def main(argv=None):
     cfg = configure(defaults, sys.argv[1:] if argv is None else argv)
     path = target(cfg)
-
+    # here, once the settings are checked: jax, flax and orbax take seconds to import
     import checkpoint
     import sharding
     import weights

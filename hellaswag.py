@@ -3,12 +3,11 @@ HellaSwag, completion style (build-nanogpt's scoring): each of the 4 endings is 
 its tokens given the context; acc takes the lowest summed loss, acc_norm the lowest mean loss per token.
 
     python hellaswag.py --init_from=gpt2                     # val split, downloaded once to data/hellaswag/
-    python hellaswag.py --init_from=gpt2 --backend torch     # the reference: transformers' GPT2LMHeadModel
     python hellaswag.py --init_from=resume --out_dir=out     # our own checkpoint
     python hellaswag.py --init_from=DIR --path tests/fixtures/hellaswag_small.jsonl --out preds.jsonl
 
-Reference numbers on the 10,042 val examples (build-nanogpt, this scoring): gpt2 acc 0.2859 acc_norm 0.2955,
-gpt2-xl acc 0.3842 acc_norm 0.4893. (EleutherAI's harness scores multiple-choice style: other numbers.)
+The PyTorch reference (transformers' GPT2LMHeadModel, build-nanogpt's loop) is parity/check_hellaswag.py.
+Reference numbers: README, "HellaSwag". (EleutherAI's harness scores multiple-choice style: other numbers.)
 
 From train.py: examples = load_examples(path, max_len=block_size) once, then
 evaluate(model, examples, mesh) -> Score(acc, acc_norm, count, results) at each eval.
@@ -26,9 +25,18 @@ import urllib.request
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm import tqdm
 
+import sharding
+from checkpoint import load_with_codec, use_compilation_cache
 from configurator import InputNotFound, UsageError, exit_on_bad_input
+from model import cross_entropy_terms
+from tokenizer import CharCodec, get_encoding
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
 CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
@@ -46,8 +54,6 @@ ENDING_BUCKETS = tuple(b * m for b in (8, 16, 32, 64, 128, 256, 512, 1024) for m
 
 def download(split="val", cache_dir=CACHE_DIR):
     """The official jsonl for `split`, downloaded once to cache_dir (atomically); returns its path."""
-    from tqdm import tqdm
-
     path = os.path.join(cache_dir, f"hellaswag_{split}.jsonl")
     if os.path.exists(path):
         return path
@@ -129,8 +135,6 @@ def render_example(ex, max_len=None, where="example"):
     """build-nanogpt's rendering: the context's tokens, then each ending with a space prefixed (GPT-2's BPE
     attaches the space to the following word). With max_len (the model's block_size), a row that would be
     longer loses context tokens from the left; the endings are always scored whole."""
-    from tokenizer import get_encoding
-
     ex = check_example(ex, where)
     enc = get_encoding()
     ctx = enc.encode_ordinary(ex["ctx"])  # no special tokens in HellaSwag; build-nanogpt's encode() gives the same
@@ -151,19 +155,6 @@ def render_example(ex, max_len=None, where="example"):
 def load_examples(path, max_len=None, limit=None):
     """read_examples + render_example: what train.py loads once and hands to evaluate() at every eval."""
     return [render_example(ex, max_len, f"{path}:{ex['_line']}") for ex in read_examples(path, limit)]
-
-
-def render_rows(r: Rendered):
-    """build-nanogpt's (4, L) tokens and mask for one example: each row right-padded with PAD to the
-    longest of the 4; mask 1 on the ending's tokens. The torch backend and the tests use this."""
-    rows = [r.ctx + e for e in r.endings]
-    L = max(len(row) for row in rows)
-    tokens = np.full((4, L), PAD, np.int64)
-    mask = np.zeros((4, L), np.int64)
-    for i, (row, e) in enumerate(zip(rows, r.endings)):
-        tokens[i, : len(row)] = row
-        mask[i, len(r.ctx): len(row)] = 1
-    return tokens, mask
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -192,6 +183,12 @@ class Score(NamedTuple):
     results: list  # ExampleResult per example, in the input order
 
 
+def check_vocab(vocab_size):
+    """HellaSwag's text is GPT-2 BPE: a model must have a logit for each of its tokens."""
+    if vocab_size < GPT2_VOCAB:
+        raise UsageError(f"the model's vocab_size {vocab_size} does not cover GPT-2's {GPT2_VOCAB} BPE tokens")
+
+
 def make_result(r: Rendered, sum_losses, mean_losses):
     sum_losses, mean_losses = [float(x) for x in sum_losses], [float(x) for x in mean_losses]
     # ties go to the lower index, as torch's and numpy's argmin
@@ -215,12 +212,11 @@ def bucket(n, buckets, cap):
 
 class Batch(NamedTuple):
     """Host arrays for R = 4 * examples rows (numpy). Row r predicts its ending's j-th token from position
-    pos[r, j]; only entries with valid set are scored, so padding (tokens beyond a row's end, rows of
+    pos[r, j]; only targets other than -1 are scored, so padding (tokens beyond a row's end, rows of
     filler examples, j beyond an ending's length) never reaches a loss."""
     tokens: np.ndarray  # (R, L) int32, right-padded with PAD
     pos: np.ndarray  # (R, E) int32 positions whose logits predict the ending tokens
-    targets: np.ndarray  # (R, E) int32 the ending tokens
-    valid: np.ndarray  # (R, E) bool
+    targets: np.ndarray  # (R, E) int32 the ending tokens, then -1 (ignored, as nanoGPT's ignore_index)
 
 
 def make_batch(examples, n_examples, L, E):
@@ -228,8 +224,7 @@ def make_batch(examples, n_examples, L, E):
     R = 4 * n_examples
     tokens = np.full((R, L), PAD, np.int32)
     pos = np.zeros((R, E), np.int32)
-    targets = np.zeros((R, E), np.int32)
-    valid = np.zeros((R, E), bool)
+    targets = np.full((R, E), -1, np.int32)
     for i, r in enumerate(examples):
         s = len(r.ctx)
         for j, end in enumerate(r.endings):
@@ -238,8 +233,7 @@ def make_batch(examples, n_examples, L, E):
             tokens[row, s: s + n] = end
             pos[row, :n] = np.arange(s - 1, s - 1 + n)  # the logits at t predict token t + 1
             targets[row, :n] = end
-            valid[row, :n] = True
-    return Batch(tokens, pos, targets, valid)
+    return Batch(tokens, pos, targets)
 
 
 def plan_batches(examples, batch_size, block_size, n_shards=1):
@@ -261,47 +255,32 @@ def plan_batches(examples, batch_size, block_size, n_shards=1):
     return plan
 
 
-def ending_losses(model, tokens, pos, targets, valid):
+def ending_losses(model, tokens, pos, targets):
     """Summed cross-entropy of each row's ending tokens: (R,) float32. Logits are computed only at the
     positions that predict ending tokens (R, E, vocab), not over the whole (R, L, vocab)."""
-    import jax
-    import jax.numpy as jnp
-
     _, x = model.hidden_states(tokens)  # (R, L, C), after ln_f
     x = jnp.take_along_axis(x, pos[..., None], axis=1)  # (R, E, C)
     logits = model.logits(x)  # (R, E, vocab) float32
-    logz = jax.nn.logsumexp(logits, axis=-1)  # (R, E)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (R, E)
-    return jnp.sum(jnp.where(valid, logz - target_logit, 0.0), axis=-1)  # (R,)
+    # the model's loss, row by row: targets of -1 (beyond an ending's length) are ignored
+    return jax.vmap(lambda z, y: cross_entropy_terms(z, y)[0])(logits, targets)  # (R,)
 
 
 @functools.cache
 def _jitted_ending_losses(mesh):
     """ending_losses compiled for `mesh`, once per batch shape; the (R,) result replicated, so every
     process can read it."""
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     return nnx.jit(ending_losses, out_shardings=NamedSharding(mesh, P()))
 
 
 def make_mesh(devices=None):
     """The scorer's mesh (sharding.py's): train.py's mesh as it is, its params already in their shards; else a
     data-parallel one over `devices` (a list; default all)."""
-    from jax.sharding import Mesh
-
-    import sharding
-
     return devices if isinstance(devices, Mesh) else sharding.make_mesh(devices=devices)
 
 
 def put_batch(batch: Batch, mesh):
     """The batch on the mesh, rows split over data x fsdp. Every process holds the whole batch and hands over
     the rows of its own devices (so this works across hosts too)."""
-    import jax
-
-    import sharding
-
     rows = sharding.batch_sharding(mesh, ndim=2)
     return tuple(jax.make_array_from_callback(a.shape, rows, lambda index, a=a: a[index]) for a in batch)
 
@@ -311,17 +290,10 @@ def evaluate(model, examples, mesh=None, batch_size=8, progress=False):
     for all devices): batch_size examples (4 rows each) per batch shard (data x fsdp) per batch,
     parameters split by sharding.PARAM_SPECS (the caller's model is left as it is). Returns Score(acc, acc_norm,
     count, results), results in the order of `examples`."""
-    import jax
-    from flax import nnx
-    from tqdm import tqdm
-
-    import sharding
-
     if not examples:
         raise UsageError("no examples to score")
     c = model.config
-    if c.vocab_size < GPT2_VOCAB:
-        raise UsageError(f"the model's vocab_size {c.vocab_size} does not cover GPT-2's {GPT2_VOCAB} BPE tokens")
+    check_vocab(c.vocab_size)
     longest = max(len(r.ctx) + max(len(e) for e in r.endings) for r in examples)
     if longest > c.block_size:
         raise UsageError(f"an example of {longest} tokens exceeds block_size {c.block_size}: "
@@ -357,60 +329,12 @@ def evaluate(model, examples, mesh=None, batch_size=8, progress=False):
 
 
 # ---------------------------------------------------------------------------------------------------
-# torch: the reference, build-nanogpt's loop over examples with transformers' GPT2LMHeadModel
-
-
-def evaluate_torch(hf_model, examples, progress=False):
-    """Score rendered examples with a transformers GPT2LMHeadModel, one example (4 rows) at a time, the
-    losses computed as build-nanogpt computes them. Returns Score like evaluate()."""
-    import torch
-    from torch.nn import functional as F
-    from tqdm import tqdm
-
-    if not examples:
-        raise UsageError("no examples to score")
-    c = hf_model.config
-    if c.vocab_size < GPT2_VOCAB:
-        raise UsageError(f"the model's vocab_size {c.vocab_size} does not cover GPT-2's {GPT2_VOCAB} BPE tokens")
-    results = []
-    for r in tqdm(examples, unit="ex", desc="hellaswag (torch)", disable=not progress):
-        tokens, mask = (torch.from_numpy(a) for a in render_rows(r))  # (4, L) each
-        with torch.no_grad():
-            logits = hf_model(tokens).logits  # (4, L, vocab)
-        # the logits at t predict token t + 1; the shifted mask picks the ending's tokens as targets
-        losses = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
-        shift_mask = mask[:, 1:]
-        sum_loss = (losses.view(4, -1) * shift_mask).sum(dim=1)  # (4,)
-        mean_loss = sum_loss / shift_mask.sum(dim=1)
-        results.append(make_result(r, sum_loss.tolist(), mean_loss.tolist()))
-    return summarize(results)
-
-
-# ---------------------------------------------------------------------------------------------------
 # the command line
-
-
-def load_torch_model(init_from, out_dir):
-    """GPT2LMHeadModel for the torch backend: a hub name or HF directory directly; our own checkpoint
-    (resume) or a nanoGPT ckpt.pt through an HF export to a temporary directory."""
-    from weights import load_hf_model, nanogpt_checkpoint
-
-    if init_from != "resume" and not nanogpt_checkpoint(init_from):
-        return load_hf_model(init_from)
-    import tempfile
-
-    model = load_bpe_model(init_from, out_dir)
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
-        return load_hf_model(tmp)
 
 
 def load_bpe_model(init_from, out_dir, dtype="float32"):
     """Our GPT of `init_from` (checkpoint.load_model's names); a character-level one is one line: HellaSwag's text is
     GPT-2 BPE."""
-    from checkpoint import load_with_codec
-    from tokenizer import CharCodec
-
     model, codec = load_with_codec(init_from, out_dir, dtype)
     if isinstance(codec, CharCodec):
         where = out_dir if init_from == "resume" else init_from
@@ -429,55 +353,34 @@ def main(argv=None):
     p.add_argument("--path", default=None, help="a local HellaSwag jsonl (no download)")
     p.add_argument("--cache_dir", default=CACHE_DIR, help="where downloads go")
     p.add_argument("--limit", type=int, default=None, help="score only the first N examples")
-    p.add_argument("--backend", default="jax", choices=["jax", "torch"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="jax compute dtype")
-    p.add_argument("--batch_size", type=int, default=8, help="jax: examples per device per batch")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument("--batch_size", type=int, default=8, help="examples per device per batch")
     p.add_argument("--out", default=None, help="write per-example losses and predictions to this jsonl")
     args = p.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
     if args.batch_size < 1:
         raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
-    if args.backend == "torch" and args.dtype != "float32":
-        raise UsageError("--dtype is for the jax backend; the torch reference runs in float32")
 
     path = args.path or download(args.split, args.cache_dir)
     raw = read_examples(path, args.limit)  # bad data fails here, before a model is loaded
     t0 = time.time()
-    if args.backend == "jax":
-        import jax
-
-        import sharding
-        from checkpoint import use_compilation_cache
-
-        use_compilation_cache()
-        sharding.start_backend()
-        model = load_bpe_model(args.init_from, args.out_dir, args.dtype)
-        block_size, n_params = model.config.block_size, model.num_params() / 1e6
-        where = f"jax {args.dtype} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
-    else:
-        import torch
-
-        hf_model = load_torch_model(args.init_from, args.out_dir)
-        block_size = hf_model.config.n_positions
-        # as GPT.num_params(): the tied head counted once, position embeddings not counted
-        n_params = (sum(t.numel() for t in hf_model.parameters()) - hf_model.transformer.wpe.weight.numel()) / 1e6
-        where = f"torch float32 on cpu, {torch.get_num_threads()} threads"
+    use_compilation_cache()
+    sharding.start_backend()
+    model = load_bpe_model(args.init_from, args.out_dir, args.dtype)
+    block_size = model.config.block_size
     examples = [render_example(ex, block_size, f"{path}:{ex['_line']}") for ex in raw]
     truncated = sum(r.truncated > 0 for r in examples)
-    print(f"model {args.init_from}: {n_params:.2f}M params, block_size {block_size}, "
+    print(f"model {args.init_from}: {model.num_params() / 1e6:.2f}M params, block_size {block_size}, "
           f"loaded in {time.time() - t0:.1f}s; "
           f"{len(examples)} examples from {path}" + (f", {truncated} with context cut to fit" if truncated else "")
-          + f"; backend {where}")
+          + f"; jax {args.dtype} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
 
     t0 = time.time()
-    if args.backend == "jax":
-        # fp32 matmuls in full fp32 on GPU/TPU too (their default is TF32 / bf16 passes), as the torch reference
-        precision = jax.default_matmul_precision("highest") if args.dtype == "float32" else contextlib.nullcontext()
-        with precision:
-            score = evaluate(model, examples, batch_size=args.batch_size, progress=True)
-    else:
-        score = evaluate_torch(hf_model, examples, progress=True)
+    # fp32 matmuls in full fp32 on GPU/TPU too (their default is TF32 / bf16 passes), as the torch reference
+    precision = jax.default_matmul_precision("highest") if args.dtype == "float32" else contextlib.nullcontext()
+    with precision:
+        score = evaluate(model, examples, batch_size=args.batch_size, progress=True)
     dt = time.time() - t0
     if args.out:
         with open(args.out, "w") as f:

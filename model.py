@@ -5,10 +5,8 @@ References:
 2) huggingface/transformers GPT2LMHeadModel (the parity reference), and karpathy/nanoGPT's model.py.
 """
 
-import functools
 import math
-import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +16,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import attention
+import generate
 import sharding
+import weights
+from configurator import UsageError
+from layers import REMAT, block_fn, fusion_barrier_in_grad, run_block, stack_blocks
 
 
 @dataclass
@@ -41,7 +43,7 @@ class GPTConfig:
     def __post_init__(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if self.dtype not in ("float32", "bfloat16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.gelu not in ("tanh", "exact"):
             raise ValueError(f"gelu must be 'tanh' (GPT-2) or 'exact' (nanoGPT), got {self.gelu!r}")
@@ -51,7 +53,7 @@ class GPTConfig:
         if self.remat not in REMAT:
             raise ValueError(f"remat must be one of {', '.join(map(repr, REMAT))}, got {self.remat!r}")
         if not (isinstance(self.loss_chunk, int) and self.loss_chunk >= 0):
-            raise ValueError(f"loss_chunk must be an integer >= 0 (0: no chunks), got {self.loss_chunk!r}")
+            raise ValueError(f"loss_chunk must be >= 0, an integer (0: no chunks), got {self.loss_chunk!r}")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"scan_layers must be True or False, got {self.scan_layers!r}")
 
@@ -60,20 +62,23 @@ class GPTConfig:
         return jnp.dtype(self.dtype)
 
 
+DTYPES = ("float32", "bfloat16")
+
+
+def resolve_dtype(dtype, platform):
+    """A dtype setting ('auto' or one of DTYPES) -> the compute dtype on `platform` (sharding.platform_of a mesh):
+    'auto' is bfloat16 on GPU/TPU, float32 on CPU."""
+    if dtype == "auto":
+        return "float32" if platform == "cpu" else "bfloat16"
+    if dtype not in DTYPES:
+        raise UsageError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
+    return dtype
+
+
 # GPTConfig's fields that are choices of the run, not the architecture: a restored checkpoint takes them from
 # the current settings (checkpoint.model_config_from_meta), so a run saved on a GPU resumes on a CPU
 RUNTIME_FIELDS = ("dtype", "dropout", "attention", "remat", "loss_chunk", "scan_layers")
-# remat: what each Block keeps from its forward pass for the backward (the rest is recomputed there), as a
-# jax.checkpoint policy
-REMAT = {
-    "none": None,  # no checkpointing: everything is kept
-    "block": jax.checkpoint_policies.nothing_saveable,  # only the block's input: the whole block is recomputed
-    # the Linear layers' outputs (matmuls without batch dimensions); attention, GELU, LayerNorm are recomputed
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # the attention branch's matmul outputs only (q, k, v and its projection: 4C a token, dots keeps 9C); the MLP's
-    # c_fc is recomputed, an extra 8C^2 FLOPs a token a layer (~11% of the step's 72C^2)
-    "qkv_proj": jax.checkpoint_policies.save_only_these_names("qkv", "attn_proj"),
-}
+
 
 
 def normal(std):
@@ -182,7 +187,7 @@ class CausalSelfAttention(nnx.Module):
         q, k, v = (a.transpose(0, 2, 1, 3).reshape(B * self.n_head, T, hs) for a in self.qkv(x))  # (B*nh, T, hs)
         k, v = (jax.lax.dynamic_update_slice_in_dim(c, a.astype(c.dtype), pos, axis=1) for c, a in zip(kv, (k, v)))
         # dot_product_attention's math, spelled out: with its (B, S, nh, hs) layout XLA:CPU copied the
-        # whole cache every step (2x slower at batch 8); in this layout the cache feeds the dots as it is
+        # whole cache every step; in this layout the cache feeds the dots as it is (README, Benchmarks)
         att = jnp.einsum("zqd,zkd->zqk", q, k, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(hs))
         mask = jnp.arange(k.shape[1])[None, :] <= pos + jnp.arange(T)[:, None]  # (T, S): causal, absolute positions
         att = jax.nn.softmax(jnp.where(mask, att, -jnp.inf), axis=-1).astype(v.dtype)  # (B*nh, T, S), float32 softmax
@@ -201,87 +206,9 @@ class MLP(nnx.Module):
     def __call__(self, x, key=None):
         # GPT-2's gelu is the tanh approximation (HF "gelu_new"); nanoGPT's is the exact erf GELU (config.gelu)
         B, T, C = x.shape
-        # 2-D matmuls: XLA:CPU fuses the GELU into a (B, T, C) matmul badly (4x slower); free elsewhere
+        # 2-D matmuls: XLA:CPU fuses the GELU into a (B, T, C) matmul badly (README, Benchmarks); free elsewhere
         h = jax.nn.gelu(self.c_fc(x.reshape(B * T, C)), approximate=self.approximate_gelu)  # (B*T, 4C)
         return dropout(self.c_proj(h), self.dropout, key).reshape(B, T, C)
-
-
-@jax.custom_vjp
-def fusion_barrier_in_grad(x):
-    """Identity whose backward passes the cotangent through a conditional, a fusion boundary XLA:CPU keeps,
-    so that it is computed once, into a buffer. At each block's input that is the residual stream's gradient,
-    the sum of every later block's contribution: left alone, XLA:CPU fuses that sum into each consumer and
-    recomputes it there, a cost quadratic in depth (~10 ms a step for the 4-layer baby model, 1/8 of it)."""
-    return x
-
-
-def _barrier_bwd(_, g):
-    # both branches give g; the predicate depends on the data, so XLA cannot fold the conditional away
-    return (jax.lax.cond(g.ravel()[0] > 0, lambda a, b: a, lambda a, b: b, g, g),)
-
-
-fusion_barrier_in_grad.defvjp(lambda x: (x, None), _barrier_bwd)
-
-
-def remat(f, policy):
-    """jax.checkpoint(f, policy=policy): the backward pass recomputes what the policy does not save. On XLA:CPU that
-    alone saves nothing (measured: the same compiled temporaries): its pipeline drops jax's optimization barriers
-    early, CSE merges the recomputation back into the forward pass, and without CSE the scheduler still runs it
-    there. So on CPU the backward runs inside a conditional on the output's cotangent, as fusion_barrier_in_grad:
-    a boundary CSE does not cross, which cannot start before the backward pass reaches it."""
-    f = jax.checkpoint(f, policy=policy)
-    if sharding.target_platform() != "cpu":  # jax's remat as used on GPU/TPU; a conditional costs a host round trip
-        return f
-
-    @jax.custom_vjp
-    def g(*args):
-        return f(*args)
-
-    def bwd(f_vjp, ct):  # f_vjp holds what the policy saved; both branches recompute the rest, then backpropagate
-        return jax.lax.cond(ct.ravel()[0] > 0, lambda f, g: f(g), lambda f, g: f(g), f_vjp, ct)
-
-    g.defvjp(lambda *args: jax.vjp(f, *args), bwd)
-    return g
-
-
-def run_block(block, x, key, remat_policy):
-    """block(x, key); remat_policy (an entry of REMAT, not 'none') has its forward pass recomputed in the backward."""
-    graphdef, state = nnx.split(block)
-    return block_fn(graphdef, remat_policy)(state, x, key)
-
-
-def block_fn(graphdef, remat_policy):
-    """(block state, x, key) -> the block's output; remat_policy None: everything kept for the backward."""
-    def f(state, x, key):
-        return nnx.merge(graphdef, state)(x, key)
-    return f if remat_policy is None else remat(f, remat_policy)
-
-
-def stack_blocks(blocks):
-    """One Block whose every param has a leading layer axis (scan_layers), from a list of Blocks."""
-    graphdef = nnx.split(blocks[0])[0]
-    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.split(b)[1] for b in blocks)))
-
-
-def relayout_blocks(tree, template):
-    """`tree` (params, or an optimizer state holding them) in the layout of the blocks in `template` (the same tree
-    with the blocks stacked, or not: scan_layers): h.{i}.x <-> row i of h.x. A checkpoint saved with one
-    scan_layers value restores into the other this way; jit it with the template's shardings."""
-    def path_of(key_path):
-        return jax.tree_util.keystr(key_path, simple=True, separator=".")
-
-    flat = {path_of(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
-
-    def leaf(key_path, t):
-        path = path_of(key_path)
-        if path in flat:  # not a block's, or the same layout
-            return flat[path]
-        if m := re.search(r"(^|\.)h\.(\d+)\.", path):  # layer i of a stacked source
-            return flat[f"{path[:m.end(1)]}h.{path[m.end():]}"][int(m.group(2))]
-        m = sharding.STACKED.search(path)  # stacked from one source per layer
-        return jnp.stack([flat[f"{path[:m.end()]}{i}.{path[m.end():]}"] for i in range(t.shape[0])])
-
-    return jax.tree_util.tree_map_with_path(leaf, template)
 
 
 class Block(nnx.Module):
@@ -412,37 +339,9 @@ class GPT(nnx.Module):
             return tuple(jnp.zeros((c.n_layer, *shape), c.compute_dtype) for _ in "kv")
         return [(jnp.zeros(shape, c.compute_dtype), jnp.zeros(shape, c.compute_dtype)) for _ in range(c.n_layer)]
 
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, *, key=None,
-                 use_cache=True, vocab_limit=None, on_token=None, return_logits=False):
-        """Take a conditioning sequence of indices idx (B, T) and complete it max_new_tokens times, feeding
-        the predictions back in -> (B, T + max_new_tokens) numpy int32. As nanoGPT: logits / temperature,
-        then top_k, then (ours) top_p; once the sequence outgrows block_size the model conditions on its
-        last block_size tokens. temperature 0 is greedy (argmax, no key needed); otherwise `key` drives
-        the sampling: same key, same tokens, cache or not. The prompt is prefilled into a KV cache once,
-        then one token per step; use_cache=False runs the full forward every step instead (the reference).
-        vocab_limit: sample only ids below it (a padded vocabulary's extra ids decode to nothing).
-        on_token(ids (B,)) is called on the host as each step's tokens come (streaming).
-        return_logits: also return each step's raw logits (B, max_new_tokens, vocab), float32."""
-        idx = np.asarray(idx)
-        V = self.config.vocab_size
-        if idx.ndim != 2 or idx.shape[1] < 1 or not np.issubdtype(idx.dtype, np.integer):
-            raise ValueError(f"expected prompt token ids of shape (batch, time >= 1), got {idx.dtype} {idx.shape}")
-        if idx.min() < 0 or idx.max() >= V:
-            raise ValueError(f"prompt token ids must be in [0, {V}), got min {idx.min()}, max {idx.max()}")
-        if not (isinstance(max_new_tokens, int) and max_new_tokens > 0):
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        check_sampling(temperature, top_k, top_p)
-        if key is None and temperature > 0:
-            raise ValueError("sampling (temperature > 0) needs a PRNG key: key=jax.random.key(seed)")
-        if vocab_limit is not None and not 0 < vocab_limit <= V:
-            raise ValueError(f"vocab_limit must be in [1, {V}], got {vocab_limit}")
-        B, T = idx.shape
-        buf = np.zeros((B, T + max_new_tokens), np.int32)  # prompt, then the tokens as they are sampled
-        buf[:, :T] = idx
-        sampling = (float(temperature), top_k, None if top_p in (None, 1.0) else float(top_p), vocab_limit)
-        out, logits = _generate(self, jnp.asarray(buf), jnp.int32(T), jax.random.key(0) if key is None else key,
-                                sampling=sampling, use_cache=use_cache, on_token=on_token, return_logits=return_logits)
-        return (np.asarray(out), np.asarray(logits[:, :max_new_tokens])) if return_logits else np.asarray(out)
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, **options):
+        """nanoGPT's generate, with a KV cache: see generate.generate."""
+        return generate.generate(self, idx, max_new_tokens, temperature, top_k, top_p, **options)
 
     def num_params(self, non_embedding=True):
         """Parameter count. As nanoGPT, non_embedding subtracts the position embeddings only: the token
@@ -458,16 +357,6 @@ class GPT(nnx.Module):
         self.wpe.embedding = nnx.Param(self.wpe.embedding[:block_size])
         self.wpe.num_embeddings = block_size
 
-    def estimate_mfu(self, fwdbwd_per_iter, dt, devices=None):
-        """Model FLOPs utilization: achieved FLOP/s over the bf16 peak of the devices in use (nanoGPT's
-        formula, PaLM appendix B). `fwdbwd_per_iter` counts sequences over all devices. None when the
-        peak of a device is unknown (CPU), rather than a made-up number."""
-        devices = jax.devices() if devices is None else devices
-        peak = [peak_flops(d) for d in devices]
-        if None in peak:
-            return None
-        return self.flops_per_token() * self.config.block_size * fwdbwd_per_iter / dt / sum(peak)
-
     def flops_per_token(self):
         """Training FLOPs (forward and backward) per token at full context (flops_per_token below)."""
         c = self.config
@@ -480,17 +369,27 @@ class GPT(nnx.Module):
         ckpt.pt (the file or its out_dir). No torch, except for a .pt or a pytorch_model.bin (weights.py). With a
         `mesh`, each tensor goes straight into its shards (sharding.PARAM_SPECS).
         settings: GPTConfig's run choices (RUNTIME_FIELDS: dtype, dropout, attention, remat, loss_chunk)."""
-        from weights import load_pretrained
-
         return load_pretrained(name_or_path, mesh=mesh, **settings)[0]
 
     def save_pretrained(self, out_dir):
         """Write an HF GPT-2 directory (config.json + model.safetensors) that
         transformers.GPT2LMHeadModel.from_pretrained(out_dir) loads."""
-        from weights import save_hf
+        weights.save_hf(self, out_dir)
 
-        save_hf(self, out_dir)
 
+def model_from(config: GPTConfig, state, mesh=None):
+    """A GPT holding `state` ({HF name: array}), with no random init on the way."""
+    model = nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0)))
+    weights.load_state_dict(model, state, mesh)
+    return model
+
+
+def load_pretrained(name_or_path, mesh=None, **settings):
+    """(GPT, training config or None) from a GPT-2 hub name, an HF directory, or a nanoGPT ckpt.pt (a file or
+    a nanoGPT out_dir): the config carries a nanoGPT run's dataset, for its meta.pkl. settings: GPTConfig's
+    run choices (RUNTIME_FIELDS)."""
+    config_args, state, train_config = weights.read_pretrained(name_or_path)
+    return model_from(replace(GPTConfig(**config_args), **settings), state, mesh), train_config
 
 def check_tokens(idx, config: GPTConfig):
     """Bad input fails here, before any gather: JAX clamps out-of-range indices silently."""
@@ -534,129 +433,7 @@ def cross_entropy(logits, targets):
     return mean_of(*cross_entropy_terms(logits, targets))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Generation. One jit per (batch size, total length) and sampling settings: the prompt length is traced,
-# the loop runs inside the jit, so neither a new prompt nor a new token recompiles anything.
-PREFILL_CHUNK = 64  # prompt tokens per prefill step: prompts of any length share one compiled prefill
-
-
-def check_sampling(temperature, top_k, top_p):
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if top_k is not None and not (isinstance(top_k, int) and top_k > 0):
-        raise ValueError(f"top_k must be a positive integer (or None for no top-k), got {top_k!r}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (1 keeps everything), got {top_p}")
-
-
-def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
-    """(B, V) logits -> logits / temperature with the tokens top_k and top_p remove set to -inf.
-    top_k keeps the k largest (and ties with the k-th, as nanoGPT's torch.topk test); top_p then keeps
-    the smallest set of most likely tokens whose probability reaches top_p: a token stays when the mass
-    of the tokens more likely than it is < top_p (HF's TopPLogitsWarper rule)."""
-    logits = logits.astype(jnp.float32) / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        # the k-th largest as the min of the top k: slicing the last one out of top_k made XLA:CPU sort the
-        # whole vocabulary (~13 ms a step at 50257, against 0.2 ms)
-        kth = jnp.min(jax.lax.top_k(logits, top_k)[0], axis=-1, keepdims=True)  # (B, 1)
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p is not None and top_p < 1.0:
-        desc = -jnp.sort(-logits, axis=-1)  # (B, V), most likely first
-        probs = jax.nn.softmax(desc, axis=-1)
-        n_keep = jnp.sum(jnp.cumsum(probs, axis=-1) - probs < top_p, axis=-1, keepdims=True)  # (B, 1), >= 1
-        cutoff = jnp.take_along_axis(desc, n_keep - 1, axis=-1)  # (B, 1)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return logits
-
-
-@functools.partial(nnx.jit, static_argnames=("sampling", "use_cache", "on_token", "return_logits"))
-def _generate(model, buf, prompt_len, key, *, sampling, use_cache, on_token, return_logits):
-    """buf (B, L): the prompt in buf[:, :prompt_len]; fills buf[:, prompt_len:]. See GPT.generate."""
-    temperature, top_k, top_p, vocab_limit = sampling
-    bs = model.config.block_size
-    B, L = buf.shape
-    W = min(L, bs)  # the longest context the model ever sees
-
-    def logits_full(buf, n):
-        """nanoGPT's step: forward the last <= block_size tokens before position n, keep the last logits."""
-        start = jnp.maximum(n - W, 0)
-        _, x = model.hidden_states(jax.lax.dynamic_slice_in_dim(buf, start, W, axis=1))  # (B, W, C)
-        # past n sit padding or not-yet-sampled tokens: causal attention keeps them out of position n-1
-        return model.logits(jax.lax.dynamic_index_in_dim(x, n - 1 - start, axis=1, keepdims=False))  # (B, V)
-
-    def logits_cached(buf, cache, n):
-        """feed token n-1 at position n-1 through the cache, which holds positions 0..n-2."""
-        x, cache = model.decode(jax.lax.dynamic_slice_in_dim(buf, n - 1, 1, axis=1), cache, n - 1)
-        return model.logits(x[:, 0]), cache  # (B, V)
-
-    cache = None
-    if use_cache:
-        # prefill every prompt token but the last (the first step feeds that one), in fixed-size chunks;
-        # the cache is a whole number of chunks long so no chunk's write is clipped
-        C = min(PREFILL_CHUNK, W)
-        S = -(-W // C) * C
-        cache = model.init_cache(B, S)
-        prompt = jnp.pad(buf[:, :W], ((0, 0), (0, S - W)))  # (B, S)
-        n_prefill = jnp.where(prompt_len <= bs, prompt_len - 1, 0)  # a prompt longer than block_size never uses it
-
-        def prefill(j, cache):
-            return model.decode(jax.lax.dynamic_slice_in_dim(prompt, j * C, C, axis=1), cache, j * C)[1]
-        cache = jax.lax.fori_loop(0, (n_prefill + C - 1) // C, prefill, cache)
-
-    V = model.config.vocab_size if vocab_limit is None else vocab_limit
-    all_logits = jnp.zeros((B, L if return_logits else 0, model.config.vocab_size), jnp.float32)
-
-    def step(i, carry):
-        buf, cache, all_logits = carry
-        n = prompt_len + i  # the position this step samples
-        if not use_cache:
-            logits = logits_full(buf, n)
-        elif L <= bs:
-            logits, cache = logits_cached(buf, cache, n)
-        else:  # the cache serves until the sequence outgrows block_size; then the window slides, positions shift
-            logits, cache = jax.lax.cond(n <= bs, logits_cached, lambda b, c, n: (logits_full(b, n), c), buf, cache, n)
-        if return_logits:
-            all_logits = jax.lax.dynamic_update_slice_in_dim(all_logits, logits[:, None], i, axis=1)
-        logits = logits[:, :V]
-        if temperature == 0:
-            tok = jnp.argmax(logits, axis=-1)  # (B,)
-        else:
-            tok = jax.random.categorical(jax.random.fold_in(key, i), filter_logits(logits, temperature, top_k, top_p))
-        tok = tok.astype(buf.dtype)
-        if on_token is not None:
-            jax.debug.callback(on_token, tok, ordered=True)
-        return jax.lax.dynamic_update_slice_in_dim(buf, tok[:, None], n, axis=1), cache, all_logits
-
-    buf, _, all_logits = jax.lax.fori_loop(0, L - prompt_len, step, (buf, cache, all_logits))
-    return buf, all_logits  # all_logits (B, L, vocab): step i's in row i
-
-
-# bf16 dense peak FLOP/s per device, by substrings of jax's device_kind (first match wins)
-PEAK_BF16_FLOPS = [
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("TPU v4", 275e12),
-    ("TPU v5 lite", 197e12),  # v5e
-    ("TPU v5e", 197e12),
-    ("TPU v5p", 459e12),
-    ("TPU v5", 459e12),
-    ("TPU v6 lite", 918e12),  # v6e (Trillium)
-    ("TPU v6e", 918e12),
-]
-
-
 def flops_per_token(n_params, n_layer, n_head, n_embd, block_size):
-    """nanoGPT's estimate (PaLM appendix B): 6N + 12·L·H·Q·T, N without the position embeddings."""
+    """Training FLOPs (forward and backward) per token at full context: nanoGPT's estimate (PaLM appendix B),
+    6N + 12·L·H·Q·T, N without the position embeddings."""
     return 6 * n_params + 12 * n_layer * n_head * (n_embd // n_head) * block_size
-
-
-def peak_flops(device):
-    """A JAX device's bf16 peak FLOP/s, or None where unknown (CPU)."""
-    return peak_flops_of(getattr(device, "device_kind", ""))
-
-
-def peak_flops_of(kind):
-    """By a device's name (jax's device_kind, torch.cuda.get_device_name())."""
-    return next((flops for name, flops in PEAK_BF16_FLOPS if name in kind), None)

@@ -1,19 +1,90 @@
 """
-A run's own files in out_dir, besides its checkpoints: the lock that makes the out_dir one run's, and log.jsonl.
-Writing them fails in one line: a full disk stops the run (RunStopped, exit 1), a path the OS refuses is the
-user's to fix (UsageError, exit 2).
+A run's I/O besides its checkpoints (seqax's training_io.py): the lock that makes the out_dir one run's, log.jsonl,
+the lines on stdout, wandb, the profiler window, and MFU. Writing fails in one line: a full disk stops the run
+(RunStopped, exit 1), a path the OS refuses is the user's to fix (UsageError, exit 2).
 """
 
 import errno
 import fcntl
+import json
 import os
 import socket
 import time
+
+import jax
 
 from configurator import RunStopped, UsageError
 
 LOCK_FILE = "run.lock"
 LOG_FILE = "log.jsonl"
+
+
+class RunLog:
+    """What a run says as it goes: lines on stdout (process 0), records in out_dir/log.jsonl and wandb, each log
+    step's line with its time, tokens/s and MFU, and a jax.profiler trace of the iterations `profile` names."""
+
+    def __init__(self, c, master, tokens_per_iter, flops_per_iter, devices, profile=None):
+        self.path, self.master = os.path.join(c["out_dir"], LOG_FILE), master
+        self.tokens_per_iter, self.flops_per_iter, self.devices = tokens_per_iter, flops_per_iter, devices
+        self.intact = None  # the last checkpoint, in words, for the line of a failed write
+        self.wandb = None
+        self.profile, self.profile_dir = profile or (-1, -1), os.path.join(c["out_dir"], "profile")
+        self.profiling = False
+        self.mfu = None  # a running average, once past the first steps (compilation)
+
+    def start_wandb(self, c):
+        if c["wandb_log"] and self.master:
+            import wandb  # optional: imported only when asked for
+
+            wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], config=c)
+            self.wandb = wandb
+
+    def print(self, *args):
+        if self.master:
+            print(*args)
+
+    def record(self, record):
+        if not self.master:
+            return
+        try:
+            append_line(self.path, json.dumps(record))
+        except OSError as e:
+            raise write_failed(self.path, e, self.intact) from None
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+
+    def start_clock(self, it):
+        """Step times count from here (after an eval: its time is not step time)."""
+        self._t0, self._since = time.time(), it
+
+    def step(self, it, metrics):
+        """Log step `it` (its metrics read back to the host): one line, one record."""
+        done = it + 1
+        dt = (time.time() - self._t0) / (done - self._since)
+        self.start_clock(done)
+        step_mfu = mfu(self.flops_per_iter, dt, self.devices)
+        if step_mfu is not None and done > 5:  # the first steps include compilation
+            self.mfu = step_mfu if self.mfu is None else 0.9 * self.mfu + 0.1 * step_mfu
+        shown = f"{self.mfu * 100:.2f}%" if self.mfu is not None else "n/a"
+        self.print(f"iter {it}: loss {metrics['loss']:.4f}, time {dt * 1000:.2f}ms, "
+                   f"tok/s {self.tokens_per_iter / dt:,.0f}, mfu {shown}")
+        self.record({"iter": it, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
+                     "grad_norm": float(metrics["grad_norm"]), "ms": dt * 1000, "tok_per_s": self.tokens_per_iter / dt,
+                     "mfu": self.mfu})
+
+    def start_profile(self):
+        jax.profiler.start_trace(self.profile_dir, create_perfetto_trace=True)
+        self.profiling = True
+
+    def stop_profile(self, last_iter, metrics=None):
+        """Ends a trace begun at profile's START: after the last traced step has run (`metrics`: its outputs)."""
+        if not self.profiling:
+            return
+        jax.block_until_ready(metrics)
+        jax.profiler.stop_trace()
+        self.profiling = False
+        self.print(f"profile of iterations {self.profile[0]}..{last_iter} written to {self.profile_dir}: tensorboard "
+                   f"--logdir={self.profile_dir} (profile plugin), or its perfetto_trace.json.gz in ui.perfetto.dev")
 
 
 def nearest_existing(path):
@@ -105,3 +176,36 @@ def drop_partial_line(path):
         data = f.read()
         if data and not data.endswith(b"\n"):
             f.truncate(data.rfind(b"\n") + 1)
+
+
+# bf16 dense peak FLOP/s per device, by substrings of jax's device_kind (first match wins)
+PEAK_BF16_FLOPS = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("TPU v4", 275e12),
+    ("TPU v5 lite", 197e12),  # v5e
+    ("TPU v5e", 197e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5", 459e12),
+    ("TPU v6 lite", 918e12),  # v6e (Trillium)
+    ("TPU v6e", 918e12),
+]
+
+
+def peak_flops(device):
+    """A JAX device's bf16 peak FLOP/s, or None where unknown (CPU)."""
+    return peak_flops_of(getattr(device, "device_kind", ""))
+
+
+def peak_flops_of(kind):
+    """By a device's name (jax's device_kind, torch.cuda.get_device_name())."""
+    return next((flops for name, flops in PEAK_BF16_FLOPS if name in kind), None)
+
+
+def mfu(flops, seconds, devices):
+    """Model FLOPs utilization: `flops` (the model's count, GPT.flops_per_token x tokens) done in `seconds` over the
+    bf16 peak of `devices`; None where a device's peak is unknown (CPU), rather than a made-up number."""
+    peaks = [peak_flops(d) for d in devices]
+    return None if None in peaks else flops / seconds / sum(peaks)

@@ -22,6 +22,8 @@ import numpy as np
 import sharding
 from checkpoint import load_with_codec, use_compilation_cache
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
+from generate import check_sampling
+from model import resolve_dtype
 
 defaults = dict(
     init_from="resume",  # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory, or
@@ -45,14 +47,8 @@ def check_settings(cfg):
     for key in ("num_samples", "max_new_tokens"):
         if not cfg[key] >= 1:
             raise UsageError(f"{key} must be >= 1, got {cfg[key]}")
-    if not cfg["temperature"] >= 0:
-        raise UsageError(f"temperature must be >= 0 (0 is greedy), got {cfg['temperature']}")
-    if cfg["top_k"] is not None and not (isinstance(cfg["top_k"], int) and cfg["top_k"] >= 1):
-        raise UsageError(f"top_k must be an integer >= 1 (or None for no top-k), got {cfg['top_k']}")
-    if not 0 < cfg["top_p"] <= 1:
-        raise UsageError(f"top_p must be in (0, 1] (1.0 keeps every token), got {cfg['top_p']}")
-    if cfg["dtype"] not in ("auto", "float32", "bfloat16"):
-        raise UsageError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {cfg['dtype']!r}")
+    check_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])
+    resolve_dtype(cfg["dtype"], "cpu")
     if cfg["stream"] and cfg["num_samples"] != 1:
         raise UsageError(f"--stream prints one sample as it comes: set --num_samples=1 (got {cfg['num_samples']})")
 
@@ -77,8 +73,7 @@ def main(argv=None):
     check_settings(cfg)
     use_compilation_cache()
     sharding.start_backend()
-    if cfg["dtype"] == "auto":
-        cfg["dtype"] = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    cfg["dtype"] = resolve_dtype(cfg["dtype"], jax.default_backend())
     start = read_start(cfg["start"])
 
     t0 = time.time()

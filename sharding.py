@@ -10,8 +10,10 @@ fsdp 1 and tensor 1 is plain data parallelism: each device a full replica.
 """
 
 import contextlib
+import ctypes
 import math
 import os
+import platform
 import re
 import sys
 import tempfile
@@ -239,6 +241,16 @@ def topology_devices(name):
 def hbm_bytes(device):
     """A TPU chip's HBM by its generation (HBM_BYTES), None for other devices: a topology's devices report none."""
     return HBM_BYTES.get(DEVICE_KINDS.get(device.device_kind))
+
+
+def keep_freed_memory():
+    """On a CPU, keep the memory XLA frees in the process. glibc hands a freed block of over 32 MB, and the top
+    of its heap, back to the OS, so the step's scratch buffer came back as fresh pages every step, each faulted in
+    and zeroed by the kernel (README, Benchmarks). Linux/glibc only; elsewhere, and on GPU/TPU, nothing changes."""
+    if jax.default_backend() == "cpu" and platform.libc_ver()[0] == "glibc":
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: trim the heap's top only past 1 GiB free
+        libc.mallopt(-4, 0)  # M_MMAP_MAX: no block gets an mmap of its own (they are unmapped when freed)
 
 
 def start_backend():

@@ -1,7 +1,8 @@
 """
 The training step, shared by train.py, parity/check_train.py and the benchmarks: nanoGPT's optimizer (AdamW with
 its weight-decay grouping) and schedule, the jitted step (micro-batches scanned, gradients averaged, clipped by
-global norm), the eval step, and the model's params created straight into their shards.
+global norm), the eval step, and init_state: the params and optimizer state, each array created or read straight
+into its shards, from scratch, a checkpoint or pretrained weights.
 """
 
 import math
@@ -12,8 +13,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import checkpoint
 import sharding
-from model import mean_of
+from model import GPT, mean_of, model_from
 
 
 def get_lr(it, c):
@@ -45,8 +47,8 @@ def make_optimizer(c):
 def batch_loss(model, x, y, key=None):
     """The model's mean loss on a batch (B, T) (GPT.loss: the logits in chunks where loss_chunk says so). On a
     single CPU device the rows go through the model as two independent halves, which XLA:CPU's executor runs side
-    by side on two cores: ~7% faster a step than one batch whose every op splits its work over the threads
-    (bench_train.py). Same loss: one mean over both halves' targets; dropout draws a key per half."""
+    by side on two cores: faster than one batch whose every op splits its work over the threads (README,
+    Benchmarks). Same loss: one mean over both halves' targets; dropout draws a key per half."""
     if sharding.target_platform() != "cpu" or sharding.target_size() > 1 or x.shape[0] % 2:
         return model.loss(x, y, key=key)
     keys = jax.random.split(key) if key is not None else (None, None)
@@ -100,8 +102,8 @@ def schedule_count(opt_state):
 
 def on_leaves(step, params, opt_state, batch_sharding=None):
     """`step` jitted over flat lists of arrays: (param leaves, opt leaves, x, y, key) -> the same, and
-    metrics. jit flattens nnx Variables in Python, ~6 ms a call for the baby model's 158 (CPU time a 2-core
-    machine takes from the step itself); lists of arrays cost ~1.7 ms. The state's shardings (those of
+    metrics. jit flattens nnx Variables in Python, slowly (CPU time a 2-core machine takes from the step
+    itself); lists of arrays cost a quarter of it (README, Benchmarks). The state's shardings (those of
     `params` and `opt_state`) are pinned on input and output, so the step compiles once and nothing reshards."""
     param_def, opt_def = jax.tree.structure(params), jax.tree.structure(opt_state)
     shardings = None
@@ -162,3 +164,25 @@ def sharded_model(make_model, mesh):
     graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
     params = jax.jit(lambda: nnx.split(make_model())[1], out_shardings=sharding.shardings_for(abstract, mesh))()
     return graphdef, params
+
+
+def init_state(config, mesh, tx, *, seed=0, weights=None, block_size=None, restore=None):
+    """(graphdef, params, optimizer state) of a GPT of `config` on the mesh, every array created or read straight
+    into its shards (sharding.PARAM_SPECS): no device holds a full replica on the way. From scratch (init drawn from
+    `seed`); from `weights` ({HF name: array}, config being theirs), cropped to `block_size` when shorter; or
+    restored from a checkpoint: `restore` = (out_dir, its meta, the run's checkpoint manager), whose optimizer
+    state comes back too."""
+    if restore is not None:
+        out_dir, meta, mngr = restore
+        params, opt_state = checkpoint.restore_state(out_dir, meta["iter_num"], meta, config, tx, mesh, mngr)
+        return nnx.graphdef(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0)))), params, opt_state
+    if weights is None:
+        graphdef, params = sharded_model(lambda: GPT(config, nnx.Rngs(seed)), mesh)
+    else:
+        model = model_from(config, weights, mesh)
+        if block_size is not None and block_size < config.block_size:
+            model.crop_block_size(block_size)
+        graphdef, params = nnx.split(model)
+        params = jax.device_put(params, sharding.shardings_for(params, mesh))  # a no-op where in place
+    opt_shardings = sharding.shardings_for(jax.eval_shape(tx.init, params), mesh)
+    return graphdef, params, jax.jit(tx.init, out_shardings=opt_shardings)(params)

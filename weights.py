@@ -1,5 +1,6 @@
 """
-GPT-2 weights in and out of other formats, for GPT.from_pretrained / save_pretrained and export.py:
+GPT-2 weights in and out of other formats, for GPT.from_pretrained / save_pretrained and export.py. File formats
+only: readers return GPTConfig's arguments and tensors, writers take a model; model.py builds the GPT.
 
 - HF GPT-2 directories (config.json + model.safetensors, or a sharded index), read and written with
   safetensors' numpy API: no torch. By hub name they come through huggingface_hub (its cache, HF_HOME,
@@ -13,16 +14,13 @@ Readers return a lazy {HF name: array} mapping: a tensor is read from disk when 
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import sharding
 from configurator import InputNotFound, UsageError
-from model import GPT, GPTConfig
 
 # The one weight map: (HF name, our path, nn.Linear weight?). HF's Conv1D stores weights as (in, out), the
 # layout of nnx.Linear kernels: copied as they are. nanoGPT's state dict has the same names, but its torch
@@ -82,7 +80,7 @@ def _slot(model, ours):
     return _variable(model, ours), None
 
 
-def state_dict(model: GPT, zero_biases=False):
+def state_dict(model, zero_biases=False):
     """Our params as {HF name: float32 numpy array}, HF's layout. zero_biases: a bias=False model with the
     biases HF's GPT-2 always has, as zeros (the same function)."""
     def read(ours):
@@ -97,7 +95,7 @@ def state_dict(model: GPT, zero_biases=False):
     return state
 
 
-def load_state_dict(model: GPT, state, mesh=None):
+def load_state_dict(model, state, mesh=None):
     """Copy {HF name: array} (HF's layout) into the model in place; key sets and shapes must match exactly.
     The one function that puts arrays into a model: each value is read from `state` here, once. With a mesh,
     each is split by its spec as it is placed (each device receives only its shard)."""
@@ -127,13 +125,6 @@ def _place(var, value, ours, mesh):
     else:  # each device receives only its shard
         var.set_value(jax.device_put(value, jax.sharding.NamedSharding(mesh, sharding.spec_for(ours, value.shape,
                                                                                                 mesh))))
-
-
-def model_from(config: GPTConfig, state, mesh=None):
-    """A GPT holding `state` ({HF name: array}), with no random init on the way."""
-    model = nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0)))
-    load_state_dict(model, state, mesh)
-    return model
 
 
 class LazyState(Mapping):
@@ -235,8 +226,8 @@ def read_hf_weights(path):
 
 
 def config_from_hf(hf: dict):
-    """GPTConfig from an HF GPT-2 config.json (a dict: keys left out have GPT2Config's defaults); refuses the
-    variants our model does not compute."""
+    """GPTConfig's arguments from an HF GPT-2 config.json (a dict: keys left out have GPT2Config's defaults);
+    refuses the variants our model does not compute."""
     n_embd = hf.get("n_embd", 768)
     activation = hf.get("activation_function", "gelu_new")
     unsupported = {
@@ -250,12 +241,12 @@ def config_from_hf(hf: dict):
     bad = {k: got for k, (want, got) in unsupported.items() if got != want}
     if bad:
         raise UsageError(f"not a GPT-2 architecture this model computes: {bad}")
-    return GPTConfig(block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
-                     n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd, bias=True,
-                     gelu=HF_GELU[activation])
+    return dict(block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
+                n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd, bias=True,
+                gelu=HF_GELU[activation])
 
 
-def hf_config_for(config: GPTConfig):
+def hf_config_for(config):
     """config.json for transformers' GPT2LMHeadModel computing what `config` computes."""
     eot = 50256 if config.vocab_size > 50256 else None  # <|endoftext|>, where the vocabulary has it
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_positions": config.block_size,
@@ -266,7 +257,7 @@ def hf_config_for(config: GPTConfig):
             "dtype": "float32"}
 
 
-def save_hf(model: GPT, out_dir):
+def save_hf(model, out_dir):
     """An HF GPT-2 directory (config.json + model.safetensors) that GPT2LMHeadModel.from_pretrained loads;
     a bias=False model gets zero biases (HF's GPT-2 always has them: the same function)."""
     from safetensors.numpy import save_file
@@ -294,8 +285,8 @@ def nanogpt_checkpoint(init_from):
 
 
 def read_nanogpt(path):
-    """nanoGPT's ckpt.pt -> (GPTConfig: its model_args with the exact GELU, {HF name: array} in HF's layout,
-    lazily transposed, its training config dict)."""
+    """nanoGPT's ckpt.pt -> (GPTConfig's arguments: its model_args with the exact GELU, {HF name: array} in HF's
+    layout, lazily transposed, its training config dict)."""
     import torch
 
     try:
@@ -304,9 +295,9 @@ def read_nanogpt(path):
     except Exception as e:  # torch raises many kinds for a file that is not a checkpoint
         raise UsageError(f"{path} is not a nanoGPT checkpoint ({type(e).__name__}: {str(e)[:200]})") from e
     # nanoGPT's GPT computes F.gelu, the exact erf GELU
-    config = GPTConfig(**{k: args[k] for k in NANOGPT_ARGS if k != "dropout"}, gelu="exact")
+    config = {**{k: args[k] for k in NANOGPT_ARGS if k != "dropout"}, "gelu": "exact"}
     model_state = {k.removeprefix(COMPILED_PREFIX): v for k, v in model_state.items()}
-    linear = linear_names(config)
+    linear = linear_names(config["n_layer"], config["bias"])
     names = [k for k in model_state if not k.endswith(MASK_BUFFERS)]
 
     def read(name):  # (out, in) nn.Linear weights -> (in, out)
@@ -316,12 +307,12 @@ def read_nanogpt(path):
     return config, _untied(LazyState(names, read), path), ckpt.get("config") or {}
 
 
-def linear_names(config):
+def linear_names(n_layer, bias):
     """The HF names of the weights nanoGPT holds as torch nn.Linear, (out, in): transposed to and from it."""
-    return {hf for hf, _, is_linear in weight_map(config.n_layer, config.bias) if is_linear}
+    return {hf for hf, _, is_linear in weight_map(n_layer, bias) if is_linear}
 
 
-def save_nanogpt(model: GPT, path, iter_num=0, best_val_loss=None, config=None):
+def save_nanogpt(model, path, iter_num=0, best_val_loss=None, config=None):
     """A ckpt.pt that nanoGPT's model.py and sample.py load: its key names, nn.Linear layout, lm_head.weight,
     model_args; `config` (the training settings, with `dataset`: its sample.py finds meta.pkl through it).
     No optimizer state: an export holds the weights."""
@@ -331,7 +322,7 @@ def save_nanogpt(model: GPT, path, iter_num=0, best_val_loss=None, config=None):
     if c.gelu != "exact":
         raise UsageError("nanoGPT's model computes the exact GELU and this model uses GPT-2's tanh one: export it "
                          "with --format=hf, or train with --gelu=exact")
-    linear = linear_names(c)
+    linear = linear_names(c.n_layer, c.bias)
     state = {k: torch.from_numpy(np.array(v.T if k in linear else v, order="C"))
              for k, v in state_dict(model).items()}
     state[TIED_KEY] = state["transformer.wte.weight"]  # tied: nanoGPT's state dict has both names, one tensor
@@ -343,22 +334,20 @@ def save_nanogpt(model: GPT, path, iter_num=0, best_val_loss=None, config=None):
 
 # ---------------------------------------------------------------------------------------------------
 
-def load_pretrained(name_or_path, mesh=None, **settings):
-    """(GPT, training config or None) from a GPT-2 hub name, an HF directory, or a nanoGPT ckpt.pt (a file or
-    a nanoGPT out_dir): the config carries a nanoGPT run's dataset, for its meta.pkl. settings: GPTConfig's
-    run choices (model.RUNTIME_FIELDS)."""
+def read_pretrained(name_or_path):
+    """(GPTConfig's arguments, {HF name: array}, training config or None) from a GPT-2 hub name, an HF directory,
+    or a nanoGPT ckpt.pt (a file or a nanoGPT out_dir): the config carries a nanoGPT run's dataset, for its
+    meta.pkl."""
     ckpt = nanogpt_checkpoint(name_or_path)
-    if ckpt is None:
-        path = hf_directory(name_or_path)
-        config, state, train_config = config_from_hf(read_hf_config(path)), read_hf_weights(path), None
-    else:
-        config, state, train_config = read_nanogpt(ckpt)
-    return model_from(replace(config, **settings), state, mesh), train_config
+    if ckpt is not None:
+        return read_nanogpt(ckpt)
+    path = hf_directory(name_or_path)
+    return config_from_hf(read_hf_config(path)), read_hf_weights(path), None
 
 
 def load_hf_model(name_or_path):
     """transformers.GPT2LMHeadModel (float32, eval) from a hub name or an HF directory: the torch reference
-    of parity/ and hellaswag.py's torch backend."""
+    of parity/ (parity/check_hellaswag.py among them)."""
     from transformers import GPT2LMHeadModel
 
     path = hf_directory(name_or_path)

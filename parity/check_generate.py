@@ -18,6 +18,8 @@ import numpy as np
 from configurator import exit_on_bad_input
 from parity.common import max_abs, pin_numerics, print_table, random_hf_model, verdict
 
+# jax, and our modules on it, are imported in the functions that use them: bad arguments fail before jax loads
+
 CACHE_LOGITS_TOL = 1e-5  # max |cached - full-forward logits| / max |full-forward logits|, fp32 (measured <= 2.7e-6)
 FILTER_PROB_TOL = 1e-6  # max |p - p_ref| of the filtered, renormalized distribution
 # bf16: the cached logits' error against fp32 full forwards may be at most this factor times the bf16
@@ -211,7 +213,7 @@ def check_filters(logits=None):
     import jax
     import jax.numpy as jnp
 
-    from model import filter_logits
+    from generate import filter_logits
 
     logits = filter_test_logits() if logits is None else logits
     tie_free = np.array([len(np.unique(r)) == len(r) for r in logits])

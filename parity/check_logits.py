@@ -18,6 +18,8 @@ import numpy as np
 from configurator import UsageError, exit_on_bad_input
 from parity.common import HF_SIZES, max_abs, pin_numerics, print_table, save_random_hf_model, verdict
 
+# jax, and our modules on it, are imported in the functions that use them: bad arguments fail before jax loads
+
 # Measured on gpt2-shaped random weights, T=1024, B=2, 2-core CPU (README, "Parity"); bars set just above.
 FP32_MAX_REL_TOL = 3e-6  # max |logit diff| / max |logit|; measured 1.42e-6
 FP32_LOSS_TOL = 1e-6  # |loss diff|; measured 4e-8

@@ -1,8 +1,8 @@
 """
 Training parity: nanoGPT's training step in PyTorch (parity/torch_reference.py: transformers' GPT2LMHeadModel,
 AdamW with nanoGPT's two parameter groups, get_lr, accumulation by loss / K, clipping) against train.py's
-own jitted step (make_optimizer + make_train_step on sharding.py's mesh, as Trainer sets them up), from the same
-weights on the same batches: loss, pre-clip grad norm and lr at every step, every parameter at the end.
+own jitted step (make_optimizer, init_state and make_train_step on sharding.py's mesh, as train.py uses them),
+from the same weights on the same batches: loss, pre-clip grad norm and lr at every step, every parameter at the end.
 
     python -m parity.check_train                          # tiny random GPT-2, fp32, 50 steps, offline
     python -m parity.check_train --accum 4                # each step's rows as 4 micro-batches (same tokens)
@@ -10,8 +10,7 @@ weights on the same batches: loss, pre-clip grad norm and lr at every step, ever
     python -m parity.check_train --fsdp 4 --tensor_parallel 2   # sharded: 8 devices as fsdp 4 x tensor 2
     python -m parity.check_train --dtype bfloat16         # bf16 against the fp32 reference, next to torch autocast's
     python -m parity.check_train --remat block            # each setting of ours the same: --attention, --remat,
-    python -m parity.check_train --loss-chunk 8           # --loss-chunk, --scan_layers (train.py's settings of
-                                                          # the same names)
+    python -m parity.check_train --loss-chunk 8           # --loss-chunk, --scan_layers (train.py's, same names)
     python -m parity.check_train --model gpt2 --steps 3   # gpt2-shaped random weights (124M; slow on a CPU)
     python -m parity.check_train --model DIR              # any HF GPT-2 directory (save_pretrained)
     python -m parity.check_train --config shakespeare_char --steps 200   # golden run on the bundled data
@@ -21,7 +20,6 @@ Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input.
 
 import argparse
 import os
-import pickle
 import re
 import subprocess
 import sys
@@ -31,29 +29,27 @@ from typing import NamedTuple
 
 import numpy as np
 
-from configurator import InputNotFound, UsageError, exit_on_bad_input
+from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
+from dataloader import data_dir_for, data_meta, make_loader
 from parity.common import HF_SIZES, max_abs, pin_numerics, print_table, random_hf_model, verdict
+
+# jax, and our modules on it (model, settings, sharding, train_step, weights), are imported where they are used:
+# bad arguments fail before jax loads, in a fraction of a second (parse_args)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# fp32 tolerances, judged at every step and, for the params, after the last. Measured on the tiny run (50 steps,
-# 2-core CPU, README "Parity"), seed 0 with accum 1 / accum 4 / 8 devices / 8 devices + accum 4, and the worst
-# of seeds 0-3 x {1 device, 8 devices + accum 4}:
-LOSS_TOL = 1e-5  # |loss diff| / loss; measured 4.9e-7 / 2.1e-7 / 2.3e-7 / 3.2e-7, worst 1.1e-6
-GRAD_NORM_TOL = 1e-4  # |pre-clip grad norm diff| / grad norm; measured 4.4e-7 / 3.3e-7 / 2.1e-6 / 4.9e-6, worst 1.4e-5
-LR_TOL = 1e-6  # |lr diff| / lr (train_step.get_lr in float32, nanoGPT's in float64); measured 2.1e-7 everywhere
-PARAM_NORM_TOL = 2e-4  # ||param diff|| / ||param|| per tensor group; measured 1.6e-6 / 1.6e-6 / 5.0e-6 / 9.2e-6,
-# worst 3.3e-5
-# max |param diff| / max |param| per tensor group: measured 4.1e-6 / 4.4e-6 / 3.6e-5 / 7.6e-5, worst 2.0e-4, and
-# 5.2e-4 after 3 steps of --model gpt2. Adam sets this one: an element whose first gradient is below its eps (1e-8)
-# steps by lr * g / (|g| + eps), a size that rounding noise in g decides (seen: sqrt(v) 8e-10 against a median
-# 1.3e-4), and a large model has many such elements. So a loose bar for gross errors; ||Δ|| is the tight one.
+# fp32 tolerances, judged at every step and, for the params, after the last (the README's Parity table has the
+# figures measured over seeds, accumulation and devices: each well inside its bar)
+LOSS_TOL = 1e-5  # |loss diff| / loss
+GRAD_NORM_TOL = 1e-4  # |pre-clip grad norm diff| / grad norm
+LR_TOL = 1e-6  # |lr diff| / lr (train_step.get_lr in float32, nanoGPT's in float64)
+PARAM_NORM_TOL = 2e-4  # ||param diff|| / ||param|| per tensor group: the tight check of the params
+# max |param diff| / max |param| per tensor group, a loose bar for gross errors: Adam steps an element whose first
+# gradient is below its eps (1e-8) by lr * g / (|g| + eps), a size that rounding noise in g decides
 PARAM_TOL = 1e-2
-# bf16, judged against the fp32 reference: our errors may be at most BF16_FACTOR times PyTorch autocast's, in
-# the mean over steps of |Δloss|/loss and |Δgnorm|/gnorm and the worst tensor group's ||Δparam||/||param||.
-# Measured (tiny, 50 steps; ours / autocast's): with the bias added in bf16 (model.py before its Linear), 1.7 / 2.7 /
-# 4.2 (seed 0; seeds 1-3 up to 1.2 / 2.3 / 5.0): NOT OK. With the bias added in float32, as model.py does now,
-# seeds 0-3 at most 1.1 / 1.6 / 1.2. Training is noisier than a forward pass (check_logits allows 1.5x): each run drifts chaotically.
+# bf16, against the fp32 reference: our errors at most BF16_FACTOR times PyTorch autocast's, in the mean over steps of
+# |Δloss|/loss and |Δgnorm|/gnorm and the worst tensor group's ||Δparam||/||param||: training drifts more than a
+# forward pass (check_logits allows 1.5x). The Linears' biases added in bf16, not float32 as model.py does, fail it.
 BF16_JUDGED = ("mean_loss_rel", "mean_grad_norm_rel", "param_norm_rel")
 BF16_FACTOR = 2.0
 
@@ -69,9 +65,7 @@ GOLDEN_OVERRIDES = ["--block_size=64", "--batch_size=12", "--n_layer=4", "--n_he
                     "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0", "--bias=True"]
 # The key bias adds q.b_k to every attention score of a query, a shift softmax ignores: its gradient is 0 in
 # exact arithmetic, so both sides move it only by rounding noise, which Adam divides by sqrt(v) ~ |noise| and
-# turns into real steps. Measured (tiny, 50 steps): it moves 1.9e-3 of its scale and the two sides differ by
-# 2.9e-3; from GPT-2's zero init (golden run) the two sides' key biases are unrelated. The loss cannot see them.
-# Shown, not judged.
+# turns into real steps, unrelated between the two sides. The loss cannot see them. Shown, not judged.
 UNJUDGED = {"h.*.attn.c_attn.bias[k]"}
 
 
@@ -92,50 +86,43 @@ class Run(NamedTuple):
 # --- the two sides ---------------------------------------------------------------------------------
 
 class JaxTrainer:
-    """train.py's optimizer and jitted step on sharding.py's mesh over `devices`, set up as train.Trainer does:
-    params and optimizer state split by sharding.PARAM_SPECS, the batch's rows over data x fsdp."""
+    """train.py's optimizer, state and jitted step, in `dtype`, on sharding.py's mesh over run.devices: params and
+    optimizer state from train_step.init_state (split by sharding.PARAM_SPECS), the batch's rows over data x fsdp."""
 
-    def __init__(self, model_dir, c, devices, batch_shape, fsdp=1, tensor_parallel=1):
+    def __init__(self, run, dtype):
         import jax
-        from flax import nnx
 
         import sharding
         import train_step
-        from model import GPT, RUNTIME_FIELDS
+        from model import RUNTIME_FIELDS, GPTConfig
+        from weights import read_pretrained
 
-        self.c = c
-        mesh = sharding.make_mesh(fsdp, tensor_parallel, jax.devices()[:devices])
-        model = GPT.from_pretrained(model_dir, mesh=mesh, **{k: c[k] for k in RUNTIME_FIELDS})
-        sharding.check_model_fits_mesh(model.config, mesh)
-        self.graphdef, params = nnx.split(model)
-        self.batch_sharding = sharding.batch_sharding(mesh)
+        c = dict(run.c, dtype=dtype)
+        config_args, state, _ = read_pretrained(run.model_dir)
+        config = GPTConfig(**config_args, **{k: c[k] for k in RUNTIME_FIELDS})
+        mesh = sharding.make_mesh(run.fsdp, run.tensor_parallel, jax.devices()[:run.devices])
+        sharding.check_model_fits_mesh(config, mesh)
         tx = train_step.make_optimizer(c)
-        self.params = jax.device_put(params, sharding.shardings_for(params, mesh))
-        opt_shardings = sharding.shardings_for(jax.eval_shape(tx.init, self.params), mesh)
-        self.opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(self.params)
+        self.graphdef, params, opt_state = train_step.init_state(config, mesh, tx, weights=state)
+        self.batch_sharding = sharding.batch_sharding(mesh)
         step = train_step.make_train_step(self.graphdef, tx, c["grad_clip"])
-        self.train_step, _, _ = train_step.compile_step(step, self.params, self.opt_state, batch_shape,
-                                                        self.batch_sharding)
-        self.base_key = jax.random.key(c["seed"])
-        self.iter_num = 0
-
-    def lr(self):
-        """The lr of the next update: train_step.get_lr at the optimizer's own schedule count."""
-        import train_step
-
-        return float(train_step.get_lr(train_step.schedule_count(self.opt_state), self.c))
+        batch_shape = (run.accum, run.rows // run.accum, run.seq_len)  # (accum, B, T)
+        self.train_step, _, _ = train_step.compile_step(step, params, opt_state, batch_shape, self.batch_sharding)
+        self.defs = jax.tree.structure(params), jax.tree.structure(opt_state)
+        self.state = jax.tree.leaves(params), jax.tree.leaves(opt_state)  # as train.py's loop holds them
+        self.c, self.base_key, self.iter_num = c, jax.random.key(c["seed"]), 0
 
     def step(self, x, y):
         import jax
 
-        lr = self.lr()
-        key = jax.random.fold_in(self.base_key, self.iter_num)  # as Trainer (dropout is 0: unused)
-        # one process: device_put is Trainer's make_array_from_process_local_data
+        import train_step
+
+        # the lr of this update: train_step.get_lr at the optimizer's own schedule count
+        lr = float(train_step.get_lr(train_step.schedule_count(self.defs[1].unflatten(self.state[1])), self.c))
+        key = jax.random.fold_in(self.base_key, self.iter_num)  # as train.py (dropout is 0: unused)
+        # one process: device_put is train.py's make_array_from_process_local_data
         x, y = jax.device_put(x, self.batch_sharding), jax.device_put(y, self.batch_sharding)
-        leaves = self.train_step(jax.tree.leaves(self.params), jax.tree.leaves(self.opt_state), x, y, key)
-        self.params = jax.tree.unflatten(jax.tree.structure(self.params), leaves[0])
-        self.opt_state = jax.tree.unflatten(jax.tree.structure(self.opt_state), leaves[1])
-        metrics = leaves[2]
+        *self.state, metrics = self.train_step(*self.state, x, y, key)
         self.iter_num += 1
         return {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]), "lr": lr}
 
@@ -144,16 +131,14 @@ class JaxTrainer:
 
         from weights import state_dict
 
-        return state_dict(nnx.merge(self.graphdef, self.params))
+        return state_dict(nnx.merge(self.graphdef, self.defs[0].unflatten(self.state[0])))
 
 
 def make_trainers(run, dtype):
     """{side: constructor}: torch fp32 (the reference), ours in `dtype`, and torch autocast-bf16 for bf16."""
     from parity.torch_reference import TorchTrainer
 
-    sides = {"torch": lambda: TorchTrainer(run.model_dir, run.c),
-             "jax": lambda: JaxTrainer(run.model_dir, dict(run.c, dtype=dtype), run.devices,
-                                       (run.accum, run.rows // run.accum, run.seq_len), run.fsdp, run.tensor_parallel)}
+    sides = {"torch": lambda: TorchTrainer(run.model_dir, run.c), "jax": lambda: JaxTrainer(run, dtype)}
     if dtype == "bfloat16":
         sides["torch_bf16"] = lambda: TorchTrainer(run.model_dir, run.c, autocast_bf16=True)
     return sides
@@ -174,22 +159,21 @@ def make_batches(run):
     depend on (seed, step) only, not on how its rows split into micro-batches or devices."""
     import jax
 
-    from dataloader import make_loader
-
     if run.c["dropout"] != 0.0:
         raise UsageError("training parity needs dropout 0: the two frameworks draw different dropout masks")
-    shards = run.devices // run.tensor_parallel  # data x fsdp: the devices of a tensor group share rows
-    if run.rows % (run.accum * shards):
-        raise UsageError(f"{run.rows} rows per step do not split into {run.accum} micro-batch(es) over "
-                         f"{shards} batch shard(s): rows must be divisible by accum x data x fsdp")
+    check_rows(run.rows, run.accum, run.devices, run.tensor_parallel)
     if run.devices > jax.device_count():
         raise UsageError(f"{run.devices} devices asked for, {jax.device_count()} here")
-    loader = make_loader(run.data_dir, "train", run.seq_len, run.rows // run.accum, run.c["seed"])
-    batches = [loader.next(run.accum) for _ in range(run.steps)]
-    vocab = hf_vocab_size(run.model_dir)
-    if max(int(x.max()) for x, _ in batches) >= vocab:
-        raise UsageError(f"{run.data_dir} holds token ids >= the model's vocab_size {vocab}")
-    return batches
+    loader = make_loader(run.data_dir, "train", run.seq_len, run.rows // run.accum, run.c["seed"],
+                         vocab_size=hf_vocab_size(run.model_dir))
+    return [loader.next(run.accum) for _ in range(run.steps)]
+
+
+def check_rows(rows, accum, devices, tensor_parallel):
+    shards = devices // tensor_parallel  # data x fsdp: the devices of a tensor group share rows
+    if rows % (accum * shards):
+        raise UsageError(f"{rows} rows per step do not split into --accum {accum} micro-batches over {shards} batch "
+                         "shards (data x fsdp): rows per step must be divisible by accum x data x fsdp")
 
 
 # --- the comparison ----------------------------------------------------------------------------------
@@ -206,31 +190,20 @@ def split_qkv(state):
     return out
 
 
-def group_of(name):
-    """HF name -> its group across layers: transformer.h.3.attn.c_proj.weight -> h.*.attn.c_proj.weight."""
-    return re.sub(r"^h\.\d+\.", "h.*.", name.removeprefix("transformer."))
-
-
 def param_diffs(ref, test, initial):
     """{group: {"max": max |test - ref| / max |ref|, "norm": ||test - ref|| / ||ref||, "moved": max |ref - initial|
     / max |ref|, "decayed": bool}} per tensor group."""
     ref, test, initial = split_qkv(ref), split_qkv(test), split_qkv(initial)
     groups = {}
-    for name in ref:
-        groups.setdefault(group_of(name), []).append(name)
+    for name in ref:  # a group across layers: transformer.h.3.attn.c_proj.weight -> h.*.attn.c_proj.weight
+        groups.setdefault(re.sub(r"^h\.\d+\.", "h.*.", name.removeprefix("transformer.")), []).append(name)
     out = {}
     for group, names in groups.items():
-        r = np.concatenate([ref[n].astype(np.float64).ravel() for n in names])
-        t = np.concatenate([test[n].astype(np.float64).ravel() for n in names])
-        i = np.concatenate([initial[n].astype(np.float64).ravel() for n in names])
+        r, t, i = (np.concatenate([s[n].astype(np.float64).ravel() for n in names]) for s in (ref, test, initial))
         scale = np.max(np.abs(r))
         out[group] = {"max": np.max(np.abs(t - r)) / scale, "norm": np.linalg.norm(t - r) / np.linalg.norm(r),
                       "moved": np.max(np.abs(r - i)) / scale, "decayed": ref[names[0]].ndim >= 2}
     return out
-
-
-def worst_judged(diffs, key):
-    return float(max(d[key] for group, d in diffs.items() if group not in UNJUDGED))
 
 
 def rel(a, b):
@@ -243,36 +216,42 @@ def shown_steps(steps):
     return sorted(set(range(0, steps, stride)) | {steps - 1})
 
 
-def print_params(run, diffs):
-    print_table([[g, "yes" if d["decayed"] else "no", d["moved"], d["max"], d["norm"],
-                  "no (zero gradient)" if g in UNJUDGED else "yes"] for g, d in diffs.items()],
-                [f"params after {run.steps} steps", "decayed", "moved (rel)", "max |Δparam| (rel)",
-                 "||Δparam|| (rel)", "judged"])
+def side_figures(results, side):
+    """(per step {"loss", "grad_norm", "lr"}: |side - ref| / ref, param_diffs, figures) of results[side] against
+    the fp32 reference: the worst step's, the mean over steps and the worst judged tensor group's."""
+    ref, ours = results["torch"]["records"], results[side]["records"]
+    per_step = {k: [rel(o[k], r[k]) for r, o in zip(ref, ours)] for k in ("loss", "grad_norm", "lr")}
+    diffs = param_diffs(results["torch"]["final"], results[side]["final"], results["torch"]["initial"])
+    judged = [d for group, d in diffs.items() if group not in UNJUDGED]
+    figures = {"mean_loss_rel": float(np.mean(per_step["loss"])), "loss_rel": max(per_step["loss"]),
+               "mean_grad_norm_rel": float(np.mean(per_step["grad_norm"])), "grad_norm_rel": max(per_step["grad_norm"]),
+               "param_rel": float(max(d["max"] for d in judged)),
+               "param_norm_rel": float(max(d["norm"] for d in judged)),
+               "lr_rel": max(per_step["lr"])}
+    return per_step, diffs, figures
 
 
 def report_fp32(run, results):
     ref, ours = results["torch"]["records"], results["jax"]["records"]
-    per_step = {"|Δloss|/loss": [rel(o["loss"], r["loss"]) for r, o in zip(ref, ours)],
-                "|Δgnorm|/gnorm": [rel(o["grad_norm"], r["grad_norm"]) for r, o in zip(ref, ours)],
-                "|Δlr|/lr": [rel(o["lr"], r["lr"]) for r, o in zip(ref, ours)]}
+    per_step, diffs, figures = side_figures(results, "jax")
     clip = run.c["grad_clip"]
     print_table([[str(i), ref[i]["lr"], ours[i]["lr"], f"{ref[i]['loss']:.6f}", f"{ours[i]['loss']:.6f}",
-                  per_step["|Δloss|/loss"][i], f"{ref[i]['grad_norm']:.5f}", f"{ours[i]['grad_norm']:.5f}",
-                  per_step["|Δgnorm|/gnorm"][i], "yes" if ref[i]["grad_norm"] > clip > 0 else ""]
+                  per_step["loss"][i], f"{ref[i]['grad_norm']:.5f}", f"{ours[i]['grad_norm']:.5f}",
+                  per_step["grad_norm"][i], "yes" if ref[i]["grad_norm"] > clip > 0 else ""]
                  for i in shown_steps(run.steps)],
                 ["step", "lr torch", "lr jax", "loss torch", "loss jax", "|Δloss|/loss", "gnorm torch", "gnorm jax",
                  "|Δgnorm|/gnorm", "clipped"])
     gaps = [abs(o["loss"] - r["loss"]) for r, o in zip(ref, ours)]
+    names = {"loss": "|Δloss|/loss", "grad_norm": "|Δgnorm|/gnorm", "lr": "|Δlr|/lr"}
     print(f"max loss gap {max(gaps):.3g} (step {int(np.argmax(gaps))}); worst step: " + ", ".join(
-        f"{k} {max(v):.3g} (step {int(np.argmax(v))})" for k, v in per_step.items()))
+        f"{names[k]} {max(v):.3g} (step {int(np.argmax(v))})" for k, v in per_step.items()))
     print()
-    diffs = param_diffs(results["torch"]["final"], results["jax"]["final"], results["torch"]["initial"])
-    print_params(run, diffs)
+    print_table([[g, "yes" if d["decayed"] else "no", d["moved"], d["max"], d["norm"],
+                  "no (zero gradient)" if g in UNJUDGED else "yes"] for g, d in diffs.items()],
+                [f"params after {run.steps} steps", "decayed", "moved (rel)", "max |Δparam| (rel)",
+                 "||Δparam|| (rel)", "judged"])
     print(f"ms per step after the first: torch {results['torch']['ms']:.0f}, jax {results['jax']['ms']:.0f}")
-    figures = {"loss_rel": max(per_step["|Δloss|/loss"]), "grad_norm_rel": max(per_step["|Δgnorm|/gnorm"]),
-               "lr_rel": max(per_step["|Δlr|/lr"]), "param_rel": worst_judged(diffs, "max"),
-               "param_norm_rel": worst_judged(diffs, "norm"), "loss_gap": max(gaps),
-               "losses": [o["loss"] for o in ours], "ref_losses": [r["loss"] for r in ref]}
+    figures.update(loss_gap=max(gaps), losses=[o["loss"] for o in ours], ref_losses=[r["loss"] for r in ref])
     ok = (figures["loss_rel"] <= LOSS_TOL and figures["grad_norm_rel"] <= GRAD_NORM_TOL
           and figures["lr_rel"] <= LR_TOL and figures["param_rel"] <= PARAM_TOL
           and figures["param_norm_rel"] <= PARAM_NORM_TOL)
@@ -283,26 +262,15 @@ def report_fp32(run, results):
 
 def report_bf16(run, results):
     ref = results["torch"]["records"]
-    sides = {"jax bf16": results["jax"], "torch autocast-bf16": results["torch_bf16"]}
-    recs = [s["records"] for s in sides.values()]
+    sides = {"jax bf16": "jax", "torch autocast-bf16": "torch_bf16"}
+    recs = [results[side]["records"] for side in sides.values()]
     print_table([[str(i), ref[i]["lr"], f"{ref[i]['loss']:.5f}"] + [f"{r[i]['loss']:.5f}" for r in recs]
                  + [f"{ref[i]['grad_norm']:.4f}"] + [f"{r[i]['grad_norm']:.4f}" for r in recs]
                  for i in shown_steps(run.steps)],
                 ["step", "lr", "loss fp32", "loss jax bf16", "loss torch bf16", "gnorm fp32", "gnorm jax bf16",
                  "gnorm torch bf16"])
     print()
-    figures = {}
-
-    def diffs(side):
-        return param_diffs(results["torch"]["final"], side["final"], results["torch"]["initial"])
-
-    for name, s in sides.items():
-        loss_rel = [rel(o["loss"], r["loss"]) for r, o in zip(ref, s["records"])]
-        norm_rel = [rel(o["grad_norm"], r["grad_norm"]) for r, o in zip(ref, s["records"])]
-        figures[name] = {"mean_loss_rel": float(np.mean(loss_rel)), "loss_rel": max(loss_rel),
-                         "mean_grad_norm_rel": float(np.mean(norm_rel)), "grad_norm_rel": max(norm_rel),
-                         "param_rel": worst_judged(diffs(s), "max"), "param_norm_rel": worst_judged(diffs(s), "norm"),
-                         "lr_rel": max(rel(o["lr"], r["lr"]) for r, o in zip(ref, s["records"]))}
+    figures = {name: side_figures(results, side)[2] for name, side in sides.items()}
     keys = ["mean_loss_rel", "loss_rel", "mean_grad_norm_rel", "grad_norm_rel", "param_rel", "param_norm_rel"]
     print_table([[f"{name} vs torch fp32"] + [f[k] for k in keys] for name, f in figures.items()],
                 ["", "mean |Δloss|/loss", "max", "mean |Δgnorm|/gnorm", "max", "max |Δparam| (rel)",
@@ -363,24 +331,17 @@ def config_path(name):
 
 def make_run(args, tmp):
     """The Run for the parsed arguments, with the model directory and data it needs written under tmp."""
-    import train
+    from settings import DEFAULTS
 
     model_dir = os.path.join(tmp, "model")
     if args.config:
-        from configurator import configure
         from flax import nnx
 
         from model import GPT, GPTConfig
 
-        c = configure(train.DEFAULTS, [config_path(args.config), *GOLDEN_OVERRIDES])
-        data_dir = os.path.join(REPO, "data", c["dataset"])
-        data_dir = data_dir if os.path.isdir(data_dir) else c["dataset"]
-        vocab_size = c["vocab_size"]  # as train.py: the setting, else meta.pkl's, else GPT-2's padded 50304
-        meta = os.path.join(data_dir, "meta.pkl")
-        if not vocab_size and os.path.exists(meta):
-            with open(meta, "rb") as f:
-                vocab_size = pickle.load(f)["vocab_size"]
-        vocab_size = vocab_size or 50304
+        c = configure(DEFAULTS, [config_path(args.config), *GOLDEN_OVERRIDES])
+        data_dir = os.path.abspath(data_dir_for(c["dataset"]))
+        vocab_size = c["vocab_size"] or data_meta(data_dir)[0] or 50304  # as train.py: the setting, meta.pkl's, GPT-2's
         config = GPTConfig(block_size=c["block_size"], vocab_size=vocab_size, n_layer=c["n_layer"],
                            n_head=c["n_head"], n_embd=c["n_embd"], dropout=0.0, bias=True)
         GPT(config, nnx.Rngs(c["seed"])).save_pretrained(model_dir)  # train.py's init from scratch, ours -> torch
@@ -389,7 +350,7 @@ def make_run(args, tmp):
         defaults = TINY_RUN if args.model == "tiny" else LARGE_RUN
         # nanoGPT's defaults, the schedule squeezed into the run: warmup for the first fifth of the steps,
         # cosine decay until four fifths, then min_lr
-        c = dict(train.DEFAULTS, learning_rate=defaults["learning_rate"], min_lr=defaults["min_lr"],
+        c = dict(DEFAULTS, learning_rate=defaults["learning_rate"], min_lr=defaults["min_lr"],
                  warmup_iters=max(args.steps // 5, 1), lr_decay_iters=max(args.steps * 4 // 5, 2), dropout=0.0,
                  bias=True, seed=args.seed)
         if args.model == "tiny" or args.model in HF_SIZES:
@@ -424,10 +385,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="rows per step, over all micro-batches and devices")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="random weights and data (not --config's)")
-    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "splash"],
-                   help="ours (train.py's setting)")
-    p.add_argument("--remat", default="none", choices=["none", "block", "dots", "qkv_proj"],
-                   help="ours (train.py's setting)")
+    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "splash"], help="ours (train.py's)")
+    p.add_argument("--remat", default="none", choices=["none", "block", "dots", "qkv_proj"], help="ours (train.py's)")
     p.add_argument("--loss-chunk", type=int, default=0, help="ours: positions per loss chunk, 0 = none (train.py's)")
     p.add_argument("--scan_layers", action="store_true", help="ours: the blocks under one lax.scan (train.py's)")
     args = p.parse_args(argv)
@@ -453,19 +412,8 @@ def parse_args(argv=None):
                          f"got {args.model!r}")
     else:
         rows = args.batch_size or (TINY_RUN if args.model == "tiny" else LARGE_RUN)["rows"]
-        shards = args.devices // args.tensor_parallel
-        if rows % (args.accum * shards):
-            raise UsageError(f"{rows} rows per step do not split into --accum {args.accum} micro-batches over "
-                             f"{shards} batch shards (data x fsdp): rows (--batch-size) must be divisible by "
-                             "accum x data x fsdp")
+        check_rows(rows, args.accum, args.devices, args.tensor_parallel)
     return args
-
-
-def check_args(args):
-    """check() on the Run the arguments describe; (ok, figures)."""
-    pin_numerics()  # before anything is saved: no progress bars
-    with tempfile.TemporaryDirectory() as tmp:
-        return check(make_run(args, tmp), args.dtype)
 
 
 def rerun_with_fake_devices(argv, devices, have):
@@ -490,7 +438,9 @@ def main(argv=None):
     sharding.start_backend()
     if args.devices > jax.device_count():
         return rerun_with_fake_devices(argv, args.devices, jax.device_count())
-    ok, _ = check_args(args)
+    pin_numerics()  # before anything is saved: no progress bars
+    with tempfile.TemporaryDirectory() as tmp:
+        ok, _ = check(make_run(args, tmp), args.dtype)
     return 0 if ok else 1
 
 

@@ -6,6 +6,8 @@ norm: see global_norm), optional bf16 autocast. Runs on CPU.
 """
 
 import math
+import os
+import tempfile
 
 import numpy as np
 
@@ -98,3 +100,50 @@ class TorchTrainer:
         """{HF name: float32 numpy}, without the tied lm_head.weight and the attention-mask buffers."""
         return {k: v.detach().float().numpy().copy() for k, v in self.model.state_dict().items()
                 if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))}
+
+
+def nanogpt_train_loop(model, r, data_dir):
+    """nanoGPT's train.py loop on `model` with the settings `r` (bench_train.MAIN_RUN): the random windows of
+    get_batch, get_lr, clip_grad_norm_, an eval of eval_iters batches per split every eval_interval iterations, a
+    checkpoint (torch.save) when val improves, loss.item() every iteration. Returns the last eval's losses."""
+    import torch
+
+    def get_batch(split):
+        data = np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
+        ix = torch.randint(len(data) - r["block_size"], (r["batch_size"],))
+        x = torch.stack([torch.from_numpy(data[i:i + r["block_size"]].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + r["block_size"]].astype(np.int64)) for i in ix])
+        return x, y
+
+    opt = configure_optimizers(model, r)
+
+    @torch.no_grad()
+    def estimate_loss():
+        model.eval()
+        out = {split: float(torch.stack([model(*get_batch(split))[1] for _ in range(r["eval_iters"])]).mean())
+               for split in ("train", "val")}
+        model.train()
+        return out
+
+    best_val, losses = 1e9, None
+    X, Y = get_batch("train")
+    with tempfile.TemporaryDirectory() as out_dir:
+        for it in range(r["max_iters"] + 1):
+            for group in opt.param_groups:
+                group["lr"] = get_lr(it, r)
+            if it % r["eval_interval"] == 0:
+                losses = estimate_loss()
+                if losses["val"] < best_val and it > 0:
+                    best_val = losses["val"]
+                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                               os.path.join(out_dir, "ckpt.pt"))
+            if it == r["max_iters"]:
+                break
+            _, loss = model(X, Y)
+            X, Y = get_batch("train")
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), r["grad_clip"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss.item()
+    return losses

@@ -1,6 +1,17 @@
-"""Shared test helpers."""
+"""Shared test helpers: tiny settings, train.py in-process and as a command, what a run leaves behind."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
 
 import numpy as np
+
+import train
+from configurator import configure
+from settings import DEFAULTS
+
 
 
 def assert_close(actual, expected, rtol=0.0, atol=0.0, what=""):
@@ -17,3 +28,52 @@ def tiny_config(**kw):
     from model import GPTConfig
 
     return GPTConfig(**{"block_size": 32, "vocab_size": 128, "n_layer": 2, "n_head": 2, "n_embd": 64, **kw})
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4",
+        "--gradient_accumulation_steps=1", "--eval_iters=2", "--eval_interval=1000", "--log_interval=1",
+        "--max_iters=4", "--warmup_iters=2", "--lr_decay_iters=10", "--learning_rate=1e-2", "--dtype=float32",
+        "--dropout=0.0", "--bias=True"]
+
+
+def settings(dataset, out_dir, *extra):
+    return configure(DEFAULTS, TINY + [f"--dataset={dataset}", f"--out_dir={out_dir}", *extra])
+
+
+def run(dataset, out_dir, *extra):
+    return train.Trainer(settings(dataset, out_dir, *extra)).run()
+
+
+def read_log(out_dir, key):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [(r["iter"], r[key]) for r in map(json.loads, f) if key in r]
+
+
+def train_cli(args, devices=1, env=None, **kw):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def snapshot(path):
+    return {os.path.join(r, f): os.stat(os.path.join(r, f)).st_mtime_ns for r, _, fs in os.walk(path) for f in fs}
+
+
+def one_line_error(result, code):
+    err = result.stderr.strip()
+    assert result.returncode == code and err.startswith("error: ") and "\n" not in err, result.stderr[-3000:]
+    return err
+
+
+def popen_train(args, process_id, port, devices=2):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(process_id)}
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)

@@ -26,10 +26,8 @@ import sample
 import train
 import train_step
 from configurator import UsageError
-from helpers import tiny_config
+from helpers import REPO, TINY, one_line_error, run, settings, tiny_config, train_cli
 from model import GPT
-from test_reliability import one_line_error
-from test_train import REPO, TINY, dataset, run, settings, train_cli  # noqa: F401 (dataset: a fixture)
 
 
 def flip_bit(path, offset, bit):

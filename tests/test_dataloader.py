@@ -17,7 +17,7 @@ import pytest
 import checkpoint
 from configurator import RunStopped, UsageError
 from dataloader import BinLoader, Prefetcher, ShardLoader, make_loader
-from test_train import REPO, TINY, run, snapshot
+from helpers import REPO, TINY, run, snapshot
 
 FIX = "the run stopped; restore the file and resume with --init_from=resume"
 NPY_HEADER = 128  # bytes before the tokens of a 1-D array np.save writes (format 1.0)
@@ -154,8 +154,7 @@ def test_prefetcher_gives_the_loaders_batches_and_the_position_after_the_last_ta
 
 def test_prefetcher_raises_a_read_error_at_the_batch_that_hit_it(tmp_path):
     np.full(200, 70, np.uint16).tofile(tmp_path / "train.bin")
-    loader = BinLoader(str(tmp_path / "train.bin"), block_size=4, rows=2, seed=0)
-    loader.vocab_size = 64  # every id (70) is outside it
+    loader = BinLoader(str(tmp_path / "train.bin"), block_size=4, rows=2, seed=0, vocab_size=64)  # every id is 70
     ahead = Prefetcher(loader, accum=1, put=np.copy)
     with pytest.raises(UsageError, match="outside the model's vocabulary"):
         ahead.next()

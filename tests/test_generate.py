@@ -77,7 +77,7 @@ def test_filters_match_numpy_and_transformers():
         assert same_support and same_support_hf, setting
         assert vs_numpy <= FILTER_PROB_TOL and vs_hf <= FILTER_PROB_TOL, (setting, vs_numpy, vs_hf)
     # and they bite: top_k=1 keeps the argmax alone (a tie-free row)
-    from model import filter_logits
+    from generate import filter_logits
 
     logits = jax.random.normal(jax.random.key(0), (4, 100))
     kept = np.isfinite(np.asarray(filter_logits(logits, 0.7, top_k=1)))

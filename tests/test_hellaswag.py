@@ -1,8 +1,9 @@
 """python -m pytest tests/test_hellaswag.py -q
 
-HellaSwag: the jsonl reader and its errors, build-nanogpt's rendering, the batched JAX scorer against a numpy
-computation from full logits and against the torch reference (transformers' GPT2LMHeadModel) on a random HF
-checkpoint, 8 fake devices against 1, and the CLI end to end.
+HellaSwag: the jsonl reader and its errors, build-nanogpt's rendering, accuracies worked by hand, the batched
+JAX scorer against a numpy computation from full logits and against the torch reference (transformers'
+GPT2LMHeadModel, parity/check_hellaswag.py) on a random HF checkpoint, 8 fake devices against 1, and both
+command lines (hellaswag.py, python -m parity.check_hellaswag) end to end, in process.
 """
 
 import json
@@ -16,7 +17,9 @@ import numpy as np
 import pytest
 
 import hellaswag
+from configurator import exit_on_bad_input
 from helpers import assert_close
+from parity import check_hellaswag
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "hellaswag_small.jsonl"
@@ -81,7 +84,7 @@ def test_rendering_matches_build_nanogpt(examples):
         assert r.endings == [enc.encode(" " + e) for e in ex["endings"]]
         # the space belongs to the ending's first token, punctuation included
         assert all(enc.decode(e[:1])[0] == " " for e in r.endings)
-        tokens, mask = hellaswag.render_rows(r)
+        tokens, mask = check_hellaswag.render_rows(r)
         assert tokens.shape == mask.shape == (4, len(r.ctx) + max(len(e) for e in r.endings))
         for i, e in enumerate(r.endings):
             n = len(r.ctx) + len(e)
@@ -110,17 +113,16 @@ def test_batches_score_only_ending_tokens(examples):
     for L, E, n, idx in plan:
         assert len(idx) <= n and L in hellaswag.LENGTH_BUCKETS and E in hellaswag.ENDING_BUCKETS
         b = hellaswag.make_batch([examples[i] for i in idx], n, L, E)
-        assert b.tokens.shape == (4 * n, L) and b.pos.shape == b.targets.shape == b.valid.shape == (4 * n, E)
+        assert b.tokens.shape == (4 * n, L) and b.pos.shape == b.targets.shape == (4 * n, E)
         for k, i in enumerate(idx):
             r = examples[i]
             for j, e in enumerate(r.endings):
                 row = 4 * k + j
-                assert b.valid[row].sum() == len(e) and b.valid[row, : len(e)].all()
-                assert b.targets[row, : len(e)].tolist() == e
+                assert b.targets[row].tolist() == e + [-1] * (E - len(e))  # -1: not scored
                 # each target is the token right after the position that predicts it
                 assert b.tokens[row, b.pos[row, : len(e)] + 1].tolist() == e
                 assert b.pos[row, 0] == len(r.ctx) - 1
-        assert not b.valid[4 * len(idx):].any()  # filler rows are never scored
+        assert (b.targets[4 * len(idx):] == -1).all()  # filler rows are never scored
 
 
 def test_padding_never_changes_a_loss(model, examples):
@@ -157,7 +159,7 @@ def test_scorer_matches_numpy_from_full_logits(model, examples, jax_score):
     forward = nnx.jit(lambda model, idx: model(idx)[0])  # one shape for all: rows right-padded to block_size
     assert jax_score.count == len(examples) == 20
     for r, res in zip(examples, jax_score.results):
-        tokens, mask = hellaswag.render_rows(r)
+        tokens, mask = check_hellaswag.render_rows(r)
         padded = np.zeros((4, TINY["n_positions"]), np.int32)
         padded[:, : tokens.shape[1]] = tokens
         logits = np.asarray(forward(model, jnp.asarray(padded)), np.float64)  # (4, 128, vocab)
@@ -173,14 +175,31 @@ def test_scorer_matches_numpy_from_full_logits(model, examples, jax_score):
         assert_close(res.mean_losses, want_mean, rtol=LOSS_RTOL, what=f"line {r.line} mean losses")
         assert res.pred == int(np.argmin(want_sum)) and res.pred_norm == int(np.argmin(want_mean))
         assert res.label == r.label and res.line == r.line
-    assert jax_score.acc == np.mean([x.pred == x.label for x in jax_score.results])
-    assert jax_score.acc_norm == np.mean([x.pred_norm == x.label for x in jax_score.results])
+
+
+def test_accuracies_worked_by_hand():
+    """acc counts the lowest summed loss, acc_norm the lowest mean loss; a tie goes to the lower index."""
+    cases = [  # label, summed losses, ending lengths -> pred, pred_norm
+        (0, [4.0, 6.0, 9.0, 8.0], [1, 2, 3, 4], 0, 3),  # means 4, 3, 3, 2: acc right, acc_norm wrong
+        (1, [3.0, 1.0, 1.0, 5.0], [2, 2, 2, 2], 1, 1),  # a tie, both right
+        (0, [2.0, 3.0, 4.0, 4.0], [1, 1, 1, 4], 0, 3),  # means 2, 3, 4, 1: acc right, acc_norm wrong
+        (3, [5.0, 5.0, 6.0, 2.0], [1, 1, 1, 1], 3, 3),  # both right
+        (0, [2.0, 1.0, 3.0, 3.0], [1, 1, 1, 1], 1, 1),  # both wrong
+    ]
+    results = []
+    for line, (label, sums, lengths, pred, pred_norm) in enumerate(cases, 1):
+        r = hellaswag.Rendered([1], [[7] * n for n in lengths], label, line)
+        res = hellaswag.make_result(r, sums, [s / n for s, n in zip(sums, lengths)])
+        assert (res.pred, res.pred_norm, res.line) == (pred, pred_norm, line)
+        results.append(res)
+    score = hellaswag.summarize(results)
+    assert (score.acc, score.acc_norm, score.count) == (4 / 5, 2 / 5, 5)
 
 
 def test_jax_matches_torch_reference(hf_dir, examples, jax_score):
     from weights import load_hf_model
 
-    ref = hellaswag.evaluate_torch(load_hf_model(hf_dir), examples)
+    ref = check_hellaswag.evaluate_torch(load_hf_model(hf_dir), examples)
     assert [(x.pred, x.pred_norm) for x in jax_score.results] == [(x.pred, x.pred_norm) for x in ref.results]
     assert (jax_score.acc, jax_score.acc_norm, jax_score.count) == (ref.acc, ref.acc_norm, ref.count)
     assert_close(losses(jax_score), losses(ref), rtol=LOSS_RTOL, what="jax vs torch losses")
@@ -272,15 +291,23 @@ def test_missing_file():
         hellaswag.read_examples("nowhere.jsonl")
 
 
-def test_cli_bad_input_is_one_line_and_exit_code_2(tmp_path):
+def bad_input(capsys, main, args):
+    """What `python SCRIPT ARGS` does with bad input, in process: (exit code, stderr)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        exit_on_bad_input(lambda: main(args))
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("main", [hellaswag.main, check_hellaswag.main], ids=["hellaswag", "check_hellaswag"])
+def test_cli_bad_input_is_one_line_and_exit_code_2(main, tmp_path, capsys):
     bad = write_lines(tmp_path, [GOOD, '{"ctx": "A man", "endings": ['])
     for args, message in [(["--path", bad], f"error: {bad}:2: not valid JSON"),
                           (["--path", str(tmp_path / "missing.jsonl")], "error: no such HellaSwag file"),
                           (["--path", str(FIXTURE), "--limit", "0"], "error: --limit must be >= 1")]:
-        proc = subprocess.run([sys.executable, "hellaswag.py", *args], capture_output=True, text=True, cwd=ROOT,
-                              timeout=120)
-        assert proc.returncode == 2, proc.stderr
-        assert proc.stderr.strip().startswith(message) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        code, err = bad_input(capsys, main, args)
+        assert code == 2, err
+        assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
 
 
 def test_download_caches_and_fails_clearly_offline(tmp_path, monkeypatch):
@@ -317,18 +344,57 @@ def resume_dir(model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("source", ["hf_dir", "resume"])
-def test_cli_jax_matches_cli_torch(source, hf_dir, resume_dir, jax_score, tmp_path, capsys):
+def test_cli_and_parity_cli(source, hf_dir, resume_dir, jax_score, tmp_path, capsys):
+    """hellaswag.py writes the scorer's predictions and prints its accuracies; parity.check_hellaswag finds the
+    torch reference in agreement (with resume: through an HF export of the checkpoint)."""
     init = [f"--init_from={hf_dir}"] if source == "hf_dir" else ["--init_from=resume", f"--out_dir={resume_dir}"]
-    final = {}
-    for backend in ("jax", "torch"):  # torch with resume: through an HF export of the checkpoint
-        out = tmp_path / f"{backend}.jsonl"
-        assert hellaswag.main(["--path", str(FIXTURE), *init, "--backend", backend, "--out", str(out)]) == 0
-        final[backend] = capsys.readouterr().out.strip().splitlines()[-1]
-        preds = [json.loads(line) for line in out.read_text().splitlines()]
-        assert len(preds) == 20 and set(preds[0]) == {"line", "ind", "label", "pred", "pred_norm", "sum_losses",
-                                                      "mean_losses"}
-        assert [(p["pred"], p["pred_norm"]) for p in preds] == [(r.pred, r.pred_norm) for r in jax_score.results]
-        assert_close([p["sum_losses"] + p["mean_losses"] for p in preds], losses(jax_score), rtol=LOSS_RTOL,
-                     what=f"{backend} CLI losses")
-    summary = f"hellaswag: acc {jax_score.acc:.4f} acc_norm {jax_score.acc_norm:.4f} count 20 "
-    assert final["jax"].startswith(summary) and final["torch"].startswith(summary), final
+    out = tmp_path / "preds.jsonl"
+    assert hellaswag.main(["--path", str(FIXTURE), *init, "--out", str(out)]) == 0
+    final = capsys.readouterr().out.strip().splitlines()[-1]
+    assert final.startswith(f"hellaswag: acc {jax_score.acc:.4f} acc_norm {jax_score.acc_norm:.4f} count 20 "), final
+    preds = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(preds) == 20 and set(preds[0]) == {"line", "ind", "label", "pred", "pred_norm", "sum_losses",
+                                                  "mean_losses"}
+    assert [(p["pred"], p["pred_norm"]) for p in preds] == [(r.pred, r.pred_norm) for r in jax_score.results]
+    assert_close([p["sum_losses"] + p["mean_losses"] for p in preds], losses(jax_score), rtol=LOSS_RTOL,
+                 what="CLI losses")
+
+    assert check_hellaswag.main(["--path", str(FIXTURE), *init]) == 0
+    printed = capsys.readouterr().out
+    for name, acc in (("acc (sum losses)", jax_score.acc), ("acc_norm (mean losses)", jax_score.acc_norm)):
+        row = next(line for line in printed.splitlines() if line.startswith(name)).split()
+        assert row[-4:] == ["yes", "(20/20)", f"{acc:.4f}", f"{acc:.4f}"], row
+    assert printed.strip().endswith("HellaSwag parity (losses within 1e-05 relative, identical predictions): OK")
+
+
+def test_parity_cli_exits_1_on_a_mismatch(hf_dir, monkeypatch, capsys):
+    """One ending's loss of the reference moved by 2e-5 relative: beyond the tolerance, same predictions."""
+    evaluate_torch = check_hellaswag.evaluate_torch
+
+    def nudged(hf_model, examples, progress=False):
+        score = evaluate_torch(hf_model, examples, progress)
+        r = score.results[3]
+        sums = [s * (1 + 2e-5) if j == r.pred_norm else s for j, s in enumerate(r.sum_losses)]
+        means = [s * (1 + 2e-5) if j == r.pred_norm else s for j, s in enumerate(r.mean_losses)]
+        score.results[3] = r._replace(sum_losses=sums, mean_losses=means)
+        return score
+
+    monkeypatch.setattr(check_hellaswag, "evaluate_torch", nudged)
+    assert check_hellaswag.main(["--path", str(FIXTURE), f"--init_from={hf_dir}"]) == 1
+    printed = capsys.readouterr().out
+    assert "yes (20/20)" in printed and printed.strip().endswith(": NOT OK"), printed
+
+
+def test_parity_figures():
+    """compare / agree on hand-made scores: a flipped prediction or a loss 2e-5 off fails, 5e-6 off passes."""
+    r = hellaswag.Rendered([1], [[2], [3, 4], [5], [6]], 0, 1)
+    ref = hellaswag.summarize([hellaswag.make_result(r, [1.0, 3.0, 2.0, 4.0], [1.0, 1.5, 2.0, 4.0])])
+    for sums, means, ok in [([1.0, 3.0, 2.0, 4.0], [1.0, 1.5, 2.0, 4.0], True),
+                            ([1.0, 3.0, 2.0, 4.00002], [1.0, 1.5, 2.0, 4.0], True),  # 5e-6
+                            ([1.0, 3.0, 2.0, 4.00008], [1.0, 1.5, 2.0, 4.0], False),  # 2e-5
+                            ([1.0, 3.0, 2.0, 4.0], [1.0, 1.5, 2.0, 0.5], False)]:  # pred_norm 3, not 0
+        ours = hellaswag.summarize([hellaswag.make_result(r, sums, means)])
+        figures = check_hellaswag.compare(ref, ours)
+        assert check_hellaswag.agree(figures, 1) == ok, (sums, means, figures)
+    assert figures["mean"]["max_abs"] == 3.5 and figures["mean"]["same_preds"] == 0
+    assert (figures["mean"]["acc_ref"], figures["mean"]["acc"]) == (1.0, 0.0)

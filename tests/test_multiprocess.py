@@ -11,8 +11,7 @@ import time
 import pytest
 
 import watchdog
-from test_reliability import popen_train
-from test_train import TINY, dataset, free_port  # noqa: F401
+from helpers import TINY, free_port, popen_train
 
 ABORT_TEXT = ["Traceback", "F0000", "Check failure", "SIGABRT", "Terminating process", "coordination_service"]
 

@@ -22,14 +22,7 @@ import plot
 import runlog
 import train
 from configurator import ConfigError, RunStopped, UsageError, exit_on_bad_input
-from helpers import assert_close
-from test_train import REPO, TINY, dataset, free_port, read_log, run, settings, snapshot, train_cli  # noqa: F401
-
-
-def one_line_error(result, code):
-    err = result.stderr.strip()
-    assert result.returncode == code and err.startswith("error: ") and "\n" not in err, result.stderr[-3000:]
-    return err
+from helpers import REPO, TINY, assert_close, free_port, one_line_error, popen_train, read_log, run, settings, snapshot, train_cli
 
 
 BAD_SETTINGS = {
@@ -43,7 +36,7 @@ BAD_SETTINGS = {
     "--beta2=1.0": r"beta2 must be in \[0, 1\)", "--dtype=float16": "dtype must be",
     "--profile=5:2": "profile must be START:STOP", "--profile=a:b": "profile must be START:STOP",
     "--attention=bogus": "attention must be one of", "--remat=bogus": "remat must be one of",
-    "--gelu=bogus": "gelu must be one of", "--loss_chunk=-1": "loss_chunk must be >= 0",
+    "--gelu=bogus": "gelu must be 'tanh'", "--loss_chunk=-1": "loss_chunk must be >= 0",
     "--scan_layers=maybe": "scan_layers must be True, False or 'auto'",
     "--attention=cudnn": "attention='cudnn' cannot run here: it runs on NVIDIA GPUs only",
     "--attention=splash --dropout=0.1": "attention='splash' cannot run here: the kernel has no attention dropout",
@@ -173,13 +166,6 @@ def test_last_step_is_evaluated_and_saved_and_a_crashed_log_resumes_clean(datase
     assert meta["iter_num"] == 10 and meta["config"]["n_layer"] == meta["model_args"]["n_layer"] == 2
 
 
-def popen_train(args, process_id, port, devices=2):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(process_id)}
-    return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
 def test_sigterm_to_one_of_two_processes_stops_both_at_one_step_and_resume_continues(dataset, tmp_path):
     """The issue's pod: 2 processes x 2 CPU devices on loopback, SIGTERM to the second only. Meanwhile a second
     run on the same out_dir is refused (the lock)."""
@@ -239,7 +225,7 @@ def test_a_new_run_into_an_old_out_dir_is_refused_before_anything_is_written(dat
     run(dataset, out, "--max_iters=4", "--checkpoint_interval=2")
     before = snapshot(out)
     built = []
-    monkeypatch.setattr(train, "sharded_model", lambda *a: built.append(a))
+    monkeypatch.setattr(train, "init_state", lambda *a, **k: built.append(a))
     with pytest.raises(UsageError, match=r"out holds the checkpoints of another run \(steps 2, 4\): continue it with "
                                          r"--init_from=resume, give this run a new --out_dir, or --start_over=True"):
         train.Trainer(settings(dataset, out, "--max_iters=8"))
@@ -258,7 +244,7 @@ def test_a_locked_out_dir_is_refused_before_the_model_is_built(dataset, tmp_path
     out = tmp_path / "out"
     out.mkdir()
     held = runlog.lock_out_dir(str(out))  # another run's lock (flock: per open file, so one process shows it)
-    monkeypatch.setattr(train, "sharded_model", lambda *a: pytest.fail("the model was built"))
+    monkeypatch.setattr(train, "init_state", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(UsageError, match=r"out is in use by another run \(pid \d+"):
         train.Trainer(settings(dataset, out))
     held.close()

@@ -16,10 +16,11 @@ from flax import nnx
 
 import sample
 from configurator import UsageError, configure, exit_on_bad_input
-from helpers import tiny_config
+from helpers import TINY, tiny_config
 from model import GPT
 from parity.common import save_random_hf_model
 from tokenizer import get_encoding
+from settings import DEFAULTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,7 +116,7 @@ def test_corrupt_checkpoints_are_one_line_errors(char_run, tmp_path):
     (["--init_from=resume", "--out_dir=no/such/dir"], FileNotFoundError, "no/such/dir"),
     (["--max_new_tokens=0"], ValueError, "max_new_tokens must be >= 1"),
     (["--num_samples=0"], ValueError, "num_samples must be >= 1"),
-    (["--top_k=0"], ValueError, "top_k must be an integer >= 1"),
+    (["--top_k=0"], ValueError, "top_k must be a positive integer"),
     (["--top_p=0.0"], ValueError, r"top_p must be in \(0, 1\]"),
     (["--top_p=1.01"], ValueError, r"top_p must be in \(0, 1\]"),
     (["--temperature=-1.0"], ValueError, "temperature must be >= 0"),
@@ -155,7 +156,6 @@ def test_a_char_level_run_samples_from_any_directory(tmp_path, monkeypatch, caps
     import export
     import hellaswag
     import train
-    from test_train import TINY
 
     data = tmp_path / "data" / "chars"
     data.mkdir(parents=True)
@@ -165,7 +165,7 @@ def test_a_char_level_run_samples_from_any_directory(tmp_path, monkeypatch, caps
     with open(data / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": 64, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}, f)
     monkeypatch.chdir(tmp_path)
-    train.Trainer(configure(train.DEFAULTS, [*TINY, "--dataset=chars", "--out_dir=out", "--max_iters=2"])).run()
+    train.Trainer(configure(DEFAULTS, [*TINY, "--dataset=chars", "--out_dir=out", "--max_iters=2"])).run()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -191,4 +191,4 @@ def test_command_line(char_run, hf_dir, capsys):
     with pytest.raises(SystemExit) as e:  # what `python sample.py --top_p=2.0` does
         exit_on_bad_input(lambda: sample.main([f"--init_from={hf_dir}", "--top_p=2.0"]))
     assert e.value.code == 2
-    assert capsys.readouterr().err == "error: top_p must be in (0, 1] (1.0 keeps every token), got 2.0\n"
+    assert capsys.readouterr().err == "error: top_p must be in (0, 1] (1 keeps everything), got 2.0\n"

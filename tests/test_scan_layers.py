@@ -21,9 +21,11 @@ import train
 import train_step
 from configurator import ConfigError, UsageError, configure
 from helpers import assert_close, tiny_config
-from model import GPT, relayout_blocks
+from layers import relayout_blocks
+from model import GPT
 from parity.common import save_random_hf_model
 from weights import read_nanogpt, state_dict
+from settings import DEFAULTS, validate
 
 
 def tokens(shape, vocab=128, seed=0):
@@ -102,7 +104,7 @@ def test_hf_in_scanned_model_export_out_gives_back_the_same_tensors(tmp_path):
 def test_a_checkpoint_restores_into_the_other_layout_bit_for_bit(tmp_path, saved_scanned):
     """Params and Adam's moments saved in one layout come back in the other, each layer's row exact."""
     config = tiny_config(scan_layers=saved_scanned)
-    tx = train_step.make_optimizer(dict(train.DEFAULTS))
+    tx = train_step.make_optimizer(dict(DEFAULTS))
     model = GPT(config, nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
@@ -149,7 +151,7 @@ def test_training_scanned_takes_the_loops_steps(tmp_path):
                 "--gradient_accumulation_steps=1", "--eval_iters=1", "--eval_interval=1000", "--max_iters=5",
                 "--warmup_iters=2", "--learning_rate=1e-2", "--dtype=float32", "--bias=True",
                 f"--dataset={data}", f"--out_dir={tmp_path / str(sc)}", f"--scan_layers={sc}"]
-        train.Trainer(configure(train.DEFAULTS, args)).run()
+        train.Trainer(configure(DEFAULTS, args)).run()
         with open(tmp_path / str(sc) / "log.jsonl") as f:
             logs[sc] = [(r["loss"], r["grad_norm"]) for r in map(json.loads, f) if "loss" in r]
     assert len(logs[True]) == 5
@@ -159,9 +161,9 @@ def test_training_scanned_takes_the_loops_steps(tmp_path):
 
 def test_scan_layers_setting():
     """train.py's scan_layers: True, False or 'auto' (on GPU/TPU, off on CPU); anything else is one line."""
-    assert configure(train.DEFAULTS, ["--scan_layers=True"])["scan_layers"] is True
+    assert configure(DEFAULTS, ["--scan_layers=True"])["scan_layers"] is True
     assert train.resolve_scan_layers("auto", "cpu") is False and train.resolve_scan_layers("auto", "tpu") is True
     with pytest.raises(UsageError, match="scan_layers must be True, False or 'auto', got 'maybe'"):
-        train.validate(configure(train.DEFAULTS, ["--scan_layers=maybe"]))
+        validate(configure(DEFAULTS, ["--scan_layers=maybe"]))
     with pytest.raises(ConfigError, match="scan_layers must be str"):
-        configure(train.DEFAULTS, ["--scan_layers=1"])
+        configure(DEFAULTS, ["--scan_layers=1"])

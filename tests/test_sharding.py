@@ -17,8 +17,7 @@ import pytest
 import checkpoint
 import sharding
 import train
-from helpers import assert_close
-from test_train import REPO, TINY, dataset, free_port, read_log, settings  # noqa: F401 (dataset: a fixture)
+from helpers import REPO, TINY, assert_close, free_port, read_log, settings
 
 WIDE = ["--n_embd=64", "--max_iters=4", "--eval_interval=4", "--always_save_checkpoint=True"]
 ROWS = 8  # global micro-batch: every mesh below splits it differently
@@ -38,10 +37,11 @@ import json, shutil, sys
 import jax
 import train, sharding
 from configurator import configure
+from settings import DEFAULTS
 dataset, out, runs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 report = {}
 for name, args in runs.items():
-    t = train.Trainer(configure(train.DEFAULTS, args)).run()
+    t = train.Trainer(configure(DEFAULTS, args)).run()
     shards = {}
     for tree in (t.params, t.opt_state):
         for path, x in jax.tree_util.tree_leaves_with_path(tree):

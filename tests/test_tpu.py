@@ -19,13 +19,13 @@ from flax import nnx
 from jax._src import config as jax_config
 
 import bench_train
-import model as model_lib
+import generate
 import sharding
-import train
 import train_step
 from helpers import tiny_config
 from model import GPT
 from parity.common import save_random_hf_model
+from settings import DEFAULTS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPOLOGY = "v5e:2x2"
@@ -80,7 +80,7 @@ def test_train_step_compiles_for_a_tpu(variant):
     config = tiny_config(block_size=T, **VARIANTS[variant])
     mesh = tpu_mesh()
     graphdef, params = abstract_model(config, mesh)
-    tx = train_step.make_optimizer(dict(train.DEFAULTS))
+    tx = train_step.make_optimizer(dict(DEFAULTS))
     opt_state = jax.eval_shape(tx.init, params)
     opt_state = sharding.abstract(opt_state, sharding.shardings_for(opt_state, mesh))
     batch = jax.ShapeDtypeStruct((1, 2 * sharding.batch_shards(mesh), T), jnp.int32,
@@ -102,7 +102,7 @@ def test_train_step_compiles_for_a_tpu(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_generate_compiles_for_a_tpu(variant):
-    """sample.py's generation (model._generate: the prompt prefilled into the KV cache, then sampled token by token,
+    """sample.py's generation (generate.generate_in_jit: the prompt prefilled into the KV cache, then sampled token by token,
     top_k) compiled for the same mesh, its weights split as the train step's."""
     config = tiny_config(block_size=T, **VARIANTS[variant])
     mesh = tpu_mesh()
@@ -112,7 +112,7 @@ def test_generate_compiles_for_a_tpu(variant):
     prompt_len = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
     with jax.set_mesh(mesh):
-        lowered = model_lib._generate.lower(nnx.merge(graphdef, params), buf, prompt_len, key,
+        lowered = generate.generate_in_jit.lower(nnx.merge(graphdef, params), buf, prompt_len, key,
                                             sampling=(0.8, 10, None, None), use_cache=True, on_token=None,
                                             return_logits=False)
     assert_tpu_program(lowered.compile().compiled)  # nnx's Compiled wraps jax's

@@ -6,10 +6,8 @@ equivalence, preemption, bad input (meshes and processes: test_sharding.py)."""
 import json
 import math
 import os
-import pickle
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,40 +20,8 @@ import train
 
 import train_step
 from configurator import ConfigError, configure
-from helpers import assert_close
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4",
-        "--gradient_accumulation_steps=1", "--eval_iters=2", "--eval_interval=1000", "--log_interval=1",
-        "--max_iters=4", "--warmup_iters=2", "--lr_decay_iters=10", "--learning_rate=1e-2", "--dtype=float32",
-        "--dropout=0.0", "--bias=True"]
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    """A small character-level dataset: train.bin, val.bin, meta.pkl (vocab 64)."""
-    d = tmp_path_factory.mktemp("data")
-    rng = np.random.default_rng(0)
-    text = np.cumsum(rng.integers(1, 4, 30000)) % 64  # some structure to learn
-    text.astype(np.uint16)[:27000].tofile(d / "train.bin")
-    text.astype(np.uint16)[27000:].tofile(d / "val.bin")
-    with open(d / "meta.pkl", "wb") as f:
-        pickle.dump({"vocab_size": 64, "itos": {}, "stoi": {}}, f)
-    return str(d)
-
-
-def settings(dataset, out_dir, *extra):
-    return configure(train.DEFAULTS, TINY + [f"--dataset={dataset}", f"--out_dir={out_dir}", *extra])
-
-
-def run(dataset, out_dir, *extra):
-    return train.Trainer(settings(dataset, out_dir, *extra)).run()
-
-
-def read_log(out_dir, key):
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [(r["iter"], r[key]) for r in map(json.loads, f) if key in r]
-
+from helpers import REPO, TINY, assert_close, read_log, run, settings, snapshot, train_cli
+from settings import DEFAULTS, validate
 
 def params_of(trainer):
     return [np.asarray(x) for x in jax.tree.leaves(trainer.params)]
@@ -90,7 +56,7 @@ def test_every_shipped_config_is_valid():
     configs = [os.path.join(REPO, "config", f) for f in os.listdir(os.path.join(REPO, "config")) if f.endswith(".py")]
     assert len(configs) >= 3
     for path in configs:
-        configure(train.DEFAULTS, [path])
+        validate(configure(DEFAULTS, [path]))  # every range checked, not only the names and types
 
 
 # --- optimizer -------------------------------------------------------------------------------------
@@ -107,7 +73,7 @@ def nanogpt_get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
 
 
 def test_get_lr_matches_nanogpt():
-    c = dict(train.DEFAULTS, learning_rate=6e-4, warmup_iters=100, lr_decay_iters=1000, min_lr=6e-5)
+    c = dict(DEFAULTS, learning_rate=6e-4, warmup_iters=100, lr_decay_iters=1000, min_lr=6e-5)
     for it in [0, 1, 50, 99, 100, 101, 550, 999, 1000, 1001, 5000]:
         ref = nanogpt_get_lr(it, 6e-4, 100, 1000, 6e-5)
         assert_close(train_step.get_lr(it, c), ref, rtol=1e-6, what=f"lr at {it}")
@@ -134,7 +100,7 @@ def test_keep_freed_memory_serves_big_blocks_from_the_heap():
     """After keep_freed_memory, a 64 MB block gets no mmap of its own (glibc's mallinfo2: hblkhd, the bytes in
     mmapped blocks), so freeing it keeps its pages for the next step; before, it does (the control)."""
     script = """if True:
-        import ctypes, numpy as np, train
+        import ctypes, numpy as np, sharding
         class MallInfo2(ctypes.Structure):
             _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
         libc = ctypes.CDLL(None)
@@ -143,7 +109,7 @@ def test_keep_freed_memory_serves_big_blocks_from_the_heap():
             block = np.ones(64 << 20, np.uint8)
             return libc.mallinfo2().hblkhd >> 20
         before = mmapped_mb_while_holding_64mb()
-        train.keep_freed_memory()
+        sharding.keep_freed_memory()
         print(before, mmapped_mb_while_holding_64mb())
     """
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
@@ -224,7 +190,7 @@ def test_loop_reads_the_device_only_at_log_steps(dataset, tmp_path, monkeypatch)
 def test_logged_learning_rate_is_the_steps(dataset, tmp_path):
     """The step returns its learning rate (the loop computes none on the host): get_lr of its iteration."""
     run(dataset, tmp_path, "--max_iters=5")
-    c = configure(train.DEFAULTS, TINY)
+    c = configure(DEFAULTS, TINY)
     assert [(i, pytest.approx(lr, rel=1e-6)) for i, lr in read_log(tmp_path, "lr")[1:-1]] == \
         [(i, float(train_step.get_lr(i, c))) for i in range(5)]
 
@@ -285,18 +251,6 @@ def test_finetune_from_hf_directory(dataset, tmp_path):
 
 # --- several devices and processes (subprocesses with fake CPU devices) ----------------------------
 
-def train_cli(args, devices=1, env=None, **kw):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
-    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300, **kw)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --- preemption and bad input ----------------------------------------------------------------------
 
 def test_sigterm_saves_a_checkpoint_and_resume_continues(dataset, tmp_path):
@@ -320,10 +274,6 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(dataset, tmp_path):
     assert t.iter_num == stopped_at + 2
     iters = [i for i, _ in read_log(out, "loss")]
     assert iters == list(range(stopped_at + 2))  # nothing lost, nothing repeated
-
-
-def snapshot(path):
-    return {os.path.join(r, f): os.stat(os.path.join(r, f)).st_mtime_ns for r, _, fs in os.walk(path) for f in fs}
 
 
 def test_bad_input_is_one_line_and_writes_nothing(dataset, tmp_path):

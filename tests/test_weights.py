@@ -19,13 +19,13 @@ import checkpoint
 import export
 import sample
 from helpers import tiny_config
-from model import GPT
+from model import GPT, model_from
 from parity import nanogpt_reference as nanogpt
 from parity.check_logits import FP32_MAX_REL_TOL as FP32_LOGITS_TOL  # max |Δlogit| / max |logit|
 from parity.check_logits import check
 from configurator import exit_on_bad_input
 from parity.common import random_hf_model, save_random_hf_model
-from weights import MASK_BUFFERS, TIED_KEY, load_hf_model, model_from, read_hf_weights, state_dict
+from weights import MASK_BUFFERS, TIED_KEY, load_hf_model, read_hf_weights, state_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_HF = dict(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=64)

@@ -1,0 +1,157 @@
+"""
+train.py's settings: their defaults (nanoGPT's names and values, build-nanogpt's additions) and the checks every
+one of them passes before a run reads or writes anything, each a one-line UsageError naming the fix.
+"""
+
+import importlib.util
+import os
+
+import runlog
+from configurator import UsageError
+from model import GPTConfig, resolve_dtype
+
+# -----------------------------------------------------------------------------
+# default config values designed to train a gpt2 (124M) on OpenWebText (nanoGPT's)
+DEFAULTS = dict(
+    # I/O
+    out_dir="out",
+    eval_interval=2000,
+    log_interval=1,
+    eval_iters=200,
+    eval_only=False,  # if True, script exits right after the first eval
+    always_save_checkpoint=True,  # if True, always save a checkpoint after each eval
+    checkpoint_interval=0,  # also save every N iterations (0: only at evals)
+    hellaswag_interval=0,  # HellaSwag (val, all devices) every N iterations and at the end; 0 = off
+    hellaswag_path="",  # a local hellaswag_val.jsonl; "" = download it once (online)
+    keep_checkpoints=3,  # the last K checkpoints are kept
+    init_from="scratch",  # 'scratch' | 'resume' | 'gpt2*' | an HF GPT-2 directory | a nanoGPT ckpt.pt (or its out_dir)
+    start_over=False,  # a new run into an out_dir holding checkpoints: move them to out_dir/previous-<time>/ first
+    # wandb logging
+    wandb_log=False,
+    wandb_project="owt",
+    wandb_run_name="gpt2",
+    # data
+    dataset="openwebtext",  # a folder under data/, or a path
+    shuffle_shards=False,  # .npy shard datasets: visit the shards in a seeded order each epoch
+    gradient_accumulation_steps=5 * 8,  # total micro-batches per step, over all devices
+    total_batch_size=0,  # tokens per step; when > 0, gradient_accumulation_steps is derived from it
+    batch_size=12,  # micro-batch size per batch shard (a device, or a group of tensor_parallel devices)
+    block_size=1024,
+    # model
+    n_layer=12,
+    n_head=12,
+    n_embd=768,
+    vocab_size=0,  # 0: from data/<dataset>/meta.pkl, else GPT-2's 50257 padded to 50304
+    dropout=0.0,  # for pretraining 0 is good, for finetuning try 0.1+
+    bias=False,  # do we use bias inside LayerNorm and Linear layers?
+    gelu="tanh",  # 'tanh': GPT-2's GELU | 'exact': nanoGPT's (erf; what export.py --format=nanogpt needs)
+    # adamw optimizer
+    learning_rate=6e-4,  # max learning rate
+    max_iters=600000,  # total number of training iterations
+    weight_decay=1e-1,
+    beta1=0.9,
+    beta2=0.95,
+    grad_clip=1.0,  # clip gradients at this value, or disable if == 0.0
+    # learning rate decay settings
+    decay_lr=True,  # whether to decay the learning rate
+    warmup_iters=2000,  # how many steps to warm up for
+    lr_decay_iters=600000,  # should be ~= max_iters per Chinchilla
+    min_lr=6e-5,  # minimum learning rate, should be ~= learning_rate/10 per Chinchilla
+    # parallelism: the mesh is (data, fsdp, tensor), data = devices / (fsdp * tensor_parallel)
+    fsdp=1,  # split params, grads and optimizer state over this many devices (the batch too)
+    tensor_parallel=1,  # split each layer's heads and MLP units over this many devices (same rows)
+    # system
+    dtype="auto",  # 'float32' | 'bfloat16' | 'auto' (bfloat16 on GPU/TPU, float32 on CPU)
+    attention="auto",  # 'xla' | 'cudnn' (NVIDIA Ampere+, bf16) | 'splash' (TPU) | 'auto': the fused one where it runs
+    remat="none",  # recompute in the backward to save memory: 'none' | 'block' | 'dots' | 'qkv_proj' (model.REMAT)
+    loss_chunk=0,  # the loss's logits this many positions at a time (memory B x loss_chunk x vocab); 0: all at once
+    scan_layers="auto",  # True: the blocks under one lax.scan (one compiled block) | False | 'auto' (on GPU/TPU)
+    profile="",  # 'START:STOP': a jax.profiler trace of iterations START..STOP-1 to out_dir/profile
+    seed=1337,
+)
+
+
+POSITIVE = ("batch_size", "block_size", "n_layer", "n_head", "n_embd", "gradient_accumulation_steps", "eval_iters",
+            "eval_interval", "log_interval", "keep_checkpoints")
+NOT_NEGATIVE = ("max_iters", "total_batch_size", "vocab_size", "checkpoint_interval", "hellaswag_interval",
+                "warmup_iters", "lr_decay_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip")
+
+
+def validate(c):
+    """Every setting's range, before anything is read or written: one UsageError naming the fix."""
+    for key in POSITIVE:
+        if c[key] < 1:
+            raise UsageError(f"{key} must be >= 1, got {c[key]}")
+    for key in NOT_NEGATIVE:
+        if c[key] < 0:
+            raise UsageError(f"{key} must be >= 0{' (0: off)' if key.endswith('_interval') else ''}, got {c[key]}")
+    if not 0.0 <= c["dropout"] < 1.0:
+        raise UsageError(f"dropout must be in [0, 1), got {c['dropout']}")
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= c[key] < 1.0:
+            raise UsageError(f"{key} must be in [0, 1), got {c[key]}")
+    resolve_dtype(c["dtype"], "cpu")
+    resolve_scan_layers(c["scan_layers"], "cpu")
+    try:  # the model's own checks: n_embd % n_head, gelu, attention, remat, loss_chunk
+        GPTConfig(**{k: c[k] for k in ("n_head", "n_embd", "gelu", "attention", "remat", "loss_chunk")})
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    profile_range(c["profile"])
+    if not 0 <= c["seed"] < 2**32:
+        raise UsageError(f"seed must be in [0, 2**32), got {c['seed']}")
+    if c["wandb_log"] and importlib.util.find_spec("wandb") is None:
+        raise UsageError("wandb_log=True needs wandb: pip install wandb, or set --wandb_log=False")
+    if c["start_over"] and c["init_from"] == "resume":
+        raise UsageError("start_over=True moves the checkpoints that init_from='resume' would continue: choose one")
+    runlog.check_out_dir(c["out_dir"])
+    if os.path.isfile(c["dataset"]):
+        raise UsageError(f"--dataset={c['dataset']} is a file: give the folder holding train.bin and val.bin "
+                         "(or the .npy shards), or a name under data/")
+
+
+def profile_range(profile):
+    """--profile=START:STOP -> (START, STOP), or None for ''."""
+    if not profile:
+        return None
+    try:
+        start, stop = (int(part) for part in str(profile).split(":"))
+    except ValueError:
+        start = stop = -1
+    if not 0 <= start < stop:
+        raise UsageError(f"profile must be START:STOP, the iterations to trace (0 <= START < STOP), got {profile!r}")
+    return start, stop
+
+
+def resolve_scan_layers(scan_layers, platform):
+    """'auto': the blocks under one scan on GPU/TPU, where it compiles one block instead of n_layer (gpt2-xl's step
+    for a TPU: README, Benchmarks); a Python loop on CPU, whose results it keeps bit for bit."""
+    if scan_layers == "auto":
+        return platform != "cpu"
+    if not isinstance(scan_layers, bool):
+        raise UsageError(f"scan_layers must be True, False or 'auto', got {scan_layers!r}")
+    return scan_layers
+
+
+def fixed_by_checkpoint(c, model_args):
+    """On resume the checkpoint fixes the model's shape: the settings that asked otherwise, which now follow it."""
+    ignored = {}
+    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "gelu"):
+        if c[key] != model_args[key] and not (key == "vocab_size" and c[key] == 0):
+            ignored[key] = c[key]
+        c[key] = model_args[key]
+    return ignored
+
+
+def accumulation_steps(c, shards):
+    """Micro-batches per step on each of the mesh's `shards` batch shards (data x fsdp). With total_batch_size
+    (build-nanogpt: fixed tokens per step, whatever the mesh), gradient_accumulation_steps is set from it."""
+    if c["total_batch_size"] > 0:
+        per_step = c["batch_size"] * c["block_size"] * shards
+        if c["total_batch_size"] % per_step:
+            raise UsageError(f"total_batch_size={c['total_batch_size']} is not a multiple of batch_size x "
+                             f"block_size x batch shards (data x fsdp) = {per_step}: change batch_size")
+        c["gradient_accumulation_steps"] = c["total_batch_size"] // per_step * shards
+    if c["gradient_accumulation_steps"] % shards:
+        raise UsageError(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by "
+                         f"the number of batch shards, data x fsdp = {shards}")
+    return c["gradient_accumulation_steps"] // shards
