@@ -351,10 +351,13 @@ def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0, step=None
 
 def load_checkpoint_model(out_dir, step=None, dtype="float32", dropout=0.0):
     """(GPT, meta) of our checkpoint in out_dir: the latest, or `step`."""
-    step = all_steps(out_dir)[-1] if step is None else step
-    meta = restore(out_dir, step=step)["meta"]
-    model = nnx.eval_shape(lambda: GPT(model_config_from_meta(meta, dtype=dtype, dropout=dropout), nnx.Rngs(0)))
-    params, _ = restore_state(out_dir, step, meta, model.config)
+    if not os.path.isdir(ckpt_dir(out_dir)):
+        all_steps(out_dir)  # no checkpoint: one line naming the fix
+    with closing(_reader(ckpt_dir(out_dir))) as reader:  # one reader: the steps, the meta (once), the arrays
+        step = all_steps(out_dir, reader)[-1] if step is None else step
+        meta = restore(out_dir, step=step, mngr=reader)["meta"]
+        model = nnx.eval_shape(lambda: GPT(model_config_from_meta(meta, dtype=dtype, dropout=dropout), nnx.Rngs(0)))
+        params, _ = restore_state(out_dir, step, meta, model.config, mngr=reader)
     nnx.update(model, params)
     return model, meta
 
