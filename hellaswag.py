@@ -343,8 +343,9 @@ def load_bpe_model(init_from, out_dir, dtype="float32"):
     return model
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+def cli_parser(doc):
+    """The options of a script that scores a model on HellaSwag (this one, parity/check_hellaswag.py)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--init_from", default="gpt2",
                    help="resume (from --out_dir) | gpt2* | an HF GPT-2 directory | a nanoGPT ckpt.pt")
@@ -353,23 +354,36 @@ def main(argv=None):
     p.add_argument("--path", default=None, help="a local HellaSwag jsonl (no download)")
     p.add_argument("--cache_dir", default=CACHE_DIR, help="where downloads go")
     p.add_argument("--limit", type=int, default=None, help="score only the first N examples")
+    return p
+
+
+def cli_examples(args):
+    """(path, raw examples) that cli_parser's options name; bad data fails here, before a model is loaded."""
+    if args.limit is not None and args.limit < 1:
+        raise UsageError(f"--limit must be >= 1, got {args.limit}")
+    path = args.path or download(args.split, args.cache_dir)
+    return path, read_examples(path, args.limit)
+
+
+def render_all(raw, block_size, path):
+    return [render_example(ex, block_size, f"{path}:{ex['_line']}") for ex in raw]
+
+
+def main(argv=None):
+    p = cli_parser(__doc__)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
     p.add_argument("--batch_size", type=int, default=8, help="examples per device per batch")
     p.add_argument("--out", default=None, help="write per-example losses and predictions to this jsonl")
     args = p.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        raise UsageError(f"--limit must be >= 1, got {args.limit}")
     if args.batch_size < 1:
         raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
-
-    path = args.path or download(args.split, args.cache_dir)
-    raw = read_examples(path, args.limit)  # bad data fails here, before a model is loaded
+    path, raw = cli_examples(args)
     t0 = time.time()
     use_compilation_cache()
     sharding.start_backend()
     model = load_bpe_model(args.init_from, args.out_dir, args.dtype)
     block_size = model.config.block_size
-    examples = [render_example(ex, block_size, f"{path}:{ex['_line']}") for ex in raw]
+    examples = render_all(raw, block_size, path)
     truncated = sum(r.truncated > 0 for r in examples)
     print(f"model {args.init_from}: {model.num_params() / 1e6:.2f}M params, block_size {block_size}, "
           f"loaded in {time.time() - t0:.1f}s; "

@@ -9,7 +9,6 @@ examples: the reference) and by hellaswag.evaluate (our batched JAX scorer), the
 Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input.
 """
 
-import argparse
 import tempfile
 import time
 
@@ -97,25 +96,15 @@ def load_models(init_from, out_dir="out"):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--init_from", default="gpt2",
-                   help="resume (from --out_dir) | gpt2* | an HF GPT-2 directory | a nanoGPT ckpt.pt")
-    p.add_argument("--out_dir", default="out", help="checkpoint directory for --init_from=resume")
-    p.add_argument("--path", default=None, help="a local HellaSwag jsonl (default: the val split, downloaded once)")
-    p.add_argument("--limit", type=int, default=None, help="score only the first N examples")
-    args = p.parse_args(argv)
-    if args.limit is not None and args.limit < 1:
-        raise UsageError(f"--limit must be >= 1, got {args.limit}")
-    path = args.path or hellaswag.download("val")
-    raw = hellaswag.read_examples(path, args.limit)  # bad data fails here, before a model is loaded
+    args = hellaswag.cli_parser(__doc__).parse_args(argv)
+    path, raw = hellaswag.cli_examples(args)
     use_compilation_cache()
     sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is
     pin_numerics()
 
     model, hf_model = load_models(args.init_from, args.out_dir)
     block_size = model.config.block_size
-    examples = [hellaswag.render_example(ex, block_size, f"{path}:{ex['_line']}") for ex in raw]
+    examples = hellaswag.render_all(raw, block_size, path)
     print(f"model {args.init_from}: {model.num_params() / 1e6:.2f}M params, block_size {block_size}; "
           f"{len(examples)} examples from {path}; torch float32 on cpu, jax float32 on {jax.device_count()} "
           f"{jax.devices()[0].platform} device(s)")
