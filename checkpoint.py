@@ -403,13 +403,15 @@ def meta_for(model_config: GPTConfig, config: dict, iter_num, best_val_loss, loa
 
 
 def load_with_codec(init_from, out_dir, dtype):
-    """(model, codec): the model, and what decodes its ids: the vocabulary our checkpoint carries; a nanoGPT
-    checkpoint's dataset's meta.pkl, or one beside an exported model (tokenizer.codec_for); else GPT-2's BPE."""
+    """(model, codec, step): the model; what decodes its ids: the vocabulary our checkpoint carries, a nanoGPT
+    checkpoint's dataset's meta.pkl, or one beside an exported model (tokenizer.codec_for), else GPT-2's BPE; and our
+    checkpoint's step (None for other formats)."""
     if init_from == "resume":
         model, meta = load_checkpoint_model(out_dir, dtype=dtype)
-        return model, tokenizer.codec_for(model.config.vocab_size, meta.get("vocab"), meta["config"].get("dataset"))
+        codec = tokenizer.codec_for(model.config.vocab_size, meta.get("vocab"), meta["config"].get("dataset"))
+        return model, codec, meta["iter_num"]
     model, train_config = load_model(init_from, out_dir, dtype)
     beside = init_from if os.path.isdir(init_from) else os.path.dirname(init_from) if os.path.isfile(init_from) \
         else None  # a hub name
     dataset = (train_config or {}).get("dataset")
-    return model, tokenizer.codec_for(model.config.vocab_size, dataset=dataset, beside=beside)
+    return model, tokenizer.codec_for(model.config.vocab_size, dataset=dataset, beside=beside), None

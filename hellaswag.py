@@ -335,7 +335,7 @@ def evaluate(model, examples, mesh=None, batch_size=8, progress=False):
 def load_bpe_model(init_from, out_dir, dtype="float32"):
     """Our GPT of `init_from` (checkpoint.load_model's names); a character-level one is one line: HellaSwag's text is
     GPT-2 BPE."""
-    model, codec = load_with_codec(init_from, out_dir, dtype)
+    model, codec, _ = load_with_codec(init_from, out_dir, dtype)
     if isinstance(codec, CharCodec):
         where = out_dir if init_from == "resume" else init_from
         raise UsageError(f"{where} is a character-level model (a vocabulary of {codec.n_vocab} characters): HellaSwag "

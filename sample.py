@@ -77,7 +77,7 @@ def main(argv=None):
     start = read_start(cfg["start"])
 
     t0 = time.time()
-    model, codec = load_with_codec(cfg["init_from"], cfg["out_dir"], cfg["dtype"])
+    model, codec, _ = load_with_codec(cfg["init_from"], cfg["out_dir"], cfg["dtype"])
     start_ids = codec.encode(start)
     c = model.config
     if max(start_ids) >= c.vocab_size:

@@ -18,6 +18,9 @@ EOT = 50256  # <|endoftext|>
 
 # tiktoken's r50k/gpt2 split pattern: equivalent to GPT-2's original regex, faster.
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+# GPT-2's original regex (encoder.py), for HF tokenizers: TikTokenConverter's default pattern is cl100k's, which
+# splits digits in threes
+GPT2_HF_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 @functools.cache
@@ -34,6 +37,20 @@ def get_encoding() -> tiktoken.Encoding:
         special_tokens={"<|endoftext|>": EOT},
         explicit_n_vocab=EOT + 1,
     )
+
+
+def save_hf_tokenizer(path):
+    """GPT-2's tokenizer files for transformers (tokenizer.json and its config) written to `path`, made from the
+    shipped BPE file: offline. Returns the PreTrainedTokenizerFast."""
+    from transformers import PreTrainedTokenizerFast  # slow to import; only the HF routes need it
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    converted = TikTokenConverter(vocab_file=str(BPE_FILE), pattern=GPT2_HF_PATTERN,
+                                  extra_special_tokens=["<|endoftext|>"]).converted()
+    tok = PreTrainedTokenizerFast(tokenizer_object=converted, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                  unk_token="<|endoftext|>")
+    tok.save_pretrained(path)
+    return tok
 
 
 class BPECodec:

@@ -1,0 +1,373 @@
+"""
+Any lm-evaluation-harness task on our model: lm-eval does the tasks, prompts, few-shot and metrics; this file is the
+model side (loglikelihood, loglikelihood_rolling, generate_until), batched on the mesh.
+
+    python eval.py --init_from=gpt2 --tasks=hellaswag,arc_easy,piqa,lambada_openai          # hub tasks: online
+    python eval.py --init_from=resume --out_dir=out --tasks=hellaswag_local --include_path=eval_tasks --limit=10
+    python eval.py --init_from=DIR --tasks=shakespeare_rolling --include_path=eval_tasks --output=results.json
+
+Settings as nanoGPT (configurator.py): --key=value. init_from as sample.py's: resume (from out_dir), gpt2*, an HF
+GPT-2 directory, a nanoGPT ckpt.pt. Prints lm-eval's results table; --output writes its JSON with the model's
+settings and checkpoint step. The PyTorch reference (lm-eval's own hf model) is parity/check_eval.py.
+Exit code: 0 evaluated, 2 bad input.
+"""
+
+import collections
+import difflib
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window, make_table
+from tqdm import tqdm
+
+import lm_eval
+
+import sharding
+from checkpoint import load_with_codec, use_compilation_cache
+from configurator import UsageError, configure, exit_on_bad_input
+from generate import generate_in_jit
+from hellaswag import put_batch
+from model import resolve_dtype
+from tokenizer import EOT, BPECodec, CharCodec
+
+defaults = dict(
+    init_from="gpt2",  # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory, a ckpt.pt
+    out_dir="out",  # for init_from='resume'
+    tasks="",  # lm-eval task (or group) names, comma-separated: hellaswag,arc_easy,piqa,lambada_openai
+    include_path="",  # a directory of local task YAMLs (eval_tasks/ has offline ones)
+    num_fewshot=None,  # None: each task's own
+    limit=None,  # an int: the first N documents of each task; a float < 1: that fraction
+    batch_size=8,  # requests per batch shard (data x fsdp) per batch
+    dtype="float32",  # 'float32' | 'bfloat16' | 'auto' (bfloat16 on GPU/TPU, float32 on CPU)
+    fsdp=1,  # the mesh, as train.py's: rows split over data x fsdp, parameters over fsdp and tensor
+    tensor_parallel=1,
+    output="",  # write lm-eval's results JSON here
+    log_samples=False,  # keep every request's inputs and outputs in the JSON
+    seed=1234,  # lm-eval's seeds (few-shot choice, ...) and sampled generation's
+    bootstrap_iters=100000,  # lm-eval's resamples for the stderr of metrics without a formula
+)
+MAX_SHAPES = 8  # padded lengths per call: one compilation each
+SCORE_CHUNK = 128  # continuation positions whose logits (rows, chunk, vocab) exist at once
+GPT2_VOCAB = EOT + 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# shapes: requests sorted by length, batches padded to at most MAX_SHAPES lengths
+
+
+def round_up(n, multiple):
+    return -(-n // multiple) * multiple
+
+
+def padded_lengths(needs, max_shapes=MAX_SHAPES):
+    """Each batch's padded length, given each batch's need (ascending): at most max_shapes distinct lengths, chosen
+    among the needs (the largest included) to pad as little as possible in all (dynamic programming over the
+    distinct needs)."""
+    values = sorted(set(needs))
+    count = collections.Counter(needs)
+    below = np.cumsum([count[v] for v in values])  # batches needing at most values[j]
+    m, k_max = len(values), min(max_shapes, len(values))
+    cost = np.full((k_max + 1, m), np.inf)  # cost[k, j]: batches up to values[j], k lengths, the last values[j]
+    back = np.zeros((k_max + 1, m), int)
+    cost[1] = [values[j] * below[j] for j in range(m)]
+    for k in range(2, k_max + 1):
+        for j in range(m):
+            for i in range(j):
+                c = cost[k - 1, i] + values[j] * (below[j] - below[i])
+                if c < cost[k, j]:
+                    cost[k, j], back[k, j] = c, i
+    k = int(np.argmin(cost[1:, m - 1])) + 1
+    chosen, j = [], m - 1
+    while k >= 1:
+        chosen.append(values[j])
+        j, k = back[k, j], k - 1
+    chosen.sort()
+    return [next(c for c in chosen if c >= n) for n in needs]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the JAX side
+
+
+def continuation_scores(model, tokens, pos, targets):
+    """tokens (R, L); the logits at pos (R, E) predict targets (R, E) (-1: padding) -> (summed log-probability of
+    each row's targets (R,), whether each target is the argmax (R,)). Logits only at the continuation positions,
+    SCORE_CHUNK of them at a time."""
+    _, x = model.hidden_states(tokens)
+    x = jnp.take_along_axis(x, pos[..., None], axis=1)  # (R, E, C)
+
+    def score(x, t):
+        logits = model.logits(x)  # (R, c, vocab) float32
+        valid = t >= 0
+        t = jnp.where(valid, t, 0)
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), t[..., None], axis=-1)[..., 0]
+        greedy = (jnp.argmax(logits, axis=-1) == t) | ~valid
+        return jnp.sum(jnp.where(valid, logp, 0.0), axis=-1), jnp.all(greedy, axis=-1)
+
+    R, E, C = x.shape
+    if E <= SCORE_CHUNK:
+        return score(x, targets)
+    xs = x.reshape(R, E // SCORE_CHUNK, SCORE_CHUNK, C).swapaxes(0, 1)
+    ts = targets.reshape(R, E // SCORE_CHUNK, SCORE_CHUNK).swapaxes(0, 1)
+    sums, greedy = jax.lax.map(lambda xt: score(*xt), (xs, ts))
+    return jnp.sum(sums, axis=0), jnp.all(greedy, axis=0)
+
+
+class JaxLM(TemplateLM):
+    """Our GPT as an lm-eval model. Contexts and continuations split into tokens as lm-eval's hf model splits them
+    (TemplateLM); too-long inputs cut from the left as it cuts them."""
+
+    max_gen_toks = 256  # lm-eval's hf model's default
+
+    def __init__(self, model, mesh, batch_size=8, seed=1234, progress=True):
+        super().__init__()
+        graphdef, state = nnx.split(model)
+        self.model = nnx.merge(graphdef, jax.device_put(state, sharding.shardings_for(state, mesh)))
+        self.mesh, self.config = mesh, model.config
+        self.rows = batch_size * sharding.batch_shards(mesh)
+        self.key = jax.random.key(seed)
+        self.multiple = 128 if sharding.platform_of(mesh) == "tpu" else 8  # splash attention's block on TPU
+        self.progress = progress and jax.process_index() == 0
+        self.enc = BPECodec()
+        self.shapes = set()  # every compiled shape: its count is said after each call
+        self._score = nnx.jit(continuation_scores, out_shardings=NamedSharding(mesh, P()))
+
+    @property
+    def eot_token_id(self):
+        return EOT
+
+    def tok_encode(self, string, add_special_tokens=None, **kwargs):
+        return self.enc.encode(string)  # <|endoftext|> in the text is the token, as HF's tokenizer has it
+
+    def tok_decode(self, tokens):
+        return self.enc.decode(tokens)
+
+    def _say(self, what):
+        if jax.process_index() == 0:
+            print(what, file=sys.stderr, flush=True)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
+        bs, R = self.config.block_size, self.rows
+        rows, cut = [], 0
+        for _, context, continuation in requests:
+            if not continuation or len(continuation) > bs:
+                raise UsageError(f"a continuation of {len(continuation)} tokens: it must be 1 to block_size "
+                                 f"{bs}")
+            whole = context + continuation
+            cut += len(whole) > bs + 1
+            inp = whole[-(bs + 1):][:-1]  # the last token is only a target
+            rows.append((inp, continuation))
+        if cut:
+            self._say(f"{cut} of {len(rows)} requests longer than block_size {bs}: context cut from the left, as "
+                      "lm-eval's hf model cuts it")
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
+        batches = [order[i: i + R] for i in range(0, len(order), R)]
+        needs = [min(round_up(len(rows[b[-1]][0]), self.multiple), bs) for b in batches]
+        lengths = padded_lengths(needs)
+        E = round_up(max(len(c) for _, c in rows), self.multiple)
+        self._say(f"loglikelihood: {len(rows)} requests in {len(batches)} batches of {R} rows, padded to "
+                  f"{len(set(lengths))} lengths {sorted(set(lengths))} (a compilation each)")
+
+        total, greedy = np.zeros(len(rows)), np.zeros(len(rows), bool)
+        pending = None  # batch k + 1 is dispatched before batch k is read back: packing overlaps compute
+        with jax.set_mesh(self.mesh), tqdm(total=len(rows), desc="loglikelihood", unit="req",
+                                           disable=disable_tqdm or not self.progress) as bar:
+            for item in list(zip(batches, lengths)) + [None]:
+                launched = None
+                if item is not None:
+                    idx, L = item
+                    e = min(E, L) if min(E, L) <= SCORE_CHUNK else round_up(min(E, L), SCORE_CHUNK)
+                    batch = self._pack([rows[i] for i in idx], L, e)
+                    self.shapes.add(("loglikelihood", R, L, e))
+                    launched = idx, self._score(self.model, *put_batch(batch, self.mesh))
+                if pending is not None:
+                    idx, (s, g) = pending
+                    total[idx], greedy[idx] = np.asarray(s)[: len(idx)], np.asarray(g)[: len(idx)]
+                    bar.update(len(idx))
+                pending = launched
+        self._say(f"compiled shapes so far: {len(self.shapes)}")
+        return [(float(t), bool(g)) for t, g in zip(total, greedy)]
+
+    def _pack(self, rows, L, E):
+        tokens = np.zeros((self.rows, L), np.int32)  # right padding: causal attention keeps it out of every row
+        pos = np.zeros((self.rows, E), np.int32)
+        targets = np.full((self.rows, E), -1, np.int32)
+        for r, (inp, cont) in enumerate(rows):
+            n, k = len(inp), len(cont)
+            tokens[r, :n] = inp
+            pos[r, :k] = np.arange(n - k, n)  # the logits at t predict token t + 1
+            targets[r, :k] = cont
+        return tokens, pos, targets
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        """A document's log-likelihood in windows of block_size tokens, each conditioned on the one before (lm-eval's
+        rolling windows, as its hf model makes them), all windows of all documents batched together."""
+        windows, owner = [], []
+        for i, (string,) in enumerate(req.args for req in requests):
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(string), prefix_token=EOT, max_seq_len=self.config.block_size,
+                    context_len=1)):
+                windows.append((None, context, continuation))
+                owner.append(i)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals = np.zeros(len(requests))
+        np.add.at(totals, owner, [s for s, _ in scores])
+        return [float(t) for t in totals]
+
+    def generate_until(self, requests, disable_tqdm=False):
+        """Greedy or sampled KV-cache generation, as the task asks, cut at its `until` strings and max_gen_toks.
+        Rows of one batch share their prompt length (the cache's positions), so requests are grouped by it."""
+        bs, R = self.config.block_size, self.rows
+        groups, cut = collections.defaultdict(list), 0
+        for i, (context, gen_kwargs) in enumerate(req.args for req in requests):
+            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos="<|endoftext|>")
+            max_gen = kwargs.pop("max_gen_toks")
+            if max_gen >= bs:
+                raise UsageError(f"a task asks for {max_gen} new tokens: it must be less than block_size {bs}")
+            tokens = self.tok_encode(context)
+            cut += len(tokens) > bs - max_gen
+            tokens = tokens[-(bs - max_gen):]  # lm-eval's hf model's cut: room for max_gen new tokens
+            groups[(len(tokens), max_gen, self._sampling(kwargs))].append((i, tokens, until))
+        if cut:
+            self._say(f"{cut} of {len(requests)} contexts longer than block_size {bs} minus the tokens to "
+                      "generate: cut from the left, as lm-eval's hf model cuts them")
+        out = [""] * len(requests)
+        with jax.set_mesh(self.mesh), tqdm(total=len(requests), desc="generate_until", unit="req",
+                                           disable=disable_tqdm or not self.progress) as bar:
+            for (T, max_gen, sampling), group in sorted(groups.items(), key=lambda kv: kv[0][:2]):
+                L = min(max(round_up(T + max_gen, 64), 64), bs)  # T is traced: few lengths compile
+                L = max(L, T + max_gen)
+                for k in range(0, len(group), R):
+                    chunk = group[k: k + R]
+                    buf = np.zeros((R, L), np.int32)
+                    buf[:, :T] = chunk[0][1]  # filler rows repeat the first
+                    for r, (_, tokens, _) in enumerate(chunk):
+                        buf[r, :T] = tokens
+                    self.key, key = jax.random.split(self.key)
+                    self.shapes.add(("generate", R, L, sampling))
+                    rows = sharding.batch_sharding(self.mesh, ndim=2)
+                    buf = jax.make_array_from_callback(buf.shape, rows, lambda index, b=buf: b[index])
+                    new, _ = generate_in_jit(self.model, buf, jnp.int32(T), key, sampling=sampling,
+                                             use_cache=True, on_token=None, return_logits=False)
+                    new = np.asarray(multihost_utils.process_allgather(new, tiled=True))[:, T: T + max_gen]
+                    for r, (i, _, until) in enumerate(chunk):
+                        ids = new[r].tolist()
+                        ids = ids[: ids.index(EOT)] if EOT in ids else ids
+                        out[i] = postprocess_generated_text(self.tok_decode(ids), until, None)
+                    bar.update(len(chunk))
+        self._say(f"compiled shapes so far: {len(self.shapes)}")
+        return out
+
+    def _sampling(self, kwargs):
+        """generate_in_jit's static sampling tuple: (temperature, top_k, top_p, vocab_limit); greedy is 0."""
+        temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
+        top_k, top_p = kwargs.get("top_k"), kwargs.get("top_p")
+        # ids past GPT-2's 50257 (a padded vocabulary) are no tokens: never generated
+        return (temperature, None if top_k is None else int(top_k),
+                None if top_p in (None, 1.0) else float(top_p), min(self.config.vocab_size, GPT2_VOCAB))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the command line
+
+
+def check_settings(cfg):
+    """Every bad setting fails here, in one line, before a model is loaded."""
+    if not cfg["tasks"]:
+        raise UsageError("--tasks is required: lm-eval task names, comma-separated (e.g. --tasks=hellaswag,arc_easy)")
+    for key in ("batch_size", "fsdp", "tensor_parallel"):
+        if not (type(cfg[key]) is int and cfg[key] >= 1):
+            raise UsageError(f"--{key} must be an integer >= 1, got {cfg[key]!r}")
+    limit = cfg["limit"]
+    if limit is not None and not ((type(limit) is int and limit >= 1) or (type(limit) is float and 0 < limit < 1)):
+        raise UsageError(f"--limit must be an integer >= 1 (documents) or a fraction in (0, 1), got {limit!r}")
+    if cfg["num_fewshot"] is not None and not (type(cfg["num_fewshot"]) is int and cfg["num_fewshot"] >= 0):
+        raise UsageError(f"--num_fewshot must be an integer >= 0, got {cfg['num_fewshot']!r}")
+    if cfg["include_path"] and not os.path.isdir(cfg["include_path"]):
+        raise UsageError(f"--include_path {cfg['include_path']} is not a directory of task YAMLs")
+    resolve_dtype(cfg["dtype"], "cpu")
+
+
+def task_manager(tasks, include_path):
+    """lm-eval's TaskManager for `tasks`: the local YAMLs alone when they hold them all (indexing lm-eval's own
+    ~15k takes seconds); an unknown name is one line naming the closest."""
+    if include_path:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if all(t in local.all_tasks for t in tasks):
+            return local
+    manager = TaskManager(include_path=include_path or None)
+    for t in tasks:
+        if t not in manager.all_tasks:
+            close = difflib.get_close_matches(t, manager.all_tasks, n=3)
+            raise UsageError(f"unknown task {t!r}" + (f" (did you mean {', '.join(close)}?)" if close else "") +
+                             " (lm-eval's tasks: python -m lm_eval ls tasks; local YAMLs: --include_path=DIR)")
+    return manager
+
+
+def load_bpe_model(init_from, out_dir, dtype):
+    """(model, checkpoint step or None): a character-level model is one line, lm-eval's tasks being text for GPT-2's
+    tokenizer."""
+    model, codec, step = load_with_codec(init_from, out_dir, dtype)
+    if isinstance(codec, CharCodec) or model.config.vocab_size < GPT2_VOCAB:
+        where = out_dir if init_from == "resume" else init_from
+        raise UsageError(f"{where} is a character-level model (a vocabulary of {codec.n_vocab}): lm-eval's tasks are "
+                         "text in GPT-2's BPE, give a GPT-2 model")
+    return model, step
+
+
+def evaluate(lm, cfg, manager):
+    """lm-eval's simple_evaluate on `lm` with cfg's task settings -> its results dict."""
+    seed = cfg["seed"]
+    return lm_eval.simple_evaluate(
+        model=lm, tasks=cfg["tasks"].split(","), num_fewshot=cfg["num_fewshot"], limit=cfg["limit"],
+        log_samples=cfg["log_samples"], task_manager=manager, bootstrap_iters=cfg["bootstrap_iters"],
+        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+
+
+def main(argv=None):
+    cfg = configure(defaults, sys.argv[1:] if argv is None else argv)
+    check_settings(cfg)
+    manager = task_manager(cfg["tasks"].split(","), cfg["include_path"])
+    use_compilation_cache()
+    sharding.start_backend()
+    cfg["dtype"] = resolve_dtype(cfg["dtype"], jax.default_backend())
+    t0 = time.time()
+    model, step = load_bpe_model(cfg["init_from"], cfg["out_dir"], cfg["dtype"])
+    mesh = sharding.make_mesh(cfg["fsdp"], cfg["tensor_parallel"])
+    sharding.check_model_fits_mesh(model.config, mesh)
+    print(f"model {cfg['init_from']}" + (f" (step {step})" if step is not None else "") +
+          f": {model.num_params() / 1e6:.2f}M params, block_size {model.config.block_size}, loaded in "
+          f"{time.time() - t0:.1f}s; jax {cfg['dtype']} on {jax.device_count()} {jax.devices()[0].platform} "
+          f"device(s), mesh {dict(mesh.shape)}", file=sys.stderr)
+    lm = JaxLM(model, mesh, cfg["batch_size"], cfg["seed"])
+    t0 = time.time()
+    results = evaluate(lm, cfg, manager)
+    if jax.process_index() != 0:
+        return 0
+    print(make_table(results))
+    if "groups" in results:
+        print(make_table(results, "groups"))
+    print(f"evaluated in {time.time() - t0:.1f}s, {len(lm.shapes)} compiled shapes", file=sys.stderr)
+    if cfg["output"]:
+        results["config"]["model"] = "nanogpt-jax"
+        results["config"]["model_args"] = {**cfg, "step": step, "model_config": vars(model.config)}
+        with open(cfg["output"], "w") as f:
+            json.dump(results, f, indent=2, default=handle_non_serializable)
+        print(f"wrote {cfg['output']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    exit_on_bad_input(main)
