@@ -57,8 +57,8 @@ def compare(ours, ref, kinds):
         a, b = ours[task], ref[task]
         if kind == "generate_until":
             same = sum(x == y for da, db in zip(a, b) for x, y in zip(da, db))
-            n = sum(len(d) for d in b)
-            rows.append([task, kind, str(n), f"{same}/{n} texts equal", ""])
+            n, filled = sum(len(d) for d in b), sum(bool(x) for d in b for x in d)
+            rows.append([task, kind, str(n), f"{same}/{n} texts equal, {filled} non-empty", ""])
             ok &= same == n
             for d, (da, db) in enumerate(zip(a, b)):
                 if da != db:

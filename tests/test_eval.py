@@ -1,0 +1,166 @@
+"""eval.py: lm-evaluation-harness on our model, equal to lm-eval's own hf model; offline, on eval_tasks/'s tasks."""
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import eval as lm_eval_py
+import export
+from configurator import UsageError
+from parity import check_eval
+from parity.common import save_random_hf_model
+from tests.helpers import REPO, one_line_error, run
+from tokenizer import get_encoding, save_hf_tokenizer
+
+TASKS = os.path.join(REPO, "eval_tasks")
+TINY_HF = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    return save_random_hf_model(str(tmp_path_factory.mktemp("hf")), seed=1, **TINY_HF)
+
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory):
+    """train.py's checkpoint of a tiny GPT-2-vocabulary model (2 steps on Shakespeare's BPE tokens)."""
+    data = tmp_path_factory.mktemp("bpe")
+    with open(os.path.join(REPO, "data", "shakespeare_char", "input.txt")) as f:
+        ids = np.array(get_encoding().encode_ordinary(f.read()[:60000]), np.uint16)
+    ids[:-2000].tofile(data / "train.bin")
+    ids[-2000:].tofile(data / "val.bin")
+    out = str(tmp_path_factory.mktemp("run"))
+    run(str(data), out, "--max_iters=2", "--block_size=64", "--gelu=exact")  # exact: nanoGPT's, for its export
+    return out
+
+
+def test_hf_tokenizer_files_encode_as_tiktoken(tmp_path):
+    """The tokenizer files made offline for transformers (lm-eval's hf model) give tiktoken's ids: GPT-2's split
+    pattern, not the converter's default, which splits digits in threes."""
+    tok = save_hf_tokenizer(tmp_path)
+    with open(os.path.join(REPO, "data", "shakespeare_char", "input.txt")) as f:
+        text = f.read()[:20000] + " He said 1234567 times, naïve café, 日本語 🎉 <|endoftext|> and  \n\n  spaces "
+    assert tok.encode(text) == get_encoding().encode(text, allowed_special="all")
+    assert tok.eos_token_id == tok.bos_token_id == 50256
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from tokenizer import BPE_FILE
+
+    default = TikTokenConverter(vocab_file=str(BPE_FILE)).converted()
+    assert default.encode("He said 1234567 times").ids != get_encoding().encode("He said 1234567 times")
+
+
+def test_padded_lengths_are_few_and_pad_least():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        needs = sorted(rng.integers(1, 40, rng.integers(1, 12)).tolist())
+        k = int(rng.integers(1, 5))
+        got = lm_eval_py.padded_lengths(needs, k)
+        assert len(set(got)) <= k and all(g >= n for g, n in zip(got, needs)) and max(got) == max(needs)
+        best = min(sum(next(c for c in sorted(chosen) if c >= n) for n in needs)  # every choice of k needs
+                   for chosen in itertools.combinations(sorted(set(needs)), min(k, len(set(needs))))
+                   if max(needs) in chosen)
+        assert sum(got) == best
+
+
+def test_parity_with_lm_eval_hf_model_on_each_output_type(tiny_hf, capsys):
+    """multiple choice, rolling loglikelihood and generate_until: every request as lm-eval's hf model (fp32)."""
+    assert check_eval.main([f"--init_from={tiny_hf}", "--limit=4"]) == 0
+    out = capsys.readouterr().out
+    assert "fp32 parity (loglikelihoods, is_greedy, rolling, texts, accuracies): OK" in out
+    assert re.search(r"4/4 texts equal, [1-4] non-empty", out), out
+
+
+def test_parity_judges_a_small_difference():
+    kinds = {"mc": "multiple_choice", "roll": "loglikelihood_rolling", "gen": "generate_until"}
+    ref = {"mc": [[(-3.0, False), (-2.0, True)]], "roll": [[-100.0]], "gen": [["to be"]]}
+    assert check_eval.compare(ref, ref, kinds)[1]
+    for task, nudged in [("mc", [[(-3.0002, False), (-2.0, True)]]), ("mc", [[(-3.0, True), (-2.0, True)]]),
+                         ("roll", [[-100.02]]), ("gen", [["to bee"]])]:
+        assert not check_eval.compare({**ref, task: nudged}, ref, kinds)[1], (task, nudged)
+
+
+def test_eval_on_a_train_py_checkpoint_and_its_nanogpt_export(bpe_run, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    assert lm_eval_py.main([f"--out_dir={bpe_run}", "--init_from=resume", "--tasks=hellaswag_local",
+                            f"--include_path={TASKS}", "--limit=3", "--num_fewshot=1", "--log_samples=True",
+                            f"--output={out}"]) == 0
+    printed = capsys.readouterr()
+    assert "hellaswag_local" in printed.out and "acc_norm" in printed.out  # lm-eval's table
+    results = json.loads(out.read_text())
+    assert results["config"]["model_args"]["step"] == 2
+    assert results["config"]["model_args"]["model_config"]["n_embd"] == 32
+    assert results["n-shot"]["hellaswag_local"] == 1 and results["n-samples"]["hellaswag_local"]["effective"] == 3
+    sample = results["samples"]["hellaswag_local"][0]
+    assert len(sample["arguments"]) == 4  # four choices
+    context = sample["arguments"][0][0]
+    assert context.count("\n\n") == 1  # one example before the question
+    assert printed.err.count("cut from the left") <= 1  # said once per call, if at all
+
+    export.main([f"--out_dir={bpe_run}", "--format=nanogpt", f"--to={tmp_path / 'nano'}"])
+    assert lm_eval_py.main([f"--init_from={tmp_path / 'nano' / 'ckpt.pt'}", "--tasks=hellaswag_local",
+                            f"--include_path={TASKS}", "--limit=3", "--num_fewshot=1", f"--output={out}"]) == 0
+    again = json.loads(out.read_text())
+    assert again["results"]["hellaswag_local"] == results["results"]["hellaswag_local"]
+
+
+def test_bad_input_is_one_line(tiny_hf, dataset, tmp_path):
+    def fails(match, *argv):
+        with pytest.raises(UsageError, match=match):
+            lm_eval_py.main(list(argv))
+
+    fails("did you mean hellaswag_local", f"--init_from={tiny_hf}", "--tasks=hellaswag_locall",
+          f"--include_path={TASKS}")
+    fails("batch_size must be an integer >= 1", "--tasks=hellaswag_local", "--batch_size=0")
+    fails("--tasks is required", f"--init_from={tiny_hf}")
+    fails("limit", "--tasks=x", "--limit=0")
+    fails("no checkpoint|not found", "--init_from=resume", f"--out_dir={tmp_path / 'none'}", "--tasks=hellaswag_local",
+          f"--include_path={TASKS}")
+    char_run = str(tmp_path / "char")
+    run(dataset, char_run, "--max_iters=1")
+    fails("character-level model", "--init_from=resume", f"--out_dir={char_run}", "--tasks=hellaswag_local",
+          f"--include_path={TASKS}")
+    result = subprocess.run([sys.executable, "eval.py", "--tasks=hellaswag_local", "--batch_size=0"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert "batch_size" in one_line_error(result, 2)
+
+
+MESH_SCRIPT = """
+import json, sys
+import jax, numpy as np
+from lm_eval.api.instance import Instance
+import eval as ev, sharding
+from model import load_pretrained
+model, _ = load_pretrained(sys.argv[1])
+text = open("data/shakespeare_char/input.txt").read()
+ll = [Instance("loglikelihood", {}, (text[i: i + 5 + i % 40], text[i + 400: i + 420]), 0) for i in range(0, 5000, 250)]
+roll = [Instance("loglikelihood_rolling", {}, (text[i: i + 600],), 0) for i in (0, 3000)]
+gen = [Instance("generate_until", {}, (text[i: i + 60 + i % 40], {"until": ["\\n"], "max_gen_toks": 8}), 0)
+       for i in range(0, 1200, 400)]
+out = {}
+for name, mesh in [("one", sharding.make_mesh(devices=jax.devices()[:1])), ("fsdp2", sharding.make_mesh(fsdp=2))]:
+    lm = ev.JaxLM(model, mesh, batch_size=2, progress=False)
+    out[name] = [lm.loglikelihood(ll, True), lm.loglikelihood_rolling(roll, True), lm.generate_until(gen, True),
+                 dict(mesh.shape)]
+print(json.dumps(out))
+"""
+
+
+def test_an_8_device_mesh_with_fsdp_gives_one_devices_numbers(tiny_hf):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    result = subprocess.run([sys.executable, "-c", MESH_SCRIPT, tiny_hf], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    (ll1, roll1, gen1, _), (ll8, roll8, gen8, shape) = out["one"], out["fsdp2"]
+    assert shape == {"data": 4, "fsdp": 2, "tensor": 1}
+    np.testing.assert_allclose([x[0] for x in ll8], [x[0] for x in ll1], rtol=1e-5)
+    assert [x[1] for x in ll8] == [x[1] for x in ll1]
+    np.testing.assert_allclose(roll8, roll1, rtol=1e-5)
+    assert gen8 == gen1 and any(gen1)
