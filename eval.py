@@ -37,7 +37,6 @@ import sharding
 from checkpoint import load_with_codec, use_compilation_cache
 from configurator import UsageError, configure, exit_on_bad_input
 from generate import generate_in_jit
-from hellaswag import put_batch
 from model import resolve_dtype
 from tokenizer import EOT, BPECodec, CharCodec
 
@@ -190,7 +189,7 @@ class JaxLM(TemplateLM):
                     e = min(E, L) if min(E, L) <= SCORE_CHUNK else round_up(min(E, L), SCORE_CHUNK)
                     batch = self._pack([rows[i] for i in idx], L, e)
                     self.shapes.add(("loglikelihood", R, L, e))
-                    launched = idx, self._score(self.model, *put_batch(batch, self.mesh))
+                    launched = idx, self._score(self.model, *sharding.put_rows(batch, self.mesh))
                 if pending is not None:
                     idx, (s, g) = pending
                     total[idx], greedy[idx] = np.asarray(s)[: len(idx)], np.asarray(g)[: len(idx)]
@@ -257,8 +256,7 @@ class JaxLM(TemplateLM):
                         buf[r, :T] = tokens
                     self.key, key = jax.random.split(self.key)
                     self.shapes.add(("generate", R, L, sampling))
-                    rows = sharding.batch_sharding(self.mesh, ndim=2)
-                    buf = jax.make_array_from_callback(buf.shape, rows, lambda index, b=buf: b[index])
+                    (buf,) = sharding.put_rows([buf], self.mesh)
                     new, _ = generate_in_jit(self.model, buf, jnp.int32(T), key, sampling=sampling,
                                              use_cache=True, on_token=None, return_logits=False)
                     new = np.asarray(multihost_utils.process_allgather(new, tiled=True))[:, T: T + max_gen]

@@ -278,13 +278,6 @@ def make_mesh(devices=None):
     return devices if isinstance(devices, Mesh) else sharding.make_mesh(devices=devices)
 
 
-def put_batch(batch: Batch, mesh):
-    """The batch on the mesh, rows split over data x fsdp. Every process holds the whole batch and hands over
-    the rows of its own devices (so this works across hosts too)."""
-    rows = sharding.batch_sharding(mesh, ndim=2)
-    return tuple(jax.make_array_from_callback(a.shape, rows, lambda index, a=a: a[index]) for a in batch)
-
-
 def evaluate(model, examples, mesh=None, batch_size=8, progress=False):
     """Score rendered examples with an nnx GPT over `mesh` (see make_mesh: train.py's, a list of devices, or None
     for all devices): batch_size examples (4 rows each) per batch shard (data x fsdp) per batch,
@@ -315,7 +308,7 @@ def evaluate(model, examples, mesh=None, batch_size=8, progress=False):
             if item is not None:
                 L, E, n, idx = item
                 batch = make_batch([examples[i] for i in idx], n, L, E)
-                launched = idx, score(model, *put_batch(batch, mesh))
+                launched = idx, score(model, *sharding.put_rows(batch, mesh))
             if pending is not None:
                 idx, out = pending
                 sums[idx] = np.asarray(out).reshape(-1, 4)[: len(idx)]

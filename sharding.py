@@ -125,6 +125,13 @@ def batch_sharding(mesh, ndim=3):
     return NamedSharding(mesh, P(None, BATCH, None) if ndim == 3 else P(BATCH, *([None] * (ndim - 1))))
 
 
+def put_rows(arrays, mesh):
+    """Host arrays (rows first) on the mesh, rows split over data x fsdp. Every process holds all the rows and hands
+    over those of its own devices (so this works across hosts too): evaluation's batches."""
+    rows = batch_sharding(mesh, ndim=2)
+    return tuple(jax.make_array_from_callback(a.shape, rows, lambda index, a=a: a[index]) for a in arrays)
+
+
 def replicated(mesh):
     return NamedSharding(mesh, P())
 

@@ -15,7 +15,7 @@ import export
 from configurator import UsageError
 from parity import check_eval
 from parity.common import save_random_hf_model
-from tests.helpers import REPO, one_line_error, run
+from helpers import REPO, one_line_error, run
 from tokenizer import get_encoding, save_hf_tokenizer
 
 TASKS = os.path.join(REPO, "eval_tasks")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import hellaswag
+import sharding
 from configurator import exit_on_bad_input
 from helpers import assert_close
 from parity import check_hellaswag
@@ -140,8 +141,8 @@ def test_padding_never_changes_a_loss(model, examples):
     noisy = np.where(real, b.tokens, np.random.default_rng(0).integers(0, 50257, b.tokens.shape)).astype(np.int32)
     assert (noisy != b.tokens).any()
     score = hellaswag._jitted_ending_losses(mesh)
-    clean = np.asarray(score(model, *hellaswag.put_batch(b, mesh)))
-    dirty = np.asarray(score(model, *hellaswag.put_batch(b._replace(tokens=noisy), mesh)))
+    clean = np.asarray(score(model, *sharding.put_rows(b, mesh)))
+    dirty = np.asarray(score(model, *sharding.put_rows(b._replace(tokens=noisy), mesh)))
     assert np.array_equal(clean, dirty)  # bitwise: right padding is causally invisible, and masked
     assert (clean[: 4 * len(idx)] > 0).all() and (clean[4 * len(idx):] == 0).all()
 
@@ -230,7 +231,7 @@ MULTI_DEVICE = textwrap.dedent("""
     examples = hellaswag.load_examples(sys.argv[3], max_len=config.block_size)
     mesh = sharding.make_mesh(fsdp=2)  # as train.py makes it with --fsdp=2: params split, rows over data x fsdp
     L, E, n, idx = hellaswag.plan_batches(examples, 1, config.block_size, sharding.batch_shards(mesh))[0]
-    tokens = hellaswag.put_batch(hellaswag.make_batch([examples[i] for i in idx], n, L, E), mesh)[0]
+    tokens = sharding.put_rows(hellaswag.make_batch([examples[i] for i in idx], n, L, E), mesh)[0]
     score = hellaswag.evaluate(model, examples, mesh, batch_size=1)  # 1 example (4 rows) per device
     np.save(out, np.array([r.sum_losses + r.mean_losses for r in score.results]))
     print(json.dumps({"devices": jax.device_count(), "rows": tokens.shape[0],
