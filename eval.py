@@ -246,8 +246,7 @@ class JaxLM(TemplateLM):
         with jax.set_mesh(self.mesh), tqdm(total=len(requests), desc="generate_until", unit="req",
                                            disable=disable_tqdm or not self.progress) as bar:
             for (T, max_gen, sampling), group in sorted(groups.items(), key=lambda kv: kv[0][:2]):
-                L = min(max(round_up(T + max_gen, 64), 64), bs)  # T is traced: few lengths compile
-                L = max(L, T + max_gen)
+                L = min(round_up(T + max_gen, 64), bs)  # T is traced: few lengths compile
                 for k in range(0, len(group), R):
                     chunk = group[k: k + R]
                     buf = np.zeros((R, L), np.int32)
