@@ -19,7 +19,7 @@ import pytest
 import hellaswag
 import sharding
 from configurator import exit_on_bad_input
-from helpers import assert_close
+from helpers import assert_close, fake_devices
 from parity import check_hellaswag
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -248,8 +248,7 @@ def test_eight_devices_give_the_same_losses(model, jax_score, tmp_path):
     weights = tmp_path / "w.npz"
     np.savez(weights, **state_dict(model))
     (tmp_path / "w.npz.json").write_text(json.dumps(asdict(model.config)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
+    env = {**fake_devices(8), "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", MULTI_DEVICE, str(weights), str(tmp_path / "out.npy"), str(FIXTURE)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

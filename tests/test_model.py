@@ -14,8 +14,10 @@ import pytest
 import torch
 from flax import nnx
 
+from configurator import exit_on_bad_input
 from helpers import assert_close, tiny_config
 from model import GPT, GPTConfig, cross_entropy
+from parity import check_logits
 from parity.check_logits import check
 from parity.common import save_random_hf_model
 from tokenizer import get_encoding
@@ -224,17 +226,30 @@ def test_loader_errors_are_one_line(tmp_path):
         GPT.from_pretrained(str(tmp_path / "empty"))
 
 
-def test_check_logits_cli(tmp_path):
+def test_check_logits_cli(tmp_path, capsys):
+    """python -m parity.check_logits: in process, what the command does (exit_on_bad_input(main)); once as the
+    command itself, on an argument it refuses before loading anything."""
     path = save_random_hf_model(tmp_path / "hf", seed=5, n_layer=1, n_head=2, n_embd=32, n_positions=16,
                                 vocab_size=64)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "parity.check_logits", *a], capture_output=True, text=True)
-    ok = run("--model", str(path), "--text", "")
-    assert ok.returncode == 0, ok.stderr
-    assert "fp32 parity" in ok.stdout and "OK" in ok.stdout and "top-1 agree" in ok.stdout
-    bad = run("--model", "gpt3")
-    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown model") and "Traceback" not in bad.stderr
-    long = run("--model", str(path), "--seq-len", "17", "--text", "")
-    assert long.returncode == 2 and "--seq-len" in long.stderr
+
+    def run(*args):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            exit_on_bad_input(lambda: check_logits.main(list(args)))
+        out, err = capsys.readouterr()
+        return e.value.code, out, err
+
+    code, out, err = run("--model", str(path), "--text", "")
+    assert code == 0, err
+    assert "fp32 parity" in out and "OK" in out and "top-1 agree" in out
+    code, _, err = run("--model", "gpt3")
+    assert code == 2 and err.startswith("error: unknown model") and "Traceback" not in err
+    code, _, err = run("--model", str(path), "--seq-len", "17", "--text", "")
+    assert code == 2 and "--seq-len" in err
+    command = subprocess.run([sys.executable, "-m", "parity.check_logits", "--random-init", "--model", "gpt7"],
+                             capture_output=True, text=True)
+    assert command.returncode == 2 and command.stderr.startswith("error: --random-init takes a size name") \
+        and command.stderr.count("\n") == 1, command.stderr
 
 
 def test_tokenizer_known_ids_and_round_trip():

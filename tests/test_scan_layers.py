@@ -20,7 +20,7 @@ import sharding
 import train
 import train_step
 from configurator import ConfigError, UsageError, configure
-from helpers import assert_close, tiny_config
+from helpers import assert_close, settings, tiny_config
 from layers import relayout_blocks
 from model import GPT
 from parity.common import save_random_hf_model
@@ -132,7 +132,7 @@ def checkpoint_templates(config, tx):
     return params, jax.eval_shape(tx.init, params)
 
 
-def test_training_scanned_takes_the_loops_steps(tmp_path):
+def test_training_scanned_takes_the_loops_steps(dataset, tmp_path):
     """train.py's steps with scan_layers: the same losses and grad norms as the loop's (each stacked param in the
     optimizer's groups as its per-layer self: biases and LayerNorms undecayed)."""
     params = {sc: nnx.state(GPT(tiny_config(scan_layers=sc), nnx.Rngs(0)), nnx.Param) for sc in (False, True)}
@@ -140,18 +140,9 @@ def test_training_scanned_takes_the_loops_steps(tmp_path):
                    for k, decays in jax.tree_util.tree_leaves_with_path(train_step.decay_mask(p))}
               for sc, p in params.items()}
     assert groups[True] == groups[False] and ("h.ln_1.scale.value", False) in groups[True]
-    data = tmp_path / "data"
-    data.mkdir()
-    tokens = np.cumsum(np.random.default_rng(0).integers(1, 4, 20000)) % 64
-    tokens.astype(np.uint16)[:18000].tofile(data / "train.bin")
-    tokens.astype(np.uint16)[18000:].tofile(data / "val.bin")
     logs = {}
-    for sc in (False, True):
-        args = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4", "--vocab_size=64",
-                "--gradient_accumulation_steps=1", "--eval_iters=1", "--eval_interval=1000", "--max_iters=5",
-                "--warmup_iters=2", "--learning_rate=1e-2", "--dtype=float32", "--bias=True",
-                f"--dataset={data}", f"--out_dir={tmp_path / str(sc)}", f"--scan_layers={sc}"]
-        train.Trainer(configure(DEFAULTS, args)).run()
+    for sc in (False, True):  # the tests' tiny run (the loop's is in the compilation cache)
+        train.Trainer(settings(dataset, tmp_path / str(sc), "--max_iters=5", f"--scan_layers={sc}")).run()
         with open(tmp_path / str(sc) / "log.jsonl") as f:
             logs[sc] = [(r["loss"], r["grad_norm"]) for r in map(json.loads, f) if "loss" in r]
     assert len(logs[True]) == 5

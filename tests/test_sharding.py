@@ -2,13 +2,14 @@
 
 Sharded training on the (data, fsdp, tensor) mesh: the same run on 1 device and on 8 fake CPU devices as
 data 8, fsdp 8, fsdp 4 x tensor 2 and data 2 x fsdp 2 x tensor 2 (losses, grad norms, final params);
-memory that really divides under fsdp; resume across meshes; two processes with fsdp spanning both."""
+memory that really divides under fsdp; resume across meshes; two processes with fsdp spanning both, preempted
+(SIGTERM to one) and resumed."""
 
 import json
-import os
-import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -17,7 +18,8 @@ import pytest
 import checkpoint
 import sharding
 import train
-from helpers import REPO, TINY, assert_close, free_port, read_log, settings
+from helpers import (REPO, TINY, assert_close, fake_devices, free_port, one_line_error, popen_train, read_log, run,
+                     settings, train_cli)
 
 WIDE = ["--n_embd=64", "--max_iters=4", "--eval_interval=4", "--always_save_checkpoint=True"]
 ROWS = 8  # global micro-batch: every mesh below splits it differently
@@ -30,18 +32,21 @@ def mesh_args(fsdp, tp, devices=8):
             f"--gradient_accumulation_steps={shards}"]
 
 
-# Runs every mesh in one process with 8 fake devices (one compile cache, one start-up), then reports what the
-# test checks about memory: per-device bytes and the shard sizes of every >=2-D param and its Adam moments.
+# Runs every mesh in one process with 8 fake devices (one compile cache, one start-up), each run's directory copied
+# to the names its `copies` lists once it is done; then reports what the test checks about memory: per-device bytes
+# and the shard sizes of every >=2-D param and its Adam moments.
 EIGHT_DEVICE_RUNS = r"""
-import json, shutil, sys
+import json, os, shutil, sys
 import jax
 import train, sharding
 from configurator import configure
 from settings import DEFAULTS
-dataset, out, runs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+out, runs = sys.argv[1], json.loads(sys.argv[2])
 report = {}
-for name, args in runs.items():
+for name, args, copies in runs:
     t = train.Trainer(configure(DEFAULTS, args)).run()
+    for copy in copies:
+        shutil.copytree(os.path.join(out, name), os.path.join(out, copy))
     shards = {}
     for tree in (t.params, t.opt_state):
         for path, x in jax.tree_util.tree_leaves_with_path(tree):
@@ -53,8 +58,9 @@ print("REPORT " + json.dumps(report))
 
 
 def run_8_devices(runs, tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    p = subprocess.run([sys.executable, "-c", EIGHT_DEVICE_RUNS, "", str(tmp_path), json.dumps(runs)], cwd=REPO,
+    """`runs`: [(name, train.py's arguments, names to copy its out_dir to once it is done)], run in this order."""
+    env = fake_devices(8, quick_compile=True)
+    p = subprocess.run([sys.executable, "-c", EIGHT_DEVICE_RUNS, str(tmp_path), json.dumps(runs)], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(next(l for l in p.stdout.splitlines() if l.startswith("REPORT "))[7:])
@@ -62,25 +68,24 @@ def run_8_devices(runs, tmp_path):
 
 @pytest.fixture(scope="module")
 def mesh_runs(dataset, tmp_path_factory):
-    """Every mesh's 4-step run, a 2-step fsdp 4 x tensor 2 run that saves at step 2, and its resume on data 8;
-    then the 1-device run and the resume on 1 device here."""
+    """A 2-step fsdp 4 x tensor 2 run that saves at step 2 (copied twice, to resume from), its resume on data 8,
+    and every mesh's 4-step run; then the 1-device run and the resume on 1 device here. Also the 1-device run's
+    final params: the reference, and the template to restore any of the checkpoints with."""
     tmp = tmp_path_factory.mktemp("meshes")
     common = TINY + WIDE + [f"--dataset={dataset}"]
-    runs = {name: common + mesh_args(*m) + [f"--out_dir={tmp / name}"] for name, m in MESHES.items()}
-    runs["half"] = common + mesh_args(4, 2) + [f"--out_dir={tmp / 'half'}", "--max_iters=2", "--checkpoint_interval=2"]
-    report = run_8_devices({"half": runs.pop("half")}, tmp)
-    shutil.copytree(tmp / "half", tmp / "resumed_data8")
-    shutil.copytree(tmp / "half", tmp / "resumed_one")
-    runs["resumed_data8"] = common + mesh_args(1, 1) + [f"--out_dir={tmp / 'resumed_data8'}", "--init_from=resume"]
-    report.update(run_8_devices(runs, tmp))
-    train.Trainer(settings(dataset, tmp / "one", *WIDE, f"--batch_size={ROWS}")).run()
+    runs = [("half", common + mesh_args(4, 2) + [f"--out_dir={tmp / 'half'}", "--max_iters=2",
+                                                "--checkpoint_interval=2"], ["resumed_data8", "resumed_one"]),
+            ("resumed_data8", common + mesh_args(1, 1) + [f"--out_dir={tmp / 'resumed_data8'}", "--init_from=resume"],
+             [])]
+    runs += [(name, common + mesh_args(*m) + [f"--out_dir={tmp / name}"], []) for name, m in MESHES.items()]
+    report = run_8_devices(runs, tmp)
+    one = train.Trainer(settings(dataset, tmp / "one", *WIDE, f"--batch_size={ROWS}")).run()
     train.Trainer(settings(dataset, tmp / "resumed_one", *WIDE, f"--batch_size={ROWS}", "--init_from=resume")).run()
-    return tmp, report
+    return tmp, report, one.params
 
 
-def test_every_mesh_trains_as_one_device(mesh_runs, dataset):
-    tmp, _ = mesh_runs
-    template = train.Trainer(settings(dataset, tmp / "t", *WIDE, f"--batch_size={ROWS}")).params
+def test_every_mesh_trains_as_one_device(mesh_runs):
+    tmp, _, template = mesh_runs
     ref_params = jax.tree.leaves(checkpoint.restore(tmp / "one", params=template)["params"])
     for name in MESHES:
         for key in ("loss", "grad_norm"):
@@ -93,7 +98,7 @@ def test_every_mesh_trains_as_one_device(mesh_runs, dataset):
 
 
 def test_fsdp_divides_the_state(mesh_runs):
-    _, report = mesh_runs
+    _, report, _ = mesh_runs
     fsdp, replicated = report["fsdp8"], report["data8"]
     assert fsdp["shards"], "no >=2-D state found"
     for path, (held, total) in fsdp["shards"].items():
@@ -106,7 +111,7 @@ def test_fsdp_divides_the_state(mesh_runs):
 def test_resume_across_meshes(mesh_runs):
     """Saved under fsdp 4 x tensor 2 at step 2, resumed on data 8 and on 1 device: steps 2 and 3 as the
     uninterrupted fsdp 4 x tensor 2 run's."""
-    tmp, _ = mesh_runs
+    tmp, _, _ = mesh_runs
     whole = read_log(tmp / "fsdp4_tp2", "loss")
     for resumed in ("resumed_data8", "resumed_one"):
         log = read_log(tmp / resumed, "loss")
@@ -121,7 +126,7 @@ def test_sample_and_hellaswag_load_a_checkpoint_of_any_mesh(mesh_runs, dataset):
 
     from weights import state_dict
 
-    tmp, _ = mesh_runs
+    tmp, _, _ = mesh_runs
     model, config = checkpoint.load_model("resume", str(tmp / "half"))
     assert config["fsdp"] == 4 and config["tensor_parallel"] == 2
     resumed = train.Trainer(settings(dataset, tmp / "half", *WIDE, f"--batch_size={ROWS}", "--init_from=resume"))
@@ -132,25 +137,59 @@ def test_sample_and_hellaswag_load_a_checkpoint_of_any_mesh(mesh_runs, dataset):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def test_two_processes_fsdp_spanning_both(mesh_runs, dataset, tmp_path):
-    """2 processes x 4 devices with fsdp 8 across both (jax.distributed on loopback), saving at step 2 and
-    resuming on both: the same losses as 1 process x 8 devices with fsdp 8."""
-    tmp, _ = mesh_runs
-    args = TINY + WIDE + mesh_args(8, 1) + [f"--dataset={dataset}", f"--out_dir={tmp_path / 'multi'}"]
-    for extra in (["--max_iters=2", "--checkpoint_interval=2"], ["--init_from=resume"]):
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-               "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2"}
-        procs = [subprocess.Popen([sys.executable, "train.py", *args, *extra], cwd=REPO,
-                                  env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for i in range(2)]
-        outs = [p.communicate(timeout=300) for p in procs]
-        for p, (out, err) in zip(procs, outs):
-            assert p.returncode == 0, err[-2000:]
-        assert "8 device(s)" in outs[0][0] and "on 2 process(es)" in outs[0][0] and "fsdp 8" in outs[0][0]
-    log = read_log(tmp_path / "multi", "loss")
-    assert [i for i, _ in log] == [0, 1, 2, 3]
-    assert_close([v for _, v in log], [v for _, v in read_log(tmp / "fsdp8", "loss")], rtol=1e-5, atol=0,
+def test_two_processes_fsdp_spanning_both_stop_at_one_step_on_sigterm_and_resume(mesh_runs, dataset, tmp_path):
+    """The issue's pod: 2 processes x 4 devices with fsdp 8 across both (jax.distributed on loopback), SIGTERM to
+    the second only: both stop at one step, saved (meanwhile a second run on the same out_dir is refused: the lock).
+    Resumed on both, nothing lost, nothing repeated: the same losses as 1 process x 8 devices with fsdp 8, and as
+    the same global batches straight through on this process's one device."""
+    tmp, _, _ = mesh_runs
+    out = tmp_path / "multi"
+    args = [*TINY, "--n_embd=64", *mesh_args(8, 1), f"--dataset={dataset}", f"--out_dir={out}"]
+
+    def start(*extra):
+        port = free_port()
+        return [popen_train([*args, *extra], i, port, devices=4) for i in range(2)]
+
+    def wait(procs, timeout, read=""):
+        """Each process's stdout (process 0's after what was `read` of it), once both have ended well."""
+        outs = [p.communicate(timeout=timeout) for p in procs]
+        for p, (_, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+        stdouts = [read + outs[0][0], outs[1][0]]
+        assert "8 device(s)" in stdouts[0] and "on 2 process(es)" in stdouts[0] and "fsdp 8" in stdouts[0]
+        return stdouts
+
+    procs = start("--max_iters=100000")
+    try:
+        deadline = time.time() + 240
+        read = ""
+        for line in procs[0].stdout:
+            read += line
+            if line.startswith("iter 5:") or time.time() > deadline:
+                break
+        crowd = train_cli([*args, "--max_iters=3"], devices=8)
+        assert "is in use by another run (pid" in one_line_error(crowd, 2)
+        procs[1].send_signal(signal.SIGTERM)
+        outs = wait(procs, 60, read)
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+                p.communicate()
+    stopped = [int(line.split("iter ")[1].split(";")[0]) for stdout in outs for line in stdout.splitlines()
+               if line.startswith("SIGTERM: checkpoint saved at iter")]
+    assert len(stopped) == 2 and stopped[0] == stopped[1] == checkpoint.all_steps(out)[-1], stopped
+    n = stopped[0]
+
+    wait(start("--init_from=resume", f"--max_iters={n + 2}"), 300)
+    log = read_log(out, "loss")
+    assert [i for i, _ in log] == list(range(n + 2))  # nothing lost, nothing repeated
+    assert_close([v for _, v in log[:4]], [v for _, v in read_log(tmp / "fsdp8", "loss")], rtol=1e-5, atol=0,
                  what="losses 2 processes vs 1")
+    # the same global batches straight through, in this process's one device (8 rows, as 8 devices x 1)
+    run(dataset, tmp_path / "straight", "--n_embd=64", f"--batch_size={ROWS}", f"--max_iters={n + 2}")
+    assert_close([v for _, v in log], [v for _, v in read_log(tmp_path / "straight", "loss")], atol=1e-5,
+                 what="losses 2 processes vs 1 device")
 
 
 def test_constraints_fit_the_mesh_and_pin_the_batch_rows():

@@ -19,7 +19,7 @@ import pytest
 import train
 
 import train_step
-from configurator import ConfigError, configure
+from configurator import ConfigError, configure, exit_on_bad_input
 from helpers import REPO, TINY, assert_close, read_log, run, settings, snapshot, train_cli
 from settings import DEFAULTS, validate
 
@@ -276,14 +276,20 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(dataset, tmp_path):
     assert iters == list(range(stopped_at + 2))  # nothing lost, nothing repeated
 
 
-def test_bad_input_is_one_line_and_writes_nothing(dataset, tmp_path):
+def test_bad_input_is_one_line_and_writes_nothing(dataset, tmp_path, capsys):
     def cli(*args):
         r = train_cli(list(args))
         return r.returncode, r.stderr.strip()
 
-    code, err = cli("--batch_szie=3")
+    def cli_in_process(*args):  # what `python train.py` does with settings configure refuses, before anything else
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            exit_on_bad_input(lambda: train.main(list(args)))
+        return e.value.code, capsys.readouterr().err.strip()
+
+    code, err = cli_in_process("--batch_szie=3")
     assert code == 2 and err.startswith("error: unknown config key 'batch_szie'") and "\n" not in err
-    code, err = cli("--batch_size=3.5")
+    code, err = cli_in_process("--batch_size=3.5")
     assert code == 2 and "batch_size must be int" in err
     code, err = cli("--dataset=nowhere", f"--out_dir={tmp_path / 'x'}")
     assert code == 2 and "run `python data/nowhere/prepare.py` first" in err and "\n" not in err
