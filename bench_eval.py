@@ -80,9 +80,9 @@ def main(argv=None):
           f"batch {args.batch_size}, {jax.devices()[0].platform}")
     rows, ok = [], True
     with tempfile.TemporaryDirectory() as tmp:
-        path = save_random_hf_model(tmp, **SIZES[args.size])
+        path = save_random_hf_model(os.path.join(tmp, "model"), **SIZES[args.size])
         model, _ = load_pretrained(path)
-        hf = hf_lm(path, args.batch_size, "float32")
+        hf = hf_lm(path, args.batch_size, "float32", tmp)
         for pair in range(args.pairs):
             jax.clear_caches()
             lm = ours.JaxLM(model, sharding.make_mesh(), args.batch_size, progress=False)

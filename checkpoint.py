@@ -415,3 +415,14 @@ def load_with_codec(init_from, out_dir, dtype):
         else None  # a hub name
     dataset = (train_config or {}).get("dataset")
     return model, tokenizer.codec_for(model.config.vocab_size, dataset=dataset, beside=beside), None
+
+
+def load_bpe_model(init_from, out_dir, dtype, why):
+    """(model, step) of load_with_codec for a task whose text is GPT-2's BPE (HellaSwag, lm-eval's): a
+    character-level model is one line saying `why` it cannot be scored."""
+    model, codec, step = load_with_codec(init_from, out_dir, dtype)
+    if isinstance(codec, tokenizer.CharCodec):
+        where = out_dir if init_from == "resume" else init_from
+        raise UsageError(f"{where} is a character-level model (a vocabulary of {codec.n_vocab} characters): {why}, "
+                         "give a GPT-2 model")
+    return model, step

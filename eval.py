@@ -21,6 +21,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import lm_eval
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
@@ -31,14 +32,12 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window, make_table
 from tqdm import tqdm
 
-import lm_eval
-
 import sharding
-from checkpoint import load_with_codec, use_compilation_cache
+from checkpoint import load_bpe_model, use_compilation_cache
 from configurator import UsageError, configure, exit_on_bad_input
 from generate import generate_in_jit
 from model import resolve_dtype
-from tokenizer import EOT, BPECodec, CharCodec
+from tokenizer import EOT, GPT2_VOCAB, BPECodec
 
 defaults = dict(
     init_from="gpt2",  # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory, a ckpt.pt
@@ -58,7 +57,6 @@ defaults = dict(
 )
 MAX_SHAPES = 8  # padded lengths per call: one compilation each
 SCORE_CHUNK = 128  # continuation positions whose logits (rows, chunk, vocab) exist at once
-GPT2_VOCAB = EOT + 1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -313,15 +311,7 @@ def task_manager(tasks, include_path):
     return manager
 
 
-def load_bpe_model(init_from, out_dir, dtype):
-    """(model, checkpoint step or None): a character-level model is one line, lm-eval's tasks being text for GPT-2's
-    tokenizer."""
-    model, codec, step = load_with_codec(init_from, out_dir, dtype)
-    if isinstance(codec, CharCodec) or model.config.vocab_size < GPT2_VOCAB:
-        where = out_dir if init_from == "resume" else init_from
-        raise UsageError(f"{where} is a character-level model (a vocabulary of {codec.n_vocab}): lm-eval's tasks are "
-                         "text in GPT-2's BPE, give a GPT-2 model")
-    return model, step
+NOT_BPE = "lm-eval's tasks are text in GPT-2's BPE"
 
 
 def evaluate(lm, cfg, manager):
@@ -341,7 +331,7 @@ def main(argv=None):
     sharding.start_backend()
     cfg["dtype"] = resolve_dtype(cfg["dtype"], jax.default_backend())
     t0 = time.time()
-    model, step = load_bpe_model(cfg["init_from"], cfg["out_dir"], cfg["dtype"])
+    model, step = load_bpe_model(cfg["init_from"], cfg["out_dir"], cfg["dtype"], NOT_BPE)
     mesh = sharding.make_mesh(cfg["fsdp"], cfg["tensor_parallel"])
     sharding.check_model_fits_mesh(model.config, mesh)
     print(f"model {cfg['init_from']}" + (f" (step {step})" if step is not None else "") +

@@ -33,14 +33,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import sharding
-from checkpoint import load_with_codec, use_compilation_cache
+from checkpoint import load_bpe_model, use_compilation_cache
 from configurator import InputNotFound, UsageError, exit_on_bad_input
 from model import cross_entropy_terms
-from tokenizer import CharCodec, get_encoding
+from tokenizer import GPT2_VOCAB, get_encoding
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
 CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
-GPT2_VOCAB = 50257  # the tokens of GPT-2's BPE; a model must have at least these
 PAD = 0  # right padding: causal attention keeps it out of every real position, and it is never scored
 # padded shapes, one compilation each: tokens per row (4 per octave: at most 25% padding) and ending
 # tokens per row (2 per octave; they only size the logits)
@@ -325,15 +324,9 @@ def evaluate(model, examples, mesh=None, batch_size=8, progress=False):
 # the command line
 
 
-def load_bpe_model(init_from, out_dir, dtype="float32"):
-    """Our GPT of `init_from` (checkpoint.load_model's names); a character-level one is one line: HellaSwag's text is
-    GPT-2 BPE."""
-    model, codec, _ = load_with_codec(init_from, out_dir, dtype)
-    if isinstance(codec, CharCodec):
-        where = out_dir if init_from == "resume" else init_from
-        raise UsageError(f"{where} is a character-level model (a vocabulary of {codec.n_vocab} characters): HellaSwag "
-                         "is scored in GPT-2's BPE, give a GPT-2 model")
-    return model
+def load_model(init_from, out_dir, dtype="float32"):
+    """Our GPT of `init_from` (checkpoint.load_model's names); a character-level one is one line."""
+    return load_bpe_model(init_from, out_dir, dtype, "HellaSwag is scored in GPT-2's BPE")[0]
 
 
 def cli_parser(doc):
@@ -374,7 +367,7 @@ def main(argv=None):
     t0 = time.time()
     use_compilation_cache()
     sharding.start_backend()
-    model = load_bpe_model(args.init_from, args.out_dir, args.dtype)
+    model = load_model(args.init_from, args.out_dir, args.dtype)
     block_size = model.config.block_size
     examples = render_all(raw, block_size, path)
     truncated = sum(r.truncated > 0 for r in examples)

@@ -15,6 +15,7 @@ from configurator import InputNotFound, UsageError
 
 BPE_FILE = Path(__file__).resolve().parent / "assets" / "gpt2.tiktoken"
 EOT = 50256  # <|endoftext|>
+GPT2_VOCAB = EOT + 1  # the tokens of GPT-2's BPE: a model scoring its text needs a logit for each
 
 # tiktoken's r50k/gpt2 split pattern: equivalent to GPT-2's original regex, faster.
 GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""

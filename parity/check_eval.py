@@ -30,17 +30,18 @@ LOCAL_TASKS = "hellaswag_local,shakespeare_rolling,shakespeare_generate"
 EVAL_TASKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval_tasks")
 
 
-def hf_lm(path, batch_size, dtype):
-    """lm-eval's own hf model on the HF directory `path`; GPT-2's tokenizer files are made offline where it lacks
-    them."""
+def hf_lm(path, batch_size, dtype, scratch):
+    """lm-eval's own hf model on the HF directory `path`; where it lacks GPT-2's tokenizer files, they are made
+    offline in the directory `scratch`."""
     from lm_eval.models.huggingface import HFLM
 
     from tokenizer import save_hf_tokenizer
 
     tokenizer = path
     if not os.path.exists(os.path.join(path, "tokenizer.json")):
-        tokenizer = tempfile.mkdtemp(prefix="gpt2-tokenizer-")
-        save_hf_tokenizer(tokenizer)
+        tokenizer = os.path.join(scratch, "tokenizer")
+        if not os.path.isdir(tokenizer):
+            save_hf_tokenizer(tokenizer)
     return HFLM(pretrained=path, tokenizer=tokenizer, device="cpu", batch_size=batch_size, dtype=dtype)
 
 
@@ -118,6 +119,7 @@ def main(argv=None):
 
     import eval as ours
     import sharding
+    from checkpoint import load_bpe_model
     from model import load_pretrained
 
     tasks = args.tasks.split(",")
@@ -126,12 +128,12 @@ def main(argv=None):
     pin_numerics()
     with tempfile.TemporaryDirectory() as tmp:
         if args.random_init:
-            path = save_random_hf_model(tmp, **HF_SIZES["gpt2"])
+            path = save_random_hf_model(os.path.join(tmp, "model"), **HF_SIZES["gpt2"])
         elif os.path.isfile(os.path.join(args.init_from, "config.json")):
             path = args.init_from
         else:  # our checkpoint, a nanoGPT one or a hub name: the same weights as an HF directory
-            model, _ = ours.load_bpe_model(args.init_from, args.out_dir, "float32")
-            path = tmp
+            model, _ = load_bpe_model(args.init_from, args.out_dir, "float32", ours.NOT_BPE)
+            path = os.path.join(tmp, "model")
             model.save_pretrained(path)
         model, _ = load_pretrained(path, dtype=args.dtype)
         cfg = dict(ours.defaults, tasks=args.tasks, limit=args.limit, num_fewshot=args.num_fewshot,
@@ -140,11 +142,11 @@ def main(argv=None):
         lm = ours.JaxLM(model, sharding.make_mesh(), args.batch_size, cfg["seed"])
         mine = ours.evaluate(lm, cfg, manager)
         print("== lm-eval's hf model (transformers, float32)")
-        ref = ours.evaluate(hf_lm(path, args.batch_size, "float32"), cfg, manager)
+        ref = ours.evaluate(hf_lm(path, args.batch_size, "float32", tmp), cfg, manager)
         low = None
         if args.dtype == "bfloat16":
             print("== lm-eval's hf model (transformers, bfloat16)")
-            low = ours.evaluate(hf_lm(path, args.batch_size, "bfloat16"), cfg, manager)
+            low = ours.evaluate(hf_lm(path, args.batch_size, "bfloat16", tmp), cfg, manager)
 
     a, b = responses(mine), responses(ref)
     kinds = {t: ref["configs"][t]["output_type"] for t in b}

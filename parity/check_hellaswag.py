@@ -87,7 +87,7 @@ def load_models(init_from, out_dir="out"):
     """(our GPT, transformers' GPT2LMHeadModel) with the same float32 weights. A hub name or an HF directory loads
     in each framework; our checkpoint (resume) or a nanoGPT ckpt.pt reaches torch through an HF export of ours to
     a temporary directory."""
-    model = hellaswag.load_bpe_model(init_from, out_dir)
+    model = hellaswag.load_model(init_from, out_dir)
     if init_from != "resume" and not nanogpt_checkpoint(init_from):
         return model, load_hf_model(init_from)
     with tempfile.TemporaryDirectory() as tmp:
