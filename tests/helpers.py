@@ -51,24 +51,16 @@ def read_log(out_dir, key):
         return [(r["iter"], r[key]) for r in map(json.loads, f) if key in r]
 
 
-# XLA:CPU's backend (LLVM) at -O0: a train.py run on fake devices compiles in about 60% of the time. Its numbers
-# differ from -O3's (XLA's default, which users run) in the last bits, no more than the meshes' from each other, and
-# its HLO, shardings and memory analysis are the same. For runs whose numbers are not held to PyTorch's, or to
-# another program's tighter than the meshes' tolerance (1e-5).
-QUICK_COMPILE = "--xla_backend_optimization_level=0"
-
-
-def fake_devices(n, quick_compile=False):
-    """The environment of a python with n fake CPU devices (and QUICK_COMPILE): this one's, its XLA_FLAGS too."""
+def fake_devices(n):
+    """The environment of a python with n fake CPU devices: this one's, its XLA_FLAGS too (conftest.QUICK_COMPILE)."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
-    flags += [f"--xla_force_host_platform_device_count={n}"] + [QUICK_COMPILE] * quick_compile
-    return {**os.environ, "XLA_FLAGS": " ".join(flags)}
+    return {**os.environ, "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])}
 
 
 def train_cli(args, devices=1, env=None, **kw):
     """train.py as a command. On 1 device in this process's environment: XLA_FLAGS are part of the compilation
     cache's key, and what the tests compiled in process, it finds in the cache."""
-    env = {**(fake_devices(devices, quick_compile=True) if devices > 1 else os.environ), **(env or {})}
+    env = {**(fake_devices(devices) if devices > 1 else os.environ), **(env or {})}
     return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300, **kw)
 
@@ -92,7 +84,7 @@ def one_line_error(result, code):
 def popen_train(args, process_id, port, devices=2):
     """Process `process_id` of a train.py run of 2 processes (each compiles its own programs: JAX caches process 0's
     only)."""
-    env = {**fake_devices(devices, quick_compile=True), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+    env = {**fake_devices(devices), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
            "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(process_id)}
     return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -140,7 +140,7 @@ def test_an_arrays_checksum_is_the_same_on_any_mesh_and_is_its_definition(tmp_pa
     values = {"params": params, "mixed": mixed_arrays()}
     with open(tmp_path / "values.pkl", "wb") as f:
         pickle.dump(values, f)
-    env = fake_devices(8, quick_compile=True)  # digests: integer sums, the same at any level
+    env = fake_devices(8)
     p = subprocess.run([sys.executable, "-c", DIGESTS_ON_MESHES, str(tmp_path / "values.pkl")], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]

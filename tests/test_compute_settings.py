@@ -19,16 +19,14 @@ from model import GPT, GPTConfig
 
 def step_memory(config, batch_size):
     """{temp, peak} bytes of jit(value_and_grad(GPT.loss)) on (batch_size, block_size) tokens: XLA's analysis of
-    the compiled computation, from ShapeDtypeStructs (train.py's whole step: bench_train.py --memory). Compiled with
-    LLVM at -O0 (helpers.QUICK_COMPILE), in half the time: the analysis is of XLA's buffers, the same at any level."""
+    the compiled computation, from ShapeDtypeStructs (train.py's whole step: bench_train.py --memory)."""
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
     tokens = jax.ShapeDtypeStruct((batch_size, config.block_size), jnp.int32)
 
     def loss(params, x, y):
         return nnx.merge(graphdef, params).loss(x, y)
 
-    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, tokens, tokens).compile(
-        {"xla_backend_optimization_level": 0})
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params, tokens, tokens).compile()
     return {"temp": compiled.memory_analysis().temp_size_in_bytes, "peak": sharding.step_peak_bytes(compiled)}
 
 

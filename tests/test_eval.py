@@ -15,7 +15,7 @@ import export
 from configurator import UsageError
 from parity import check_eval
 from parity.common import save_random_hf_model
-from helpers import REPO, one_line_error, run
+from helpers import REPO, fake_devices, one_line_error, run
 from tokenizer import get_encoding, save_hf_tokenizer
 
 TASKS = os.path.join(REPO, "eval_tasks")
@@ -69,6 +69,7 @@ def test_padded_lengths_are_few_and_pad_least():
         assert sum(got) == best
 
 
+@pytest.mark.pytorch_parity
 def test_parity_with_lm_eval_hf_model_on_each_output_type(tiny_hf, capsys):
     """multiple choice, rolling loglikelihood and generate_until: every request as lm-eval's hf model (fp32)."""
     assert check_eval.main([f"--init_from={tiny_hf}", "--limit=4"]) == 0
@@ -77,6 +78,7 @@ def test_parity_with_lm_eval_hf_model_on_each_output_type(tiny_hf, capsys):
     assert re.search(r"4/4 texts equal, [1-4] non-empty", out), out
 
 
+@pytest.mark.pytorch_parity
 def test_parity_judges_a_small_difference():
     kinds = {"mc": "multiple_choice", "roll": "loglikelihood_rolling", "gen": "generate_until"}
     ref = {"mc": [[(-3.0, False), (-2.0, True)]], "roll": [[-100.0]], "gen": [["to be"]]}
@@ -153,7 +155,7 @@ print(json.dumps(out))
 
 
 def test_an_8_device_mesh_with_fsdp_gives_one_devices_numbers(tiny_hf):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = fake_devices(8)
     result = subprocess.run([sys.executable, "-c", MESH_SCRIPT, tiny_hf], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -24,6 +24,7 @@ from tokenizer import get_encoding
 from weights import load_hf_model
 
 
+@pytest.mark.pytorch_parity
 @pytest.mark.parametrize("hf_kwargs, text", [
     (dict(n_layer=1, n_head=2, n_embd=48, n_positions=24, vocab_size=128), ""),  # n_embd not a multiple of 64
     (dict(n_layer=3, n_head=4, n_embd=80, n_positions=40, vocab_size=301), ""),
@@ -37,6 +38,7 @@ def test_logit_parity_random_checkpoints(tmp_path, hf_kwargs, text):
     assert figures["max_rel"] < 3e-6
 
 
+@pytest.mark.pytorch_parity
 def test_bf16_parity_judged_against_fp32(tmp_path):
     path = save_random_hf_model(tmp_path / "hf", seed=2, n_layer=2, n_head=2, n_embd=64, n_positions=64,
                                 vocab_size=512)
@@ -45,6 +47,7 @@ def test_bf16_parity_judged_against_fp32(tmp_path):
     assert figures["jax"]["max_rel"] > 0  # it really ran in bf16
 
 
+@pytest.mark.pytorch_parity
 def test_parity_detects_a_swapped_mapping(tmp_path, monkeypatch):
     """With every tensor random, swapping two rows of the weight map must fail the check (a check that
     cannot fail proves nothing; HF's own init, biases 0, would hide this swap)."""
@@ -143,6 +146,7 @@ def test_fusion_barrier_keeps_gradients_and_survives_xla():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6 * np.abs(np.asarray(b)).max())
 
 
+@pytest.mark.pytorch_parity
 def test_loss_equals_direct_cross_entropy_with_ignore_index():
     model = GPT(tiny_config(), nnx.Rngs(0))
     rng = np.random.default_rng(0)
@@ -226,6 +230,7 @@ def test_loader_errors_are_one_line(tmp_path):
         GPT.from_pretrained(str(tmp_path / "empty"))
 
 
+@pytest.mark.pytorch_parity
 def test_check_logits_cli(tmp_path, capsys):
     """python -m parity.check_logits: in process, what the command does (exit_on_bad_input(main)); once as the
     command itself, on an argument it refuses before loading anything."""

@@ -59,7 +59,7 @@ print("REPORT " + json.dumps(report))
 
 def run_8_devices(runs, tmp_path):
     """`runs`: [(name, train.py's arguments, names to copy its out_dir to once it is done)], run in this order."""
-    env = fake_devices(8, quick_compile=True)
+    env = fake_devices(8)
     p = subprocess.run([sys.executable, "-c", EIGHT_DEVICE_RUNS, str(tmp_path), json.dumps(runs)], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
