@@ -3,6 +3,7 @@
 import itertools
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import eval as lm_eval_py
 import export
 from configurator import UsageError
 from parity import check_eval
+from parity import nanogpt_reference as nanogpt
 from parity.common import save_random_hf_model
 from helpers import REPO, fake_devices, one_line_error, run
 from tokenizer import get_encoding, save_hf_tokenizer
@@ -112,7 +114,7 @@ def test_eval_on_a_train_py_checkpoint_and_its_nanogpt_export(bpe_run, tmp_path,
     assert again["results"]["hellaswag_local"] == results["results"]["hellaswag_local"]
 
 
-def test_bad_input_is_one_line(tiny_hf, dataset, tmp_path):
+def test_bad_input_is_one_line(tiny_hf, tmp_path):
     def fails(match, *argv):
         with pytest.raises(UsageError, match=match):
             lm_eval_py.main(list(argv))
@@ -124,9 +126,12 @@ def test_bad_input_is_one_line(tiny_hf, dataset, tmp_path):
     fails("limit", "--tasks=x", "--limit=0")
     fails("no checkpoint|not found", "--init_from=resume", f"--out_dir={tmp_path / 'none'}", "--tasks=hellaswag_local",
           f"--include_path={TASKS}")
-    char_run = str(tmp_path / "char")
-    run(dataset, char_run, "--max_iters=1")
-    fails("character-level model", "--init_from=resume", f"--out_dir={char_run}", "--tasks=hellaswag_local",
+    with open(tmp_path / "meta.pkl", "wb") as f:  # a nanoGPT ckpt.pt of shakespeare_char: its meta.pkl beside it
+        pickle.dump({"vocab_size": 64, "itos": {i: chr(32 + i) for i in range(64)},
+                     "stoi": {chr(32 + i): i for i in range(64)}}, f)
+    config = nanogpt.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32)
+    nanogpt.save_ckpt(nanogpt.GPT(config), tmp_path / "ckpt.pt", config={"dataset": str(tmp_path)})
+    fails("character-level model", f"--init_from={tmp_path / 'ckpt.pt'}", "--tasks=hellaswag_local",
           f"--include_path={TASKS}")
     result = subprocess.run([sys.executable, "eval.py", "--tasks=hellaswag_local", "--batch_size=0"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)

@@ -74,7 +74,6 @@ def test_bf16_cache_is_as_accurate_as_the_bf16_full_forward(tmp_path):
     assert bf16_ok(f), f
 
 
-@pytest.mark.pytorch_parity
 def test_filters_match_numpy_and_transformers():
     rows = check_filters()
     for setting, vs_numpy, same_support, vs_hf, same_support_hf in rows:

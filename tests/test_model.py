@@ -146,7 +146,6 @@ def test_fusion_barrier_keeps_gradients_and_survives_xla():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6 * np.abs(np.asarray(b)).max())
 
 
-@pytest.mark.pytorch_parity
 def test_loss_equals_direct_cross_entropy_with_ignore_index():
     model = GPT(tiny_config(), nnx.Rngs(0))
     rng = np.random.default_rng(0)
