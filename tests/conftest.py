@@ -24,7 +24,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 QUICK_COMPILE = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
 XLA_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
 XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
-if QUICK_COMPILE[0] not in XLA_FLAGS:  # the workers inherit the first process's environment
+if not all(f in XLA_FLAGS.split() for f in QUICK_COMPILE):  # the workers inherit the first process's environment
     os.environ["XLA_FLAGS"] = " ".join([XLA_FLAGS, *QUICK_COMPILE]).strip()
 
 
