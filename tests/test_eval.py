@@ -90,7 +90,7 @@ def test_parity_judges_a_small_difference():
         assert not check_eval.compare({**ref, task: nudged}, ref, kinds)[1], (task, nudged)
 
 
-def test_eval_on_a_train_py_checkpoint_and_its_nanogpt_export(bpe_run, tmp_path, capsys):
+def test_eval_on_a_train_py_checkpoint_and_its_exports(bpe_run, tmp_path, capsys):
     out = tmp_path / "results.json"
     assert lm_eval_py.main([f"--out_dir={bpe_run}", "--init_from=resume", "--tasks=hellaswag_local",
                             f"--include_path={TASKS}", "--limit=3", "--num_fewshot=1", "--log_samples=True",
@@ -108,10 +108,12 @@ def test_eval_on_a_train_py_checkpoint_and_its_nanogpt_export(bpe_run, tmp_path,
     assert printed.err.count("cut from the left") <= 1  # said once per call, if at all
 
     export.main([f"--out_dir={bpe_run}", "--format=nanogpt", f"--to={tmp_path / 'nano'}"])
-    assert lm_eval_py.main([f"--init_from={tmp_path / 'nano' / 'ckpt.pt'}", "--tasks=hellaswag_local",
-                            f"--include_path={TASKS}", "--limit=3", "--num_fewshot=1", f"--output={out}"]) == 0
-    again = json.loads(out.read_text())
-    assert again["results"]["hellaswag_local"] == results["results"]["hellaswag_local"]
+    export.main([f"--out_dir={bpe_run}", f"--to={tmp_path / 'hf'}"])
+    for exported in (tmp_path / "nano" / "ckpt.pt", tmp_path / "hf"):  # nanoGPT's ckpt.pt, an HF directory
+        assert lm_eval_py.main([f"--init_from={exported}", "--tasks=hellaswag_local", f"--include_path={TASKS}",
+                                "--limit=3", "--num_fewshot=1", f"--output={out}"]) == 0
+        again = json.loads(out.read_text())
+        assert again["results"]["hellaswag_local"] == results["results"]["hellaswag_local"], exported
 
 
 def test_bad_input_is_one_line(tiny_hf, tmp_path):
