@@ -23,9 +23,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # from PyTorch's (|Δgnorm|/gnorm 1.6e-4 with remat dots, over its tolerance of 1e-4; 2e-5 at XLA's defaults).
 QUICK_COMPILE = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
 XLA_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
-XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
-if not all(f in XLA_FLAGS.split() for f in QUICK_COMPILE):  # the workers inherit the first process's environment
-    os.environ["XLA_FLAGS"] = " ".join([XLA_FLAGS, *QUICK_COMPILE]).strip()
+# the user's XLA_FLAGS (a worker inherits this process's, QUICK_COMPILE included)
+XLA_FLAGS_OUTSIDE = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f not in QUICK_COMPILE)
+os.environ["XLA_FLAGS"] = " ".join([XLA_FLAGS_OUTSIDE, *QUICK_COMPILE]).strip()
 
 
 # Modules whose tests share a module-scoped fixture that takes long to make: pytest-xdist runs each on one worker.
@@ -48,33 +48,29 @@ def pytest_xdist_make_scheduler(config, log):
     return Scheduling(config, log) if config.getvalue("dist") == "load" else None
 
 
-def compile_at_xla_defaults(on, xla_flags_before=XLA_FLAGS.replace(" ".join(QUICK_COMPILE), "").strip()):
+def compile_at_xla_defaults(on):
     """This process's compilations and the commands it starts: at XLA's defaults (on) or QUICK_COMPILE."""
     import jax
     from jax._src import compiler
 
-    global compiled_at_xla_defaults
-    if compiled_at_xla_defaults is None:
-        compiled_at_xla_defaults = jax.make_user_context(False)  # part of jit's cache keys: no reuse across modes
+    global mode, quick_compile_options
+    if mode is None:
+        mode = jax.make_user_context(False)  # part of jit's cache keys: no program reused across modes
         jax.devices()  # XLA reads XLA_FLAGS once, as its backend starts: with QUICK_COMPILE
-    if on == compiled_at_xla_defaults.get_global():
+        quick_compile_options = compiler.get_compile_options
+    if on == mode.get_global():
         return
-    compiled_at_xla_defaults.set_global(on)
-    if on:
-        quick = compiler.get_compile_options
-
-        def at_defaults(*args, env_options_overrides=None, **kwargs):
-            return quick(*args, env_options_overrides={**XLA_DEFAULTS, **(env_options_overrides or {})}, **kwargs)
-
-        at_defaults.quick = quick
-        compiler.get_compile_options = at_defaults
-        os.environ["XLA_FLAGS"] = xla_flags_before
-    else:
-        compiler.get_compile_options = compiler.get_compile_options.quick
-        os.environ["XLA_FLAGS"] = " ".join([xla_flags_before, *QUICK_COMPILE]).strip()
+    mode.set_global(on)
+    compiler.get_compile_options = at_xla_defaults if on else quick_compile_options
+    os.environ["XLA_FLAGS"] = " ".join([XLA_FLAGS_OUTSIDE, *([] if on else QUICK_COMPILE)]).strip()
 
 
-compiled_at_xla_defaults = None
+def at_xla_defaults(*args, env_options_overrides=None, **kwargs):
+    return quick_compile_options(*args, env_options_overrides={**XLA_DEFAULTS, **(env_options_overrides or {})},
+                                 **kwargs)
+
+
+mode = quick_compile_options = None
 
 
 @pytest.fixture(scope="module", autouse=True)

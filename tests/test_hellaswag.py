@@ -22,7 +22,8 @@ from configurator import exit_on_bad_input
 from helpers import assert_close, fake_devices
 from parity import check_hellaswag
 
-pytestmark = pytest.mark.pytorch_parity  # conftest: compiled at XLA's defaults
+# conftest: compiled at XLA's defaults, its module fixtures too (jax_score is held to the torch reference)
+pytestmark = pytest.mark.pytorch_parity
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "hellaswag_small.jsonl"
