@@ -71,7 +71,6 @@ def test_padded_lengths_are_few_and_pad_least():
         assert sum(got) == best
 
 
-@pytest.mark.pytorch_parity
 def test_parity_with_lm_eval_hf_model_on_each_output_type(tiny_hf, capsys):
     """multiple choice, rolling loglikelihood and generate_until: every request as lm-eval's hf model (fp32)."""
     assert check_eval.main([f"--init_from={tiny_hf}", "--limit=4"]) == 0

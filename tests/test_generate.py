@@ -24,7 +24,6 @@ def load_pair(tmp_path, seed, **config):
     return hf_model, GPT.from_pretrained(str(tmp_path / "hf"))
 
 
-@pytest.mark.pytorch_parity
 @pytest.mark.parametrize("n_positions, batch, prompt_len, new_tokens", [
     (192, 3, 100, 64),  # within block_size; the prompt takes two prefill chunks (PREFILL_CHUNK = 64)
     (32, 2, 8, 96),  # past block_size after 24 steps: the window slides, as nanoGPT's crop
@@ -39,7 +38,6 @@ def test_greedy_equals_transformers_and_cache_logits_equal_full_forward(tmp_path
     assert f["cache_rel"] <= CACHE_LOGITS_TOL, f
 
 
-@pytest.mark.pytorch_parity
 def test_the_checks_catch_a_cache_that_is_slightly_off(tmp_path, monkeypatch):
     """Keys cached 0.1% too large: the full-forward reference, computed without the cache, must see it."""
     from model import CausalSelfAttention
@@ -67,7 +65,6 @@ def test_sampling_with_and_without_cache_gives_identical_tokens(tmp_path):
     assert not np.array_equal(a, model.generate(idx, 40, key=jax.random.key(1), **kw)[0])
 
 
-@pytest.mark.pytorch_parity
 def test_bf16_cache_is_as_accurate_as_the_bf16_full_forward(tmp_path):
     load_pair(tmp_path, 5, n_positions=64, **TINY)
     f = check_bf16(str(tmp_path / "hf"), make_prompt(2, 6, TINY["vocab_size"], seed=5), 40)  # every step cached

@@ -22,9 +22,6 @@ from configurator import exit_on_bad_input
 from helpers import assert_close, fake_devices
 from parity import check_hellaswag
 
-# conftest: compiled at XLA's defaults, its module fixtures too (jax_score is held to the torch reference)
-pytestmark = pytest.mark.pytorch_parity
-
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "hellaswag_small.jsonl"
 TINY = dict(n_layer=2, n_head=2, n_embd=64, n_positions=128)  # vocab 50257: real BPE tokens

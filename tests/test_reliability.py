@@ -151,7 +151,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_previous_checkpoint_loads
         t.run()
     message = str(e.value)
     assert "\n" not in message and "No space left on device" in message and "Checkpoint 2 is intact" in message
-    assert t.iter_num in (5, 6)  # the failed save at 4 is reported after the next step, or at the latest at the next save
+    assert t.iter_num in (5, 6)  # the failed save at 4: reported after the next step, or at the latest at the next save
     assert checkpoint.all_steps(tmp_path)[-1] == 2
     restored = checkpoint.restore(tmp_path, params=t.params)
     assert restored["meta"]["iter_num"] == 2

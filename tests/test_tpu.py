@@ -102,8 +102,8 @@ def test_train_step_compiles_for_a_tpu(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_generate_compiles_for_a_tpu(variant):
-    """sample.py's generation (generate.generate_in_jit: the prompt prefilled into the KV cache, then sampled token by token,
-    top_k) compiled for the same mesh, its weights split as the train step's."""
+    """sample.py's generation (generate.generate_in_jit: the prompt prefilled into the KV cache, then sampled token by
+    token, top_k) compiled for the same mesh, its weights split as the train step's."""
     config = tiny_config(block_size=T, **VARIANTS[variant])
     mesh = tpu_mesh()
     graphdef, params = abstract_model(config, mesh)

@@ -102,7 +102,8 @@ def test_keep_freed_memory_serves_big_blocks_from_the_heap():
     script = """if True:
         import ctypes, numpy as np, sharding
         class MallInfo2(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+            _fields_ = [(n, ctypes.c_size_t) for n in
+                        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
         libc = ctypes.CDLL(None)
         libc.mallinfo2.restype = MallInfo2
         def mmapped_mb_while_holding_64mb():

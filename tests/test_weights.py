@@ -27,8 +27,6 @@ from configurator import exit_on_bad_input
 from parity.common import random_hf_model, save_random_hf_model
 from weights import MASK_BUFFERS, TIED_KEY, load_hf_model, read_hf_weights, state_dict
 
-pytestmark = pytest.mark.pytorch_parity  # conftest: compiled at XLA's defaults
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_HF = dict(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
 
