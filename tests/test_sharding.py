@@ -18,8 +18,8 @@ import pytest
 import checkpoint
 import sharding
 import train
-from helpers import (REPO, TINY, assert_close, fake_devices, free_port, one_line_error, popen_train, read_log, run,
-                     settings, train_cli)
+from configurator import UsageError
+from helpers import REPO, TINY, assert_close, fake_devices, free_port, popen_train, read_log, run, settings
 
 WIDE = ["--n_embd=64", "--max_iters=4", "--eval_interval=4", "--always_save_checkpoint=True"]
 ROWS = 8  # global micro-batch: every mesh below splits it differently
@@ -167,8 +167,8 @@ def test_two_processes_fsdp_spanning_both_stop_at_one_step_on_sigterm_and_resume
             read += line
             if line.startswith("iter 5:") or time.time() > deadline:
                 break
-        crowd = train_cli([*args, "--max_iters=3"], devices=8)
-        assert "is in use by another run (pid" in one_line_error(crowd, 2)
+        with pytest.raises(UsageError, match=r"multi is in use by another run \(pid \d+"):  # a third run: the lock
+            train.Trainer(settings(dataset, out))
         procs[1].send_signal(signal.SIGTERM)
         outs = wait(procs, 60, read)
     finally:
