@@ -125,8 +125,8 @@ def run(*args, env=None):
 
 def test_bench_memory_for_a_topology(monkeypatch, capsys):
     """bench_train.py --memory --topology: the memory line, then the chip's HBM and whether the step fits; a step
-    too big for the chip is the compiler's refusal, reported as a measurement (exit 0, no traceback: its worker
-    here in process, the command once is enough)."""
+    too big for the chip is the compiler's refusal, reported as a measurement, exit 0 (the refusal with
+    bench_train's worker in this process: the command itself runs above)."""
     p = run("bench_train.py", "--memory", f"--topology={TOPOLOGY}", "--preset=tiny", "--fsdp=2", "--tensor_parallel=2")
     assert p.returncode == 0 and p.stderr == "", p.stderr[-3000:]  # no libtpu banner either
     lines = p.stdout.splitlines()
