@@ -75,12 +75,7 @@ mode = quick_compile_options = None
 
 @pytest.fixture(scope="module", autouse=True)
 def xla_defaults_module(request):
-    """A module marked xla_defaults compiles at XLA's defaults from its first fixture on."""
-    compile_at_xla_defaults(request.node.get_closest_marker("xla_defaults") is not None)
-
-
-@pytest.fixture(autouse=True)
-def xla_defaults_test(request, xla_defaults_module):
+    """A module marked xla_defaults (its pytestmark) compiles at XLA's defaults from its first fixture on."""
     compile_at_xla_defaults(request.node.get_closest_marker("xla_defaults") is not None)
 
 
