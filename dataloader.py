@@ -13,7 +13,6 @@ of the step.
 
 import glob
 import os
-import pickle
 import queue
 import threading
 import weakref
@@ -21,6 +20,7 @@ import weakref
 import numpy as np
 
 from configurator import InputNotFound, RunStopped, UsageError
+from tokenizer import read_vocab, vocab_file
 
 
 def check_ids(tokens, vocab_size, where):
@@ -233,16 +233,11 @@ def make_loader(data_dir, split, block_size, rows, seed, row_slice=None, shuffle
 
 
 def data_meta(data_dir):
-    """(vocab_size, vocab) of the data's meta.pkl (nanoGPT's char-level datasets write one): its vocab_size (0: no
-    meta.pkl) and what decodes its tokens, saved in each checkpoint: the characters (its itos), 'gpt2' (BPE) where
-    there is no meta.pkl, None where it holds no itos."""
-    path = os.path.join(data_dir, "meta.pkl")
-    if not os.path.exists(path):
-        return 0, "gpt2"
-    with open(path, "rb") as f:
-        meta = pickle.load(f)
-    itos = meta.get("itos")
-    return meta["vocab_size"], [itos[i] for i in range(len(itos))] if itos else None
+    """(vocab_size, vocab) of the data's characters (nanoGPT's char-level datasets write a meta.pkl; a meta.json is
+    read first), read by tokenizer.read_vocab, which runs nothing: vocab_size and the characters, which each
+    checkpoint saves as what decodes its tokens; (0, 'gpt2') where there is neither: GPT-2's BPE."""
+    path = vocab_file(data_dir)
+    return read_vocab(path) if path else (0, "gpt2")
 
 
 def data_dir_for(dataset):

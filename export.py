@@ -5,19 +5,19 @@ A checkpoint of ours out of the project: an HF GPT-2 directory, or a nanoGPT ckp
     python export.py --out_dir=out-shakespeare-char --format=nanogpt --to=nano-out    # nanoGPT's sample.py --out_dir
     python export.py --out_dir=out --step=2000 --format=nanogpt --to=ckpt-2000.pt     # one step, to a file
 
-A character-level run's vocabulary goes beside the weights as nanoGPT's meta.pkl (sample.py --init_from=DIR reads it).
+A character-level run's vocabulary goes beside the weights twice: meta.json, which sample.py --init_from=DIR
+reads (no pickle), and nanoGPT's meta.pkl, for nanoGPT's own sample.py.
 --step: a saved step (default: the latest). --to: a directory for hf; for nanogpt a directory (ckpt.pt goes in
 it, nanoGPT's out_dir layout) or a file ending in .pt. Bad input (no checkpoint, an unwritable target, a model
 the format cannot hold) fails with one line, exit code 2, and writes nothing.
 """
 
 import os
-import pickle
 import sys
 
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
 from runlog import nearest_existing
-from tokenizer import CharCodec, codec_for
+from tokenizer import CharCodec, codec_for, save_vocab
 
 defaults = dict(
     out_dir="out",  # our training run's out_dir
@@ -66,8 +66,7 @@ def main(argv=None):
         else:
             weights.save_nanogpt(model, path, meta["iter_num"], meta["best_val_loss"], meta["config"])
         if isinstance(codec, CharCodec):  # beside the weights, where sample.py (and nanoGPT's, by hand) finds it
-            with open(os.path.join(os.path.dirname(path) if path.endswith(".pt") else path, "meta.pkl"), "wb") as f:
-                pickle.dump({"vocab_size": codec.n_vocab, "itos": dict(enumerate(codec.itos)), "stoi": codec.stoi}, f)
+            save_vocab(os.path.dirname(path) if path.endswith(".pt") else path, codec.itos)
     except OSError as e:  # a path that looked writable and is not: under /proc, a read-only mount, a full disk
         raise UsageError(f"cannot write to {cfg['to']}: {e.strerror or e}") from None
     if cfg["format"] == "hf" and not c.bias:

@@ -1,9 +1,11 @@
-"""GPT-2's BPE as a tiktoken.Encoding, built from the shipped assets/gpt2.tiktoken: no network, ever; and the codecs
-that turn a model's token ids into text: BPE, or a character-level run's characters."""
+"""GPT-2's BPE as a tiktoken.Encoding, built from the shipped assets/gpt2.tiktoken: no network, ever; the codecs
+that turn a model's token ids into text: BPE, or a character-level run's characters; and the one reader of those
+characters (nanoGPT's meta.pkl, our meta.json), which runs nothing that a file names."""
 
 import base64
 import codecs
 import functools
+import json
 import os
 import pickle
 import sys
@@ -22,6 +24,11 @@ GPT2_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|
 # GPT-2's original regex (encoder.py), for HF tokenizers: TikTokenConverter's default pattern is cl100k's, which
 # splits digits in threes
 GPT2_HF_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+# A directory's characters: our JSON twin first (reading it needs no pickle), else nanoGPT's meta.pkl
+VOCAB_FILES = ("meta.json", "meta.pkl")
+WRITTEN_BY = {"meta.json": 'export.py writes {"vocab_size": n, "itos": [n characters]}',
+              "meta.pkl": "nanoGPT's prepare.py writes a dict of vocab_size, itos (id -> character) and stoi"}
 
 
 @functools.cache
@@ -74,6 +81,83 @@ class BPECodec:
         return lambda i: utf8.decode(b"" if i is None else self.enc.decode_single_token_bytes(i), final=i is None)
 
 
+class RefusedGlobal(pickle.UnpicklingError):
+    """What NoGlobals raises: the file names code, where another broken pickle is only broken."""
+
+
+class NoGlobals(pickle.Unpickler):
+    """An unpickler that resolves no global. A pickle runs code only through a global it names (os.system,
+    builtins.exec, subprocess.Popen, called by REDUCE), and nanoGPT's meta.pkl, a dict of ints and strings,
+    names none."""
+
+    def find_class(self, module, name):
+        raise RefusedGlobal(f"it names the callable {module}.{name}, which is never run")
+
+
+def vocab_file(directory):
+    """The file of `directory` that holds a vocabulary of characters (VOCAB_FILES), or None."""
+    return next((p for p in (os.path.join(directory, f) for f in VOCAB_FILES) if os.path.exists(p)), None)
+
+
+def read_vocab(path):
+    """(vocab_size, characters) of a character-level vocabulary: our meta.json or nanoGPT's meta.pkl (as its
+    data/shakespeare_char/prepare.py writes it), read without running anything it names and checked, so that
+    anything else is one line (UsageError) naming the file, before a model is built or a file written."""
+    is_json = path.endswith(".json")
+
+    def bad(why):
+        return UsageError(f"{path} is not a plain character vocabulary: {why}; "
+                          f"{WRITTEN_BY['meta.json' if is_json else 'meta.pkl']}")
+
+    try:
+        with open(path, "rb") as f:
+            meta = json.load(f) if is_json else NoGlobals(f).load()
+    except OSError as e:
+        raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+    except RefusedGlobal as e:
+        raise bad(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file: what it raises varies with its bytes
+        why = (str(e).splitlines() or [""])[0][:200]
+        raise bad(f"it does not read as {'JSON' if is_json else 'a pickle'} ({type(e).__name__}: {why})") from None
+    if not isinstance(meta, dict):
+        raise bad(f"it holds a {type(meta).__name__}, not a dict")
+    n, itos = meta.get("vocab_size"), meta.get("itos")
+    if type(n) is not int or n < 1:
+        raise bad("it has no vocab_size" if n is None else f"vocab_size is {short(n)}, not a positive int")
+    want = (list, "a list of characters") if is_json else (dict, "a dict id -> character")  # JSON keys are strings
+    if not isinstance(itos, want[0]):
+        raise bad("it has no itos" if itos is None else f"itos is a {type(itos).__name__}, not {want[1]}")
+    if len(itos) != n:  # before the ids are counted: vocab_size may be any number
+        raise bad(f"itos holds {len(itos)} characters, vocab_size says {n}")
+    if not is_json and (any(type(i) is not int for i in itos) or set(itos) != set(range(n))):
+        raise bad(f"itos does not map exactly the ids 0..{n - 1} of vocab_size {n}")
+    chars = itos if is_json else [itos[i] for i in range(n)]
+    for i, c in enumerate(chars):
+        if type(c) is not str or len(c) != 1:
+            raise bad(f"itos[{i}] is {short(c)}, not one character")
+    if len(set(chars)) != n:
+        raise bad("itos gives a character to more than one id")
+    if not is_json and "stoi" in meta and meta["stoi"] != {c: i for i, c in enumerate(chars)}:
+        raise bad("its stoi is not itos reversed")
+    return n, chars
+
+
+def short(value, limit=40):
+    """A value for an error line: its repr when short and plain, else its type."""
+    text = repr(value) if isinstance(value, (str, int, float)) else f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def save_vocab(directory, chars):
+    """A character vocabulary written beside exported weights: meta.json for our readers (no pickle to read) and
+    nanoGPT's meta.pkl for its sample.py."""
+    with open(os.path.join(directory, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump({"vocab_size": len(chars), "itos": list(chars)}, f, ensure_ascii=False)
+    with open(os.path.join(directory, "meta.pkl"), "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)),
+                     "stoi": {c: i for i, c in enumerate(chars)}}, f)
+
+
 class CharCodec:
     """A character-level vocabulary (nanoGPT's shakespeare_char): `itos`, the character of each id. `source` names
     where it came from, for errors."""
@@ -84,13 +168,8 @@ class CharCodec:
         self.n_vocab = len(self.itos)
 
     @classmethod
-    def from_meta_pkl(cls, path):
-        try:
-            with open(path, "rb") as f:
-                itos = pickle.load(f)["itos"]
-            return cls([itos[i] for i in range(len(itos))], path)
-        except (pickle.UnpicklingError, EOFError, KeyError, TypeError) as e:
-            raise UsageError(f"{path} is not a character-level meta.pkl ({type(e).__name__}: {e})") from None
+    def from_file(cls, path):
+        return cls(read_vocab(path)[1], path)
 
     def encode(self, s):
         unknown = sorted(set(s) - self.stoi.keys())
@@ -108,22 +187,25 @@ class CharCodec:
 
 def codec_for(vocab_size, vocab=None, dataset=None, beside=None):
     """What turns a model's token ids into text. `vocab`: what our checkpoints carry ('gpt2', or the list of a
-    character-level run's characters). Without it, as nanoGPT: a meta.pkl beside the weights (`beside`: an exported
-    directory) or in the training dataset's folder (data/<dataset>/ or the path), else GPT-2's BPE. A vocabulary
-    smaller than GPT-2's is never decoded as BPE: when no meta.pkl is found for it, one line says so."""
+    character-level run's characters). Without it, as nanoGPT: a meta.pkl (or our meta.json, first) beside the
+    weights (`beside`: an exported directory) or in the training dataset's folder (data/<dataset>/ or the path),
+    else GPT-2's BPE. A vocabulary smaller than GPT-2's is never decoded as BPE: when no meta.pkl is found for it,
+    one line says so."""
     if isinstance(vocab, list):
         return CharCodec(vocab, f"the checkpoint ({len(vocab)} characters)")
     if vocab == "gpt2":
         return BPECodec()
-    places = [os.path.join(beside, "meta.pkl")] if beside else []
+    dirs = [beside] if beside else []
     if dataset:
-        places += [os.path.join("data", dataset, "meta.pkl"), os.path.join(dataset, "meta.pkl")]
-    found = next((p for p in places if os.path.exists(p)), None)
+        dirs += [os.path.join("data", dataset), dataset]
+    found = next(filter(None, map(vocab_file, dirs)), None)
     if found:
+        codec = CharCodec.from_file(found)  # read first: a file it refuses is the one line on stderr
         print(f"Loading meta from {found}...", file=sys.stderr)
-        return CharCodec.from_meta_pkl(found)
+        return codec
     if vocab_size < EOT + 1:
+        places = ", ".join(os.path.join(d, "meta.pkl") for d in dirs) or "no dataset named"
         raise InputNotFound(f"the model's {vocab_size} token ids are not GPT-2's BPE, and no meta.pkl holds their "
-                            f"characters ({', '.join(places) or 'no dataset named'}): run from the directory it was "
-                            "trained in, or put its dataset's meta.pkl beside the weights")
+                            f"characters ({places}): run from the directory it was trained in, or put its dataset's "
+                            "meta.pkl beside the weights")
     return BPECodec()

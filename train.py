@@ -36,6 +36,7 @@ from configurator import InputNotFound, RunStopped, UsageError, configure, exit_
 from dataloader import Prefetcher, data_dir_for, data_meta, make_loader
 from model import RUNTIME_FIELDS, GPTConfig, resolve_dtype
 from settings import DEFAULTS, accumulation_steps, fixed_by_checkpoint, profile_range, resolve_scan_layers, validate
+from tokenizer import vocab_file
 from train_step import (all_finite, compile_step, first_nonfinite, get_lr, init_state, make_eval_step, make_optimizer,
                         make_train_step)
 
@@ -81,7 +82,7 @@ class Trainer:
         if c["init_from"] == "scratch":
             vocab_size = c["vocab_size"] or data_vocab_size
             if not c["vocab_size"] and data_vocab_size:
-                print(f"found vocab_size = {vocab_size} (inside {os.path.join(self.data_dir, 'meta.pkl')})")
+                print(f"found vocab_size = {vocab_size} (inside {vocab_file(self.data_dir)})")
             model_config = GPTConfig(block_size=c["block_size"], vocab_size=vocab_size or 50304, n_layer=c["n_layer"],
                                      n_head=c["n_head"], n_embd=c["n_embd"], bias=c["bias"], gelu=c["gelu"], **runtime)
         elif c["init_from"] == "resume":  # the run's one checkpoint manager, opened where there are checkpoints
@@ -153,8 +154,8 @@ class Trainer:
         """Before anything is written, so that a missing file fails now rather than at step 5000."""
         if isinstance(self.vocab, list):
             raise UsageError(f"hellaswag_interval={self.c['hellaswag_interval']}: HellaSwag is scored in GPT-2's BPE, "
-                             f"and this run's data is character-level ({self.data_dir}/meta.pkl): set "
-                             "--hellaswag_interval=0")
+                             f"and this run's data is character-level ({vocab_file(self.data_dir) or self.data_dir}): "
+                             "set --hellaswag_interval=0")
         path = self.c["hellaswag_path"]
         if not path:
             try:

@@ -158,7 +158,7 @@ def save_ckpt(model, path, config=None, iter_num=0, best_val_loss=1e9, compiled=
 
 def load_ckpt(path):
     """A ckpt.pt as nanoGPT's sample.py reads it: GPTConfig(**model_args), `_orig_mod.` stripped, strict load."""
-    checkpoint = torch.load(path, map_location="cpu")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # nothing in it runs
     model = GPT(GPTConfig(**checkpoint["model_args"]))
     state = {k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()}
     model.load_state_dict(state)

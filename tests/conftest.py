@@ -93,12 +93,13 @@ def matmul_precision_of_the_module():
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    """A small character-level dataset: train.bin, val.bin, meta.pkl (vocab 64)."""
+    """A small character-level dataset: train.bin, val.bin, meta.pkl (64 characters)."""
     d = tmp_path_factory.mktemp("data")
     rng = np.random.default_rng(0)
     text = np.cumsum(rng.integers(1, 4, 30000)) % 64  # some structure to learn
     text.astype(np.uint16)[:27000].tofile(d / "train.bin")
     text.astype(np.uint16)[27000:].tofile(d / "val.bin")
-    with open(d / "meta.pkl", "wb") as f:
-        pickle.dump({"vocab_size": 64, "itos": {}, "stoi": {}}, f)
+    chars = [chr(48 + i) for i in range(64)]  # '0'..'o'
+    with open(d / "meta.pkl", "wb") as f:  # as nanoGPT's data/shakespeare_char/prepare.py writes it
+        pickle.dump({"vocab_size": 64, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}, f)
     return str(d)

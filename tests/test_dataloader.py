@@ -318,8 +318,9 @@ def test_train_py_stops_in_one_line_when_train_bin_is_truncated_mid_run(tmp_path
     data.mkdir()  # data of its own to truncate: test_train's dataset is other tests' too
     (np.arange(30000) % 64).astype(np.uint16).tofile(data / "train.bin")
     (np.arange(3000) % 64).astype(np.uint16).tofile(data / "val.bin")
+    chars = [chr(48 + i) for i in range(64)]
     with open(data / "meta.pkl", "wb") as f:
-        pickle.dump({"vocab_size": 64, "itos": {}, "stoi": {}}, f)
+        pickle.dump({"vocab_size": 64, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}, f)
     run(str(data), out, "--max_iters=4")
     saved = snapshot(checkpoint.ckpt_dir(out))
     p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--dataset={data}", f"--out_dir={out}",

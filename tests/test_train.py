@@ -7,6 +7,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 import train
 
 import train_step
-from configurator import ConfigError, configure, exit_on_bad_input
+from configurator import ConfigError, UsageError, configure, exit_on_bad_input
 from helpers import REPO, TINY, assert_close, read_log, run, settings, snapshot, train_cli
 from settings import DEFAULTS, validate
 
@@ -334,10 +335,17 @@ def test_train_gpt2_config_runs_tiny_on_fixture_shards(tmp_path):
 def test_hellaswag_in_the_training_loop(dataset, tmp_path):
     fixture = os.path.join(REPO, "tests", "fixtures", "hellaswag_small.jsonl")
     extra = ["--vocab_size=50304", "--block_size=64", "--max_iters=2", "--hellaswag_interval=2"]
+    with pytest.raises(UsageError, match=r"HellaSwag is scored in GPT-2's BPE, and this run's data is character-level "
+                                         r"\(.*meta.pkl\): set --hellaswag_interval=0"):
+        train.Trainer(settings(dataset, tmp_path / "x", *extra, f"--hellaswag_path={fixture}"))
+    bpe = tmp_path / "bpe"  # the same token ids without the meta.pkl: GPT-2's BPE
+    bpe.mkdir()
+    for split in ("train.bin", "val.bin"):
+        shutil.copy(os.path.join(dataset, split), bpe / split)
     with pytest.raises(FileNotFoundError, match="hellaswag_path nowhere.jsonl does not exist"):
-        train.Trainer(settings(dataset, tmp_path / "x", *extra, "--hellaswag_path=nowhere.jsonl"))
+        train.Trainer(settings(str(bpe), tmp_path / "x", *extra, "--hellaswag_path=nowhere.jsonl"))
     assert not os.path.exists(tmp_path / "x")
-    run(dataset, tmp_path, *extra, f"--hellaswag_path={fixture}")
+    run(str(bpe), tmp_path, *extra, f"--hellaswag_path={fixture}")
     scores = read_log(tmp_path, "hellaswag_acc_norm")
     assert [i for i, _ in scores] == [0, 2] and all(0 <= s <= 1 for _, s in scores)
     assert [c for _, c in read_log(tmp_path, "hellaswag_count")] == [20, 20]
