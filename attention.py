@@ -24,6 +24,9 @@ SPLASH_MULTIPLE = 128  # splash tiles the sequence in blocks of a multiple of 12
 # The largest head size (n_embd / n_head) splash takes: 256 compiled, fwd+bwd in fp32 and bf16 with 512-blocks, for
 # TPU v4, v5e, v5p and v6e; 1024 ran out of v4's and v5p's 16 MiB of scoped VMEM. Interpret mode takes any.
 SPLASH_MAX_HEAD_SIZE = 256
+# TPUs whose kernel compiler (Mosaic) refuses splash in bfloat16 ("E2001: Unsupported matmul RHS type on target:
+# vector<128x128xbf16>", libtpu 0.0.42) and takes it in float32; v4 and later take both
+SPLASH_FLOAT32_ONLY = ("TPU v2", "TPU v3")
 
 
 def cuda_capability(device):
@@ -49,6 +52,13 @@ def _cudnn_reason(dtype, head_size, capability):
     return None
 
 
+def _splash_dtype_reason(dtype, device_kind):
+    """Why the splash kernel cannot compute in `dtype` on this device, or None."""
+    if device_kind in SPLASH_FLOAT32_ONLY and jnp.dtype(dtype) != jnp.float32:
+        return f"{device_kind}'s kernel compiler takes it in float32 only, dtype is {jnp.dtype(dtype).name!r}"
+    return None
+
+
 def _splash_reason(seq_len, head_size, length_name="the sequence length"):
     """Why the splash kernel cannot take these shapes, or None (any platform: interpret mode off a TPU)."""
     if seq_len % SPLASH_MULTIPLE:
@@ -66,7 +76,7 @@ def _unknown(setting):
     return ValueError(f"attention must be one of {', '.join(map(repr, SETTINGS))}, got {setting!r}")
 
 
-def check_setting(setting, *, platform, dtype, head_size, block_size, dropout, capability=None):
+def check_setting(setting, *, platform, dtype, head_size, block_size, dropout, capability=None, device_kind=None):
     """Up-front validation of GPTConfig.attention for a run: a one-line ValueError, naming why and the fix, when
     an explicit setting can never run. 'splash' off a TPU is allowed: interpret mode (tests)."""
     if setting not in SETTINGS:
@@ -76,7 +86,8 @@ def check_setting(setting, *, platform, dtype, head_size, block_size, dropout, c
                           "use dropout=0.0, or attention='auto' or 'xla'")
     if setting == "splash" and (reason := _splash_reason(block_size, head_size, "block_size")):
         raise _cannot_run(setting, reason)
-    choose(setting, platform=platform, dtype=dtype, seq_len=block_size, head_size=head_size, capability=capability)
+    choose(setting, platform=platform, dtype=dtype, seq_len=block_size, head_size=head_size, capability=capability,
+           device_kind=device_kind)
 
 
 def check_run(config, device):
@@ -85,17 +96,21 @@ def check_run(config, device):
     try:
         check_setting(config.attention, platform=device.platform, dtype=config.dtype,
                       head_size=config.n_embd // config.n_head, block_size=config.block_size,
-                      dropout=config.dropout, capability=cuda_capability(device))
+                      dropout=config.dropout, capability=cuda_capability(device), device_kind=device.device_kind)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
 
-def choose(setting, *, platform, dtype, seq_len, head_size, capability=None):
-    """The kernel for one call's shapes: 'xla', 'cudnn' or 'splash'. 'auto' takes splash on a TPU where the
-    sequence length and head size allow, cudnn where it runs, else xla (CPU, short sequences, decoding). An
-    explicit 'splash' is the kernel wherever the call's shapes allow (check_setting holds the training shape to
-    that) and xla for the others: HellaSwag's rows, a short prompt. An explicit 'cudnn' that cannot run is a
-    one-line ValueError."""
+def choose(setting, *, platform, dtype, seq_len, head_size, capability=None, device_kind=None):
+    """The kernel for one call's shapes on a device of `platform` and `device_kind` (the target's: the mesh being
+    compiled for): 'xla', 'cudnn' or 'splash'. 'auto' takes splash on a TPU where the sequence length, head size
+    and its kernel compiler (dtype) allow, cudnn where it runs, else xla (CPU, short sequences, decoding, bfloat16 on
+    a TPU v2 or v3). An explicit 'splash' is the kernel wherever the call's shapes allow (check_setting holds the
+    training shape to that) and xla for the others: HellaSwag's rows, a short prompt. An explicit 'cudnn', or a
+    'splash' in a dtype the TPU cannot compile it in, is a one-line ValueError."""
+    splash_dtype = _splash_dtype_reason(dtype, device_kind) if platform == "tpu" else None
+    if setting == "splash" and splash_dtype:
+        raise _cannot_run(setting, splash_dtype, "use attention='auto' or 'xla', or dtype='float32'")
     if setting == "splash":
         return "xla" if _splash_reason(seq_len, head_size) else "splash"
     if setting == "cudnn" and (reason := _cudnn_reason(dtype, head_size, capability)):
@@ -104,7 +119,7 @@ def choose(setting, *, platform, dtype, seq_len, head_size, capability=None):
         return setting
     if setting != "auto":
         raise _unknown(setting)
-    if platform == "tpu" and _splash_reason(seq_len, head_size) is None:
+    if platform == "tpu" and splash_dtype is None and _splash_reason(seq_len, head_size) is None:
         return "splash"
     return "cudnn" if _cudnn_reason(dtype, head_size, capability) is None else "xla"
 

@@ -17,14 +17,13 @@ memory (XLA's memory analysis); then ours with gradient accumulation 8 vs 1 (mem
 micro-batches). --full-run times whole runs instead, in pairs (--repeats): train.py with the main command's settings,
 then nanoGPT's training loop (nanogpt_run) on the same data: the wall time and final val loss of each, and the
 median ratio. --memory prints `memory per device: state, step peak` of one step on a mesh, as train.py does at
-start-up, compiled only (bench_memory). With --topology (v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x2...) libtpu's
+start-up, compiled only (bench_memory). With --topology (v3:2x2, v5e:2x4, v4:2x2x1, tpu7x:2x2x1...) libtpu's
 compiler (requirements-test.txt) compiles it here for that TPU: its memory, compile time, and whether it fits.
 """
 
 import argparse
 import json
 import os
-import re
 import resource
 import subprocess
 import sys
@@ -51,10 +50,6 @@ PRESETS = {
 PRESET_CONFIGS = {"baby": "config/train_shakespeare_char.py", "gpt2": "config/train_gpt2.py",
                   "gpt2-xl": "config/finetune_shakespeare.py", "tiny": "config/train_shakespeare_char.py"}
 SCAN_LAYERS = {"on": True, "off": False, "auto": "auto"}  # --scan_layers: train.py's scan_layers
-# the TPU compiler's refusal of a program that does not fit: "... required for HLO temporaries (16.16G) exceeds
-# available HBM (15.75G)" or "Used 15.82G of 15.75G hbm" (XLA's sizes: K, M, G, T of 1024)
-TPU_OUT_OF_MEMORY = [re.compile(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"),
-                     re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")]
 
 
 def bench_jax(s):
@@ -144,19 +139,11 @@ def bench_memory(s):
         step = train_step.make_train_step(graphdef, tx, grad_clip=1.0)
         _, _, r["peak"] = train_step.compile_step(step, params, opt_state, shape, sharding.batch_sharding(mesh))
     except jax.errors.JaxRuntimeError as e:
-        if not str(e).startswith("RESOURCE_EXHAUSTED") or (refusal := tpu_out_of_memory(str(e))) is None:
+        if (refusal := sharding.tpu_out_of_memory(e)) is None:
             raise
         r["needs"], r["available"] = refusal
     r["compile_s"] = time.perf_counter() - t0
     return r
-
-
-def tpu_out_of_memory(message):
-    """(bytes needed, bytes available) from the TPU compiler's out-of-memory error; None for any other message."""
-    for pattern in TPU_OUT_OF_MEMORY:
-        if m := pattern.search(message):
-            return tuple(float(m[i]) * 1024 ** ("KMGT".index(m[i + 1]) + 1) for i in (1, 3))
-    return None
 
 
 def compute_settings(args):
@@ -179,9 +166,12 @@ def memory(args):
              devices=args.devices or 1, fsdp=args.fsdp, tensor_parallel=args.tensor_parallel, **compute,
              attention=args.attention, topology=args.topology)
     if args.topology:
+        import attention
         import sharding
 
-        n = len(sharding.topology_devices(args.topology))  # a bad name: one line here, before any worker
+        devices = sharding.topology_devices(args.topology)  # a bad name: one line here, before any worker
+        attention.check_run(model_config(s, "tpu"), devices[0])  # e.g. splash in bf16 on a v3: one line, too
+        n = len(devices)
         if (args.devices or n) > n:
             raise UsageError(f"--devices={args.devices}: the topology {args.topology} has {n}")
         s["devices"] = args.devices or n
@@ -199,7 +189,7 @@ def memory(args):
           f"{m['tensor']}, remat {s['remat']}, loss_chunk {s['loss_chunk']}, scan_layers {r['scan_layers']}{source}, "
           f"attention {s['attention']}")
     if "needs" in r:
-        print(f"memory per device: state {r['state'] / 2**30:.2f} GiB, step peak over the chip's HBM "
+        print(f"memory per device: state {r['state'] / 2**30:.2f} GiB, step peak over the device's HBM "
               f"(compiled in {r['compile_s']:.1f} s)")
         print(f"does not fit: needs ~{r['needs'] / 2**30:.2f} GiB of {r['available'] / 2**30:.2f} GiB HBM "
               f"(the TPU compiler's figure)")
@@ -208,8 +198,8 @@ def memory(args):
     if not args.topology:
         print(f"compiled by XLA:{r['backend'].upper()} in {r['compile_s']:.1f} s")
     else:  # the TPU compiler refuses a program that does not fit (above)
-        print(f"{r['device_kind']} HBM {r['hbm'] / 2**30:.2f} GiB per chip: fits, step peak {r['peak'] / r['hbm']:.0%} "
-              f"of it (compiled by libtpu for {args.topology} in {r['compile_s']:.1f} s)")
+        print(f"{r['device_kind']} HBM {r['hbm'] / 2**30:.2f} GiB per device: fits, step peak "
+              f"{r['peak'] / r['hbm']:.0%} of it (compiled by libtpu for {args.topology} in {r['compile_s']:.1f} s)")
     return 0
 
 
@@ -389,7 +379,8 @@ def main():
                    "with --topology, the first N of its devices (default all)")
     p.add_argument("--fsdp", type=int, default=1, help="--memory: the mesh's fsdp axis")
     p.add_argument("--tensor_parallel", type=int, default=1, help="--memory: the mesh's tensor axis")
-    p.add_argument("--topology", help="--memory: compile for this TPU (e.g. v5e:2x4, v4:2x2x1) with libtpu, here")
+    p.add_argument("--topology", help="--memory: compile for this TPU (e.g. v3:2x2, v5e:2x4, tpu7x:2x2x1) with "
+                   "libtpu, here")
     p.add_argument("--remat", choices=list(REMAT), help="ours: train.py's remat (default: the preset's config "
                    "file's: gpt2 config/train_gpt2.py, gpt2-xl config/finetune_shakespeare.py)")
     p.add_argument("--loss_chunk", type=int, help="ours: train.py's loss_chunk (default: as --remat)")

@@ -171,7 +171,8 @@ class CausalSelfAttention(nnx.Module):
             # a GPU is compiled for on itself: its capability is the host's
             capability = attention.cuda_capability(jax.devices()[0]) if platform == "gpu" else None
             kernel = attention.choose(self.attention, platform=platform, dtype=q.dtype, seq_len=T,
-                                      head_size=C // self.n_head, capability=capability)
+                                      head_size=C // self.n_head, capability=capability,
+                                      device_kind=sharding.target_device_kind())
             y = attention.causal_attention(q, k, v, kernel)  # (B, T, nh, hs)
         else:
             y = explicit_attention(q, k, v, self.dropout, key)

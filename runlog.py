@@ -178,12 +178,15 @@ def drop_partial_line(path):
             f.truncate(data.rfind(b"\n") + 1)
 
 
-# bf16 dense peak FLOP/s per device, by substrings of jax's device_kind (first match wins)
+# bf16 dense peak FLOP/s per device, by substrings of jax's device_kind (first match wins). TPUs: Google Cloud's
+# figure per chip over the devices a chip shows (sharding.TPUS: v2, v3 and TPU7x show each TensorCore as a device)
 PEAK_BF16_FLOPS = [
     ("H200", 989e12),
     ("H100 PCIe", 756e12),
     ("H100", 989e12),
     ("A100", 312e12),
+    ("TPU v2", 45e12 / 2),
+    ("TPU v3", 123e12 / 2),
     ("TPU v4", 275e12),
     ("TPU v5 lite", 197e12),  # v5e
     ("TPU v5e", 197e12),
@@ -191,6 +194,7 @@ PEAK_BF16_FLOPS = [
     ("TPU v5", 459e12),
     ("TPU v6 lite", 918e12),  # v6e (Trillium)
     ("TPU v6e", 918e12),
+    ("TPU7x", 2307e12 / 2),  # Ironwood
 ]
 
 

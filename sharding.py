@@ -11,6 +11,7 @@ fsdp 1 and tensor 1 is plain data parallelism: each device a full replica.
 
 import contextlib
 import ctypes
+import dataclasses
 import math
 import os
 import platform
@@ -169,6 +170,12 @@ def target_platform():
     return device.platform if device is not None else jax.default_backend()
 
 
+def target_device_kind():
+    """The device_kind ('TPU v3', 'NVIDIA H100 80GB HBM3', 'cpu') of the program being traced, as target_platform."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.device_kind if device is not None else jax.devices()[0].device_kind
+
+
 def platform_of(mesh):
     """'cpu', 'gpu' or 'tpu': the platform of a mesh's devices."""
     return mesh.abstract_mesh.abstract_device.platform
@@ -211,14 +218,34 @@ def constrain_batch(x):
 
 # TPU programs without a TPU: libtpu's ahead-of-time compiler runs on any machine (jax.experimental.topologies, as
 # MaxText's train_compile.py), so a mesh of a topology's devices sizes and checks a TPU step here; nothing runs.
-HBM_BYTES = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}  # per chip: no API says
-DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v6 lite": "v6e"}  # device_kind: generation
-# one host's chips (x, y, z): a v5e-8 or v6e-8 VM is one host of 2x4, a v4-8 or v5p-8 one of 2x2x1
-HOST_BOUNDS = {"v4": (2, 2, 1), "v5p": (2, 2, 1), "v5e": (2, 4, 1), "v6e": (2, 4, 1)}
-# v4 and v5p chips have two TensorCores that a VM shows as one device (megacore); 'default' would give one per core
-CHIP_CONFIG = {"v4": "megacore", "v5p": "megacore", "v5e": "default", "v6e": "default"}
-TOPOLOGY = re.compile(r"(v5e|v6e):(\d+)x(\d+)|(v4|v5p):(\d+)x(\d+)x(\d+)")
-TOPOLOGY_FORMS = "v5e:2x2, v5e:2x4, v6e:2x2, v6e:2x4 (v5e, v6e: XxY chips) or v4:2x2x1, v5p:2x2x1 (v4, v5p: XxYxZ)"
+@dataclasses.dataclass(frozen=True)
+class TPU:
+    device_kind: str  # jax's Device.device_kind
+    dims: str  # a topology's chips: "XxY" (a 2D torus) or "XxYxZ"
+    host_bounds: tuple  # one host's chips (x, y, z)
+    chip_config: str  # "default": each TensorCore a device; "megacore": a chip's two TensorCores one device
+    hbm: int  # bytes of HBM per device a program may use: the TPU compiler's "available HBM" (libtpu 0.0.42)
+
+
+GiB = 2**30
+# Every generation libtpu compiles for. A free Colab/Kaggle TPU is a v2-8 or v3-8 (one host of 2x2 chips, 8 cores);
+# a v5e-8 or v6e-8 VM one host of 2x4; v4, v5p and TPU7x VMs 2x2x1. HBM per chip (Google Cloud's TPU pages): v2 16
+# GiB, v3 32, v4 32, v5e 16, v5p 95, v6e 32, TPU7x 192, shared by the devices it shows, less what the runtime keeps
+TPUS = {
+    "v2": TPU("TPU v2", "XxY", (2, 2, 1), "default", round(7.48 * GiB)),
+    "v3": TPU("TPU v3", "XxY", (2, 2, 1), "default", round(15.48 * GiB)),
+    "v4": TPU("TPU v4", "XxYxZ", (2, 2, 1), "megacore", round(30.75 * GiB)),
+    "v5e": TPU("TPU v5 lite", "XxY", (2, 4, 1), "default", round(15.75 * GiB)),
+    "v5p": TPU("TPU v5", "XxYxZ", (2, 2, 1), "megacore", round(95.74 * GiB)),
+    "v6e": TPU("TPU v6 lite", "XxY", (2, 4, 1), "default", round(31.25 * GiB)),
+    "tpu7x": TPU("TPU7x", "XxYxZ", (2, 2, 1), "default", round(94.75 * GiB)),  # Ironwood: 2 TensorCores, 2 devices
+}
+GENERATIONS = {t.device_kind: name for name, t in TPUS.items()}  # device_kind: generation
+TOPOLOGY = re.compile(r"(\w+):(\d+)x(\d+)(?:x(\d+))?")
+ONE_HOST = {name: "x".join(map(str, t.host_bounds[:2 if t.dims == "XxY" else 3])) for name, t in TPUS.items()}
+TOPOLOGY_FORMS = (", ".join(f"{name}:{chips}" for name, chips in ONE_HOST.items())
+                  + " (one host; XxY chips for v2, v3, v5e, v6e, XxYxZ for v4, v5p, tpu7x; more chips than a host's, "
+                    "e.g. v3:4x4, make a multi-host slice)")
 # what libtpu prints to stderr from C++ as it starts on a machine with no TPU (it looks for one, finds none)
 LIBTPU_BANNER = re.compile(r"Failed to find host bounds for accelerator type|Logging before InitGoogle\(\)|"
                            r"unexpected worker hostname|^=== Source Location Trace: ===|libtpu_init_utils\.cc:\d+")
@@ -229,25 +256,49 @@ def topology_devices(name):
     where the topology fits on one, else as many hosts as it takes. A mesh of them (make_mesh(..., devices=)) takes
     abstract inputs only: an array or a key made on it fails, there being no TPU to hold it."""
     m = TOPOLOGY.fullmatch(name)
-    if m is None:
+    tpu = TPUS.get(m[1]) if m else None
+    if tpu is None or (m[4] is None) != (tpu.dims == "XxY"):
         raise UsageError(f"unknown TPU topology {name!r}: give one of {TOPOLOGY_FORMS}")
-    generation, dims = (m[1], m.group(2, 3)) if m[1] else (m[4], m.group(5, 6, 7))
-    chips = (*map(int, dims), 1)[:3]  # (x, y, z)
+    chips = (*(int(d) for d in m.group(2, 3, 4) if d), 1)[:3]  # (x, y, z)
     if get_tpu_library_path() is None:
         raise UsageError(f"compiling for {name} needs libtpu: pip install -r requirements-test.txt")
-    bounds = tuple(min(c, h) for c, h in zip(chips, HOST_BOUNDS[generation]))
+    bounds = tuple(min(c, h) for c, h in zip(chips, tpu.host_bounds))
     try:
         with libtpu_quiet():
             return topologies.get_topology_desc(platform="tpu", topology_name=name,
-                                                chip_config_name=CHIP_CONFIG[generation],
+                                                chip_config_name=tpu.chip_config,
                                                 chips_per_host_bounds=bounds, num_slices=1).devices
     except jax.errors.JaxRuntimeError as e:  # e.g. v5e:3x3, not a whole number of hosts
         raise UsageError(f"TPU topology {name}: {str(e).splitlines()[0]}") from None
 
 
 def hbm_bytes(device):
-    """A TPU chip's HBM by its generation (HBM_BYTES), None for other devices: a topology's devices report none."""
-    return HBM_BYTES.get(DEVICE_KINDS.get(device.device_kind))
+    """A TPU device's HBM: what the device itself reports on a TPU VM, else its generation's (TPUS: a topology's
+    devices report nothing); None for other devices."""
+    if device.device_kind not in GENERATIONS:
+        return None
+    try:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    except jax.errors.JaxRuntimeError:  # a topology's compile-only device: "only supported for addressable" devices
+        limit = None
+    return limit or TPUS[GENERATIONS[device.device_kind]].hbm
+
+
+# the TPU compiler's refusal of a program that does not fit: "... required for HLO temporaries (16.16G) exceeds
+# available HBM (15.75G)" or "Used 15.82G of 15.75G hbm" (XLA's sizes: K, M, G, T of 1024)
+TPU_OUT_OF_MEMORY = [re.compile(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"),
+                     re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")]
+
+
+def tpu_out_of_memory(error):
+    """(bytes needed, bytes available) from the TPU compiler's out-of-memory error (a JaxRuntimeError or its text);
+    None for any other error."""
+    message = str(error)
+    if message.startswith("RESOURCE_EXHAUSTED"):
+        for pattern in TPU_OUT_OF_MEMORY:
+            if m := pattern.search(message):
+                return tuple(float(m[i]) * 1024 ** ("KMGT".index(m[i + 1]) + 1) for i in (1, 3))
+    return None
 
 
 def keep_freed_memory():

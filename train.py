@@ -182,13 +182,19 @@ class Trainer:
     def _compile_step(self, step, params, opt_state):
         """The jitted step, compiled now (not at step 0) so that its memory is known before anything runs:
         `memory per device` is printed, logged, and checked against the device's limit."""
-        compiled, self.state_bytes, self.step_peak_bytes = compile_step(
-            step, params, opt_state, (self.accum, self.rows, self.c["block_size"]), self.batch_sharding)
-        limit = sharding.device_memory_limit()
-        if limit is not None and self.step_peak_bytes > limit:
-            raise UsageError(f"the train step needs {self.step_peak_bytes / 2**30:.2f} GiB per device, the device "
-                             f"has {limit / 2**30:.2f} GiB: lower --batch_size (raise gradient_accumulation_steps "
-                             "to keep the tokens per step), or raise --fsdp / --tensor_parallel")
+        try:
+            compiled, self.state_bytes, self.step_peak_bytes = compile_step(
+                step, params, opt_state, (self.accum, self.rows, self.c["block_size"]), self.batch_sharding)
+            needs, limit = self.step_peak_bytes, sharding.device_memory_limit()
+        except jax.errors.JaxRuntimeError as e:  # a TPU's compiler refuses a step that does not fit
+            if (refusal := sharding.tpu_out_of_memory(e)) is None:
+                raise
+            needs, limit = refusal
+        if limit is not None and needs > limit:
+            raise UsageError(f"the train step needs {needs / 2**30:.2f} GiB per device, the device has "
+                             f"{limit / 2**30:.2f} GiB: lower --batch_size (raise gradient_accumulation_steps to keep "
+                             "the tokens per step; total_batch_size does it for you), choose a remat that recomputes "
+                             "more, or raise --fsdp / --tensor_parallel")
         return compiled
 
     def _put(self, x, sharding):

@@ -10,7 +10,7 @@ shuffle_shards = True  # a seeded shard order per epoch (in-order shards give a 
 # 2**19 = 524,288 tokens per step (~0.5M, GPT-3 small's batch), whatever the number of devices:
 # gradient accumulation = total_batch_size / (batch_size * block_size * devices)
 total_batch_size = 524288
-batch_size = 64  # per device; lower it (e.g. 32, 16) if it does not fit, accumulation grows to match
+batch_size = 64  # per device; lower it if it does not fit (a TPU v2-8: 16; docs/tpu.md), accumulation grows to match
 block_size = 1024
 
 n_layer = 12

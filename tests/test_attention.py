@@ -51,8 +51,9 @@ def test_splash_matches_xla(B, T):
 def test_choose_and_check_setting():
     """'auto' takes splash on a TPU where the shapes allow, cudnn on an Ampere+ GPU in bf16, xla elsewhere;
     explicit settings that can never run are one-line ValueErrors naming the reason and the fix."""
-    def pick(setting, platform="tpu", T=1024, hs=64, dtype="bfloat16", capability=None):
-        return choose(setting, platform=platform, dtype=dtype, seq_len=T, head_size=hs, capability=capability)
+    def pick(setting, platform="tpu", T=1024, hs=64, dtype="bfloat16", capability=None, device_kind="TPU v5 lite"):
+        return choose(setting, platform=platform, dtype=dtype, seq_len=T, head_size=hs, capability=capability,
+                      device_kind=device_kind)
 
     assert pick("auto") == "splash" and pick("auto", T=128) == "splash" and pick("auto", dtype="float32") == "splash"
     assert pick("auto", T=32) == "xla" and pick("auto", T=1) == "xla"  # short sequences, decoding
@@ -62,6 +63,10 @@ def test_choose_and_check_setting():
     assert pick("auto", platform="gpu", capability=(9, 0), dtype="float32") == "xla"
     assert pick("splash", platform="cpu", T=256) == "splash"  # interpret mode: the tests' route
     assert pick("splash", T=100) == "xla"  # a call shape the kernel cannot take (check_setting holds block_size)
+    # TPU v2 and v3 compile splash in float32 only (tests/test_tpu.py: their compiler's refusal)
+    for kind in ("TPU v2", "TPU v3"):
+        assert pick("auto", device_kind=kind) == "xla" and pick("auto", device_kind=kind, dtype="float32") == "splash"
+    assert pick("auto", device_kind="TPU7x") == "splash" and pick("auto", device_kind="TPU v4") == "splash"
     assert attention.cuda_capability(jax.devices()[0]) is None
 
     ok = dict(platform="tpu", dtype="bfloat16", head_size=64, block_size=1024, dropout=0.0)
@@ -83,6 +88,10 @@ def test_choose_and_check_setting():
         (lambda: check_setting("splash", **{**ok, "head_size": 512}),
          r"^attention='splash' cannot run here: the head size \(n_embd / n_head\) must be <= 256, got 512" + fix),
         (lambda: check_setting("cudnn", **ok), "^attention='cudnn' cannot run here: it runs on NVIDIA GPUs only" + fix),
+        (lambda: check_setting("splash", **ok, device_kind="TPU v3"),
+         "^attention='splash' cannot run here: TPU v3's kernel compiler takes it in float32 only, dtype is "
+         "'bfloat16'; use attention='auto' or 'xla', or dtype='float32'$"),
+        (lambda: pick("splash", T=32, device_kind="TPU v2"), "TPU v2's kernel compiler takes it in float32 only"),
         (lambda: pick("cudnn", platform="gpu", capability=(8, 0), hs=160), "must be a multiple of 8 and <= 128"),
     ]
     for call, match in bad:

@@ -2,9 +2,12 @@
 
 TPU programs without a TPU: libtpu's ahead-of-time compiler (requirements-test.txt) compiles the train step and
 sample.py's generation for a v5e:2x2 topology here on the CPU (sharding.topology_devices), as bench_train.py
---memory --topology does. The compiled step holds on each chip what the state's shardings say; the program is the
-TPU's (its tiled layouts, none of the model's CPU-only workarounds); a step that does not fit is reported with the
-compiler's figure; a bad topology name is one line; libtpu's start-up banner never reaches the terminal."""
+--memory --topology does, and the train, eval and generate steps for one topology of every generation
+(sharding.TPUS: v2 and v3, the free Colab/Kaggle TPUs, to TPU7x). The compiled step holds on each chip what the
+state's shardings say; the program is the TPU's (its tiled layouts, the attention kernel its compiler takes, none
+of the model's CPU-only workarounds); a step that does not fit is reported with the compiler's figure; a bad
+topology name, or a kernel the TPU cannot compile, is one line; libtpu's start-up banner never reaches the
+terminal."""
 
 import math
 import os
@@ -20,9 +23,12 @@ from jax._src import config as jax_config
 
 import bench_train
 import generate
+import helpers
 import sharding
+import train
 import train_step
 from helpers import tiny_config
+from configurator import UsageError
 from model import GPT
 from parity.common import save_random_hf_model
 from settings import DEFAULTS
@@ -53,6 +59,34 @@ def abstract_model(config, mesh):
     return graphdef, sharding.abstract(params, sharding.shardings_for(params, mesh))
 
 
+def compile_train_step(config, mesh):
+    """(compiled step, state bytes per device, params, opt_state, batch) of train.py's step, 2 rows per batch shard."""
+    graphdef, params = abstract_model(config, mesh)
+    tx = train_step.make_optimizer(dict(DEFAULTS))
+    opt_state = jax.eval_shape(tx.init, params)
+    opt_state = sharding.abstract(opt_state, sharding.shardings_for(opt_state, mesh))
+    batch = jax.ShapeDtypeStruct((1, 2 * sharding.batch_shards(mesh), T), jnp.int32,
+                                 sharding=sharding.batch_sharding(mesh))
+    step = train_step.make_train_step(graphdef, tx, grad_clip=1.0)
+    compiled, state, _ = train_step.compile_step(step, params, opt_state, batch.shape, batch.sharding)
+    return compiled, state, params, opt_state, batch
+
+
+def compile_generate(config, mesh):
+    """sample.py's generation (generate.generate_in_jit: the prompt prefilled into the KV cache, then sampled token by
+    token, top_k) for 2 prompts, compiled; its weights split as the train step's."""
+    graphdef, params = abstract_model(config, mesh)
+    replicated = sharding.replicated(mesh)
+    buf = jax.ShapeDtypeStruct((2, T), jnp.int32, sharding=replicated)  # 2 prompts, then their samples
+    prompt_len = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
+    with jax.set_mesh(mesh):
+        lowered = generate.generate_in_jit.lower(nnx.merge(graphdef, params), buf, prompt_len, key,
+                                            sampling=(0.8, 10, None, None), use_cache=True, on_token=None,
+                                            return_logits=False)
+    return lowered.compile().compiled  # nnx's Compiled wraps jax's
+
+
 def tiled_bytes(shape, dtype, layout):
     """Bytes of an array in a TPU layout: its minor dimensions rounded up to the layout's tile (8 x 128 elements for a
     float32 matrix), a scalar a whole tile."""
@@ -77,16 +111,8 @@ def test_train_step_compiles_for_a_tpu(variant):
     """The step compiled for fsdp 2 x tensor 2 on v5e:2x2: each chip's arguments are the shards the state's
     shardings give it (sharding.bytes_per_device) and the batch's, each padded to the TPU's tiles, and nothing more.
     The key is no argument: at dropout 0 the step never reads it, and jit drops it."""
-    config = tiny_config(block_size=T, **VARIANTS[variant])
-    mesh = tpu_mesh()
-    graphdef, params = abstract_model(config, mesh)
-    tx = train_step.make_optimizer(dict(DEFAULTS))
-    opt_state = jax.eval_shape(tx.init, params)
-    opt_state = sharding.abstract(opt_state, sharding.shardings_for(opt_state, mesh))
-    batch = jax.ShapeDtypeStruct((1, 2 * sharding.batch_shards(mesh), T), jnp.int32,
-                                 sharding=sharding.batch_sharding(mesh))
-    step = train_step.make_train_step(graphdef, tx, grad_clip=1.0)
-    compiled, state, _ = train_step.compile_step(step, params, opt_state, batch.shape, batch.sharding)
+    compiled, state, params, opt_state, batch = compile_train_step(tiny_config(block_size=T, **VARIANTS[variant]),
+                                                                   tpu_mesh())
     assert_tpu_program(compiled)
     # the splash kernel (a Pallas TPU kernel: a custom call) where attention='auto' picks it
     assert ("tpu_custom_call" in compiled.as_text()) == (VARIANTS[variant]["attention"] == "auto")
@@ -104,18 +130,44 @@ def test_train_step_compiles_for_a_tpu(variant):
 def test_generate_compiles_for_a_tpu(variant):
     """sample.py's generation (generate.generate_in_jit: the prompt prefilled into the KV cache, then sampled token by
     token, top_k) compiled for the same mesh, its weights split as the train step's."""
-    config = tiny_config(block_size=T, **VARIANTS[variant])
-    mesh = tpu_mesh()
+    assert_tpu_program(compile_generate(tiny_config(block_size=T, **VARIANTS[variant]), tpu_mesh()))
+
+
+# one topology of every generation (sharding.TPUS), its device_kind, and whether its compiler takes splash in bf16
+GENERATIONS = {"v2:2x2": ("TPU v2", False), "v3:2x2": ("TPU v3", False), "v4:2x2x1": ("TPU v4", True),
+               "v5e:2x2": ("TPU v5 lite", True), "v5p:2x2x1": ("TPU v5", True), "v6e:2x2": ("TPU v6 lite", True),
+               "tpu7x:2x2x1": ("TPU7x", True)}
+
+
+@pytest.mark.parametrize("topology", GENERATIONS)
+def test_every_generation_compiles_train_eval_and_generate(topology):
+    """The tiny model in bf16 with attention='auto' and the blocks under one scan (a TPU's defaults), data parallel
+    over one host's devices: train.py's train and eval steps and sample.py's generation compile. The train step
+    holds the splash kernel where the TPU's compiler takes it in bf16 (v4 on) and XLA's attention on v2 and v3, which
+    refuse it. The table's HBM per device is the compiler's own "available HBM", to the 0.01 GiB it prints."""
+    devices = sharding.topology_devices(topology)
+    kind, splash = GENERATIONS[topology]
+    assert devices[0].device_kind == kind
+    mesh = sharding.make_mesh(devices=devices)
+    config = tiny_config(block_size=T, dtype="bfloat16", attention="auto", scan_layers=True)
+    compiled, *_ = compile_train_step(config, mesh)
+    assert_tpu_program(compiled)
+    assert ("tpu_custom_call" in compiled.as_text()) == splash
+
     graphdef, params = abstract_model(config, mesh)
-    replicated = sharding.replicated(mesh)
-    buf = jax.ShapeDtypeStruct((2, T), jnp.int32, sharding=replicated)  # 2 prompts, then their samples
-    prompt_len = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
+    rows = jax.ShapeDtypeStruct((2 * sharding.batch_shards(mesh), T), jnp.int32, sharding=sharding.batch_sharding(
+        mesh, ndim=2))
     with jax.set_mesh(mesh):
-        lowered = generate.generate_in_jit.lower(nnx.merge(graphdef, params), buf, prompt_len, key,
-                                            sampling=(0.8, 10, None, None), use_cache=True, on_token=None,
-                                            return_logits=False)
-    assert_tpu_program(lowered.compile().compiled)  # nnx's Compiled wraps jax's
+        lowered = train_step.make_eval_step(graphdef, params).lower(jax.tree.leaves(params), rows, rows)
+    assert_tpu_program(lowered.compile())
+    assert_tpu_program(compile_generate(config, mesh))
+
+    one = jax.sharding.SingleDeviceSharding(devices[0])
+    too_big = jax.ShapeDtypeStruct((2**35,), jnp.float32, sharding=one)  # 128 GiB
+    with pytest.raises(jax.errors.JaxRuntimeError) as e:
+        jax.jit(lambda x: x + 1, out_shardings=one).lower(too_big).compile()
+    _, available = sharding.tpu_out_of_memory(str(e.value))
+    assert abs(available - sharding.hbm_bytes(devices[0])) < 0.005 * 2**30, (available, sharding.hbm_bytes(devices[0]))
 
 
 def run(*args, env=None):
@@ -132,7 +184,7 @@ def test_bench_memory_for_a_topology(monkeypatch, capsys):
     lines = p.stdout.splitlines()
     assert "4 tpu device(s) of v5e:2x2 (TPU v5 lite), mesh data 1 x fsdp 2 x tensor 2" in lines[0], lines[0]
     assert re.fullmatch(r"memory per device: state \d+\.\d\d GiB, step peak \d+\.\d\d GiB", lines[1]), lines[1]
-    assert re.fullmatch(r"TPU v5 lite HBM 16\.00 GiB per chip: fits, step peak \d+% of it \(compiled by libtpu for "
+    assert re.fullmatch(r"TPU v5 lite HBM 15\.75 GiB per device: fits, step peak \d+% of it \(compiled by libtpu for "
                         r"v5e:2x2 in [\d.]+ s\)", lines[2]), lines[2]
 
     worker = bench_train.WORKERS["memory"]
@@ -147,19 +199,59 @@ def test_bench_memory_for_a_topology(monkeypatch, capsys):
 def test_tpu_out_of_memory_reads_both_refusals():
     """The two forms of the TPU compiler's out-of-memory error; any other error is not a refusal."""
     G = 2**30
-    assert bench_train.tpu_out_of_memory("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
+    assert sharding.tpu_out_of_memory("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
                                          "for HLO temporaries (16.16G) exceeds available HBM (15.75G).") == \
         (16.16 * G, 15.75 * G)
-    assert bench_train.tpu_out_of_memory("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in "
+    assert sharding.tpu_out_of_memory("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in "
                                          "memory space hbm. Used 15.82G of 15.75G hbm.") == (15.82 * G, 15.75 * G)
-    assert bench_train.tpu_out_of_memory("RESOURCE_EXHAUSTED: some other limit") is None
+    assert sharding.tpu_out_of_memory("RESOURCE_EXHAUSTED: some other limit") is None
+
+
+def test_a_step_the_tpu_compiler_refuses_is_one_line(dataset, tmp_path, monkeypatch):
+    """On a TPU the compiler itself refuses a step that does not fit (on a v2-8, config/train_gpt2.py's batch 32 per
+    device: bench_train.py --memory --topology=v2:2x2): train.py turns that refusal into one line naming the fixes,
+    before a step runs."""
+    def compile_error(message):
+        def compile_step(*args):
+            raise jax.errors.JaxRuntimeError(message)
+        return compile_step
+
+    monkeypatch.setattr(train, "compile_step", compile_error(
+        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 8.62G of "
+        "7.48G hbm. Exceeded hbm capacity by 1.14G."))
+    with pytest.raises(UsageError, match=r"^the train step needs 8\.62 GiB per device, the device has 7\.48 GiB: "
+                                         r"lower --batch_size .* or raise --fsdp / --tensor_parallel$"):
+        helpers.run(dataset, tmp_path / "out")
+    monkeypatch.setattr(train, "compile_step", compile_error("INTERNAL: something else"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="^INTERNAL"):  # any other error keeps its traceback
+        helpers.run(dataset, tmp_path / "out2")
 
 
 def test_unknown_topology_is_one_line():
     p = run("bench_train.py", "--memory", "--topology=v9:2x2", "--preset=tiny")
     assert p.returncode == 2, p.stderr[-3000:]
-    assert p.stderr.startswith("error: unknown TPU topology 'v9:2x2': give one of v5e:2x2, v5e:2x4")
+    assert p.stderr.startswith("error: unknown TPU topology 'v9:2x2': give one of v2:2x2, v3:2x2, v4:2x2x1, v5e:2x4, "
+                               "v5p:2x2x1, v6e:2x4, tpu7x:2x2x1 (one host; XxY chips for v2, v3, v5e, v6e, XxYxZ")
     assert p.stderr.count("\n") == 1, p.stderr
+    for name in ("v3:2x2x1", "v4:2x2", "tpu7x:2x2", "v5e"):  # a generation's other form is unknown too
+        with pytest.raises(UsageError, match=f"^unknown TPU topology '{name}': give one of v2:2x2"):
+            sharding.topology_devices(name)
+    assert len(sharding.topology_devices("v3:4x4")) == 32  # a v3-32: 4 hosts of 2x2 chips, a device per core
+    assert len(sharding.topology_devices("tpu7x:2x2x2")) == 16
+
+
+@pytest.mark.parametrize("topology", ["v2:2x2", "v3:2x2"])
+def test_splash_in_bf16_on_v2_and_v3_is_one_line(topology, monkeypatch):
+    """Their compiler refuses the splash kernel in bf16 (test_every_generation_...): an explicit attention='splash'
+    is refused before anything compiles, naming the fixes; bench_train.py exits 2 on it (exit_on_bad_input)."""
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--memory", f"--topology={topology}", "--preset=tiny",
+                                      "--dtype=bfloat16", "--attention=splash"])
+    monkeypatch.setattr(bench_train, "run_worker", lambda *a: pytest.fail("a worker started"))
+    with pytest.raises(UsageError) as e:
+        bench_train.main()
+    kind = sharding.topology_devices(topology)[0].device_kind
+    assert str(e.value) == (f"attention='splash' cannot run here: {kind}'s kernel compiler takes it in float32 only, "
+                            "dtype is 'bfloat16'; use attention='auto' or 'xla', or dtype='float32'")
 
 
 def test_libtpu_banner_stays_off_the_terminal(tmp_path):
