@@ -6,6 +6,7 @@ Causal self-attention's kernels, and which one a call gets (GPTConfig.attention)
   Pallas interpret mode off a TPU so that CPU tests check the same kernel;
 - 'auto': the fused kernel where it runs (cudnn on NVIDIA, splash on TPU), else xla.
 Every kernel: scale 1/sqrt(hs), causal, scores and softmax in float32 (splash: its q.k dots accumulate in float32).
+Training with dropout > 0 takes explicit_attention instead: the probabilities materialized, for dropout to act on.
 """
 
 import math
@@ -18,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import sharding
 from configurator import UsageError
+from layers import dropout
 
 SETTINGS = ("auto", "xla", "cudnn", "splash")  # GPTConfig.attention values
 SPLASH_MULTIPLE = 128  # splash tiles the sequence in blocks of a multiple of 128 (the TPU's lane width)
@@ -130,6 +132,16 @@ def causal_attention(q, k, v, implementation):
     if implementation == "splash":
         return _splash(q, k, v).astype(v.dtype)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+def explicit_attention(q, k, v, dropout_rate, key):
+    """Causal attention with the probabilities materialized, so that dropout can act on them.
+    q, k, v (B, T, nh, hs) -> (B, T, nh, hs); scores and softmax in float32."""
+    T, hs = q.shape[1], q.shape[3]
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(hs)
+    att = jnp.where(jnp.tril(jnp.ones((T, T), bool)), att, -jnp.inf)
+    att = dropout(jax.nn.softmax(att, axis=-1), dropout_rate, key).astype(v.dtype)  # (B, nh, T, T)
+    return jnp.einsum("bhqk,bkhd->bqhd", att, v)
 
 
 def _block(T):

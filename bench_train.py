@@ -45,10 +45,16 @@ PRESETS = {
     "gpt2-xl": dict(block_size=1024, batch_size=1, n_layer=48, n_head=25, n_embd=1600, vocab_size=50257),
     # the tests' (tests/test_tpu.py): block 128, as a TPU attention kernel's blocks take
     "tiny": dict(block_size=128, batch_size=2, n_layer=2, n_head=2, n_embd=64, vocab_size=128),
+    # modded-nanogpt's record 5 (config/speedrun_gpt2.py): its architecture, Muon on the blocks, Adam on the rest
+    "speedrun": dict(block_size=1024, batch_size=64, n_layer=12, n_head=6, n_embd=768, vocab_size=50304,
+                     arch="speedrun", optimizer="muon", muon_learning_rate=0.00036, lr_schedule="trapezoid",
+                     warmdown_iters=1450, max_iters=5100),
 }
+OPTIMIZER_KEYS = ("optimizer", "muon_learning_rate", "lr_schedule", "warmdown_iters", "max_iters")
 # remat, loss_chunk and scan_layers unless given: the run each preset stands for
 PRESET_CONFIGS = {"baby": "config/train_shakespeare_char.py", "gpt2": "config/train_gpt2.py",
-                  "gpt2-xl": "config/finetune_shakespeare.py", "tiny": "config/train_shakespeare_char.py"}
+                  "gpt2-xl": "config/finetune_shakespeare.py", "tiny": "config/train_shakespeare_char.py",
+                  "speedrun": "config/speedrun_gpt2.py"}
 SCAN_LAYERS = {"on": True, "off": False, "auto": "auto"}  # --scan_layers: train.py's scan_layers
 
 
@@ -59,11 +65,10 @@ def bench_jax(s):
     import runlog
     import sharding
     import train_step
-    from settings import DEFAULTS
 
     sharding.start_backend()
     sharding.keep_freed_memory()  # as train.py's main does
-    c = dict(DEFAULTS, learning_rate=1e-3, warmup_iters=10, lr_decay_iters=1000, min_lr=1e-4)
+    c = optimizer_settings(s, learning_rate=1e-3, warmup_iters=10, lr_decay_iters=1000, min_lr=1e-4)
     mesh = sharding.make_mesh()  # data parallel over every device, as train.py's defaults
     tx = train_step.make_optimizer(c)
     graphdef, params, opt_state = train_step.init_state(model_config(s, sharding.platform_of(mesh)), mesh, tx)
@@ -102,7 +107,15 @@ def model_config(s, platform):
 
     fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dtype", "remat", "loss_chunk", "attention")
     scan_layers = resolve_scan_layers(s["scan_layers"], platform)
-    return GPTConfig(**{k: s[k] for k in fields}, bias=True, scan_layers=scan_layers)
+    arch = s.get("arch", "gpt2")
+    return GPTConfig(**{k: s[k] for k in fields}, arch=arch, bias=arch == "gpt2", scan_layers=scan_layers)
+
+
+def optimizer_settings(s, **c):
+    """train.py's settings for the preset's optimizer: AdamW, or the speedrun's Muon + Adam."""
+    from settings import DEFAULTS
+
+    return dict(DEFAULTS, **c, **{k: s[k] for k in OPTIMIZER_KEYS if k in s})
 
 
 def bench_memory(s):
@@ -114,7 +127,6 @@ def bench_memory(s):
 
     import sharding
     import train_step
-    from settings import DEFAULTS
 
     if s["topology"]:
         devices = sharding.topology_devices(s["topology"])[:s["devices"]]
@@ -126,7 +138,7 @@ def bench_memory(s):
     platform = sharding.platform_of(mesh)
     config = model_config(s, platform)
     sharding.check_model_fits_mesh(config, mesh)
-    tx = train_step.make_optimizer(dict(DEFAULTS))
+    tx = train_step.make_optimizer(optimizer_settings(s))
     graphdef, *state = jax.eval_shape(lambda: train_step.init_state(config, mesh, tx))
     # eval_shape returns no shardings: each array placed by the table again
     params, opt_state = (sharding.abstract(t, sharding.shardings_for(t, mesh)) for t in state)

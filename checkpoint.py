@@ -338,11 +338,12 @@ def model_config_from_meta(meta, **settings):
 
 def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0, step=None):
     """A GPT for inference from `init_from`: 'resume' (the latest checkpoint in out_dir, or `step`), a GPT-2
-    name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), an HF directory or a nanoGPT ckpt.pt (or its out_dir).
+    name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), an HF directory, a nanoGPT ckpt.pt (or its out_dir) or a
+    modded-nanogpt state_step*.pt (arch='speedrun').
     Returns (model, training config dict: ours, nanoGPT's, or None for HF weights)."""
     if init_from == "scratch":
-        raise UsageError("init_from='scratch' has no weights to load: use resume, a gpt2* name, an HF directory "
-                         "or a nanoGPT ckpt.pt")
+        raise UsageError("init_from='scratch' has no weights to load: use resume, a gpt2* name, an HF directory, "
+                         "a nanoGPT ckpt.pt or a modded-nanogpt state_step*.pt")
     if init_from != "resume":
         return load_pretrained(init_from, dropout=dropout, dtype=dtype)
     model, meta = load_checkpoint_model(out_dir, step, dtype, dropout)

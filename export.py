@@ -1,14 +1,18 @@
 """
-A checkpoint of ours out of the project: an HF GPT-2 directory, or a nanoGPT ckpt.pt.
+A checkpoint of ours out of the project: an HF GPT-2 directory, a nanoGPT ckpt.pt, or (arch='speedrun') a
+modded-nanogpt state_step*.pt.
 
     python export.py --out_dir=out-shakespeare-char --format=hf --to=hf-shakespeare   # GPT2LMHeadModel.from_pretrained
     python export.py --out_dir=out-shakespeare-char --format=nanogpt --to=nano-out    # nanoGPT's sample.py --out_dir
     python export.py --out_dir=out --step=2000 --format=nanogpt --to=ckpt-2000.pt     # one step, to a file
+    python export.py --out_dir=out-speedrun --format=modded --to=state_step005100.pt  # record 5's GPT.load_state_dict
 
 A character-level run's vocabulary goes beside the weights twice: meta.json, which sample.py --init_from=DIR
 reads (no pickle), and nanoGPT's meta.pkl, for nanoGPT's own sample.py.
 --step: a saved step (default: the latest). --to: a directory for hf; for nanogpt a directory (ckpt.pt goes in
-it, nanoGPT's out_dir layout) or a file ending in .pt. Bad input (no checkpoint, an unwritable target, a model
+it, nanoGPT's out_dir layout) or a file ending in .pt; for modded a file ending in .pt (its state dict's keys carry
+torch.compile's _orig_mod. prefix, as the record's files do). An arch='speedrun' model exports to modded only, a
+GPT-2 one to hf and nanogpt only. Bad input (no checkpoint, an unwritable target, a model
 the format cannot hold) fails with one line, exit code 2, and writes nothing.
 """
 
@@ -19,10 +23,11 @@ from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
 from runlog import nearest_existing
 from tokenizer import CharCodec, codec_for, save_vocab
 
+FORMATS = ("hf", "nanogpt", "modded")
 defaults = dict(
     out_dir="out",  # our training run's out_dir
     step=-1,  # the saved step to export; -1: the latest
-    format="hf",  # 'hf' | 'nanogpt'
+    format="hf",  # 'hf' | 'nanogpt' | 'modded' (modded-nanogpt's state_step*.pt, arch='speedrun')
     to="",  # where to write (see above)
 )
 
@@ -32,8 +37,11 @@ def target(cfg):
     to = cfg["to"]
     if not to:
         raise UsageError("--to is required: where to write the export")
-    if cfg["format"] not in ("hf", "nanogpt"):
-        raise UsageError(f"--format must be 'hf' or 'nanogpt', got {cfg['format']!r}")
+    if cfg["format"] not in FORMATS:
+        raise UsageError(f"--format must be 'hf', 'nanogpt' or 'modded', got {cfg['format']!r}")
+    if cfg["format"] == "modded" and not to.endswith(".pt"):
+        raise UsageError(f"--format=modded writes one file: --to must end in .pt (e.g. state_step000100.pt), "
+                         f"got {to!r}")
     path = to if cfg["format"] == "hf" or to.endswith(".pt") else os.path.join(to, "ckpt.pt")
     directory = to if cfg["format"] == "hf" else os.path.dirname(path)
     if os.path.isdir(path):
@@ -49,6 +57,7 @@ def main(argv=None):
     path = target(cfg)
     # here, once the settings are checked: jax, flax and orbax take seconds to import
     import checkpoint
+    import pretrained
     import sharding
     import weights
 
@@ -63,8 +72,10 @@ def main(argv=None):
     try:
         if cfg["format"] == "hf":
             weights.save_hf(model, path)
+        elif cfg["format"] == "modded":
+            pretrained.save_modded(model, path, meta["iter_num"])
         else:
-            weights.save_nanogpt(model, path, meta["iter_num"], meta["best_val_loss"], meta["config"])
+            pretrained.save_nanogpt(model, path, meta["iter_num"], meta["best_val_loss"], meta["config"])
         if isinstance(codec, CharCodec):  # beside the weights, where sample.py (and nanoGPT's, by hand) finds it
             save_vocab(os.path.dirname(path) if path.endswith(".pt") else path, codec.itos)
     except OSError as e:  # a path that looked writable and is not: under /proc, a read-only mount, a full disk

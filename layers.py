@@ -1,12 +1,16 @@
 """
 How the stack of blocks runs: a Python loop, or one lax.scan over their params stacked on a leading layer axis
-(scan_layers), each block with or without remat; and the conditionals XLA:CPU needs in the backward pass.
+(scan_layers), each block with or without remat; and the conditionals XLA:CPU needs in the backward pass. Also the
+model's parameter-free pieces: dropout, the speedrun architecture's RMSNorm and rotary embedding (modded-nanogpt's
+record 5), and the tied head and its cross-entropy.
 """
 
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import sharding
@@ -100,3 +104,86 @@ def relayout_blocks(tree, template):
         return jnp.stack([flat[f"{path[:m.end()]}{i}.{path[m.end():]}"] for i in range(t.shape[0])])
 
     return jax.tree_util.tree_map_with_path(leaf, template)
+
+
+def dropout(x, rate, key):
+    """Inverted dropout with an explicit key; identity when key is None (eval) or rate is 0."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the speedrun architecture (model.GPTConfig.arch='speedrun'): modded-nanogpt's record 5, 2024-10-14_ModernArch
+
+ROTARY_BASE = 10000
+
+
+def rms_norm(x):
+    """torch's F.rms_norm(x, (C,)) without a weight, as record 5 calls it: x / sqrt(mean(x^2) + eps) over the last
+    axis, computed in float32 (torch upcasts 16-bit inputs) with eps that type's machine epsilon (torch's default,
+    1.19e-7 for float32 and bfloat16 inputs alike), returned in x's dtype."""
+    xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    ms = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)  # (..., 1)
+    return (xf * jax.lax.rsqrt(ms + jnp.finfo(xf.dtype).eps)).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """The speedrun's norm before attention, the MLP and the head: rms_norm, no params (record 5 has no weight)."""
+
+    def __call__(self, x):
+        return rms_norm(x)
+
+
+@functools.cache
+def rotary_tables(n, hs):
+    """Record 5's rotary tables for positions 0..n-1 and head size hs: (cos, sin), each (n, hs/2) bfloat16 numpy,
+    constants of the program. The record's float32 frequencies position * base^(-2j/hs), their cos and sin rounded
+    to float32 from float64 on the host, then to bfloat16 (the record caches them so): XLA's fused cos and sin miss
+    the float32 value by an ulp now and then, which moves a bf16 entry by one of its ulps (36 of the record's 65536
+    did); these equal torch's tables, entry for entry, at the record's head size 128."""
+    exponents = np.arange(0, hs, 2, dtype=np.float32) / np.float32(hs)
+    inv_freq = np.float32(1) / (float(ROTARY_BASE) ** exponents.astype(np.float64)).astype(np.float32)  # (hs/2,)
+    freqs = np.arange(n, dtype=np.float32)[:, None] * inv_freq  # (n, hs/2), float32
+    return tuple(f(freqs.astype(np.float64)).astype(np.float32).astype(jnp.bfloat16) for f in (np.cos, np.sin))
+
+
+def rotary(x, cos, sin):
+    """Rotary position embedding as record 5 applies it: x (B, T, nh, hs), cos and sin (T, hs/2) (rotary_tables'
+    rows of x's positions) -> (B, T, nh, hs) in x's dtype. The head's halves x1, x2 turn against each other:
+    (x1 cos + x2 sin, -x1 sin + x2 cos). The bf16 tables act as they are: bf16 activations rotate in bf16, float32
+    ones in float32."""
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hs/2)
+    x1, x2 = jnp.split(x, 2, axis=-1)  # (B, T, nh, hs/2) each
+    return jnp.concatenate([x1 * cos + x2 * sin, x1 * -sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the tied head and the loss
+
+def tied_head(x, embedding, dtype):
+    """(..., C) -> (..., vocab) float32 logits through the token embedding (vocab, C): a matmul in the compute
+    dtype with float32 accumulation; under a mesh, the embedding split by vocabulary over 'tensor'."""
+    head = sharding.constrain(embedding.astype(dtype), sharding.VOCAB)
+    return jnp.einsum("...c,vc->...v", x.astype(dtype), head, preferred_element_type=jnp.float32)
+
+
+def cross_entropy_terms(logits, targets):
+    """(sum of the cross-entropies, their number) in float32 over the targets that are not -1 (nanoGPT's
+    ignore_index)."""
+    logits = logits.astype(jnp.float32)
+    valid = targets != -1
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, jnp.where(valid, targets, 0)[..., None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(valid, logz - target_logit, 0.0)), jnp.sum(valid)
+
+
+def mean_of(total, count):
+    """cross_entropy_terms -> their mean (0 when every target is ignored)."""
+    return total / jnp.maximum(count, 1)
+
+
+def cross_entropy(logits, targets):
+    """Mean cross-entropy in float32 over the targets that are not -1 (nanoGPT's ignore_index)."""
+    return mean_of(*cross_entropy_terms(logits, targets))

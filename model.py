@@ -1,8 +1,12 @@
 """
 GPT-2 in JAX (flax nnx), numerically GPT-2's: tanh GELU (or nanoGPT's exact one), LayerNorm eps 1e-5, tied lm_head.
+arch='speedrun' is modded-nanogpt's record 5 in the same modules: rotary, QK-norm, weightless RMSNorm, ReLU^2,
+zero-initialised projections, no position embedding, no biases.
 References:
 1) OpenAI's GPT-2 TensorFlow implementation: https://github.com/openai/gpt-2/blob/master/src/model.py
 2) huggingface/transformers GPT2LMHeadModel (the parity reference), and karpathy/nanoGPT's model.py.
+3) KellerJordan/modded-nanogpt's records/track_1_short/2024-10-14_ModernArch/train_gpt2.py, the speedrun's (in
+   parity/speedrun_reference.py).
 """
 
 import math
@@ -17,10 +21,13 @@ from jax.sharding import PartitionSpec as P
 
 import attention
 import generate
+import pretrained
 import sharding
 import weights
 from configurator import UsageError
-from layers import REMAT, block_fn, fusion_barrier_in_grad, run_block, stack_blocks
+from attention import explicit_attention
+from layers import (REMAT, RMSNorm, block_fn, cross_entropy, cross_entropy_terms, dropout, fusion_barrier_in_grad,
+                    mean_of, rms_norm, rotary, rotary_tables, run_block, stack_blocks, tied_head)
 
 
 @dataclass
@@ -34,6 +41,7 @@ class GPTConfig:
     bias: bool = True  # biases in Linears and LayerNorms (GPT-2: True)
     gelu: str = "tanh"  # 'tanh': GPT-2's approximation (HF gelu_new) | 'exact': erf, nanoGPT's F.gelu (HF gelu)
     dtype: str = "float32"  # compute dtype, 'float32' | 'bfloat16'; params are always float32
+    arch: str = "gpt2"  # 'gpt2' | 'speedrun': modded-nanogpt's record 5 (rotary, QK-norm, RMSNorm, ReLU^2; bias=False)
     # how the run computes, not what it computes (a checkpoint's are ignored on restore, see RUNTIME_FIELDS):
     attention: str = "auto"  # 'xla' | 'cudnn' (NVIDIA) | 'splash' (TPU) | 'auto': the fused kernel where it runs
     remat: str = "none"  # recompute in the backward pass instead of storing: 'none' | 'block' | 'dots' (see REMAT)
@@ -47,6 +55,13 @@ class GPTConfig:
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.gelu not in ("tanh", "exact"):
             raise ValueError(f"gelu must be 'tanh' (GPT-2) or 'exact' (nanoGPT), got {self.gelu!r}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be 'gpt2' or 'speedrun' (modded-nanogpt's record 5), got {self.arch!r}")
+        if self.arch == "speedrun" and self.bias:
+            raise ValueError("arch='speedrun' has no biases (modded-nanogpt's record 5): set bias=False")
+        if self.arch == "speedrun" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"arch='speedrun' rotates the halves of each head: the head size n_embd / n_head must "
+                             f"be even, got {self.n_embd // self.n_head}")
         if self.attention not in attention.SETTINGS:
             raise ValueError(f"attention must be one of {', '.join(map(repr, attention.SETTINGS))}, "
                              f"got {self.attention!r}")
@@ -63,6 +78,7 @@ class GPTConfig:
 
 
 DTYPES = ("float32", "bfloat16")
+ARCHS = ("gpt2", "speedrun")
 
 
 def resolve_dtype(dtype, platform):
@@ -85,7 +101,15 @@ def normal(std):
     return nnx.initializers.normal(stddev=std)
 
 
+def torch_linear_init(fan_in):
+    """torch nn.Linear's default init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)): record 5's, which keeps torch's inits."""
+    bound = 1 / math.sqrt(fan_in)
+    return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
 def layer_norm(config: GPTConfig, rngs: nnx.Rngs):
+    if config.arch == "speedrun":  # F.rms_norm without a weight (record 5): no params
+        return RMSNorm()
     # nnx's defaults differ from torch's: eps 1e-6 (GPT-2: 1e-5) and the E[x^2]-E[x]^2 "fast" variance.
     # LayerNorm runs in float32 even in bf16 mode.
     return nnx.LayerNorm(config.n_embd, epsilon=1e-5, use_fast_variance=False, use_bias=config.bias,
@@ -124,44 +148,39 @@ def _gathered_table(args, dtype=None, inexact=False):
 
 def linear(n_in, n_out, config: GPTConfig, rngs: nnx.Rngs, std=0.02, row_parallel=False):
     # Kernels are (in, out), the layout of HF's Conv1D: weights copy across without a transpose.
-    # Under tensor parallelism a kernel computes split by output columns, or by input rows (row_parallel)
-    return Linear(n_in, n_out, use_bias=config.bias, dtype=config.compute_dtype, kernel_init=normal(std),
+    # Under tensor parallelism a kernel computes split by output columns, or by input rows (row_parallel).
+    # speedrun: torch's default init, and the residual projections (row_parallel) zero, as record 5 (zero init
+    # suggested by @Grad62304977)
+    init = normal(std) if config.arch == "gpt2" else nnx.initializers.zeros_init() if row_parallel \
+        else torch_linear_init(n_in)
+    return Linear(n_in, n_out, use_bias=config.bias, dtype=config.compute_dtype, kernel_init=init,
                   bias_init=nnx.initializers.zeros_init(), rngs=rngs,
                   promote_dtype=_promote_row if row_parallel else _promote_column)
-
-
-def dropout(x, rate, key):
-    """Inverted dropout with an explicit key; identity when key is None (eval) or rate is 0."""
-    if key is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
-
-
-def explicit_attention(q, k, v, dropout_rate, key):
-    """Causal attention with the probabilities materialized, so that dropout can act on them.
-    q, k, v (B, T, nh, hs) -> (B, T, nh, hs); scores and softmax in float32."""
-    T, hs = q.shape[1], q.shape[3]
-    att = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(hs)
-    att = jnp.where(jnp.tril(jnp.ones((T, T), bool)), att, -jnp.inf)
-    att = dropout(jax.nn.softmax(att, axis=-1), dropout_rate, key).astype(v.dtype)  # (B, nh, T, T)
-    return jnp.einsum("bhqk,bkhd->bqhd", att, v)
 
 
 class CausalSelfAttention(nnx.Module):
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
         self.n_head = config.n_head
         self.dropout = config.dropout
+        self.rotary = config.arch == "speedrun"  # rotary positions and QK-norm (record 5)
         self.attention = config.attention  # the kernel is chosen per call shape, for the mesh in context
         self.c_attn = linear(config.n_embd, 3 * config.n_embd, config, rngs)  # q, k, v for all heads
-        # residual projection: GPT-2's scaled init, 0.02/sqrt(2 * n_layer)
+        # residual projection: GPT-2's scaled init, 0.02/sqrt(2 * n_layer) (speedrun: zero, see linear)
         self.c_proj = linear(config.n_embd, config.n_embd, config, rngs, std=0.02 / math.sqrt(2 * config.n_layer),
                              row_parallel=True)
 
-    def qkv(self, x):
+    def qkv(self, x, pos=0, length=None):
+        """x (B, T, C) at positions pos..pos+T-1 -> q, k, v (B, T, nh, hs). speedrun: q and k rotated (rotary_tables
+        of `length` positions, default T, from which pos may be traced), then RMS-normed over the head (QK norm
+        suggested by @Grad62304977); before the kernel, so that every kernel serves both archs."""
         B, T, C = x.shape
         q, k, v = jnp.split(checkpoint_name(self.c_attn(x), "qkv"), 3, axis=-1)  # (B, T, C) each
-        return (a.reshape(B, T, self.n_head, C // self.n_head) for a in (q, k, v))  # (B, T, nh, hs)
+        q, k, v = (a.reshape(B, T, self.n_head, C // self.n_head) for a in (q, k, v))  # (B, T, nh, hs)
+        if self.rotary:
+            cos, sin = (jax.lax.dynamic_slice_in_dim(jnp.asarray(t), pos, T)
+                        for t in rotary_tables(length or T, C // self.n_head))  # (T, hs/2)
+            q, k = rms_norm(rotary(q, cos, sin)), rms_norm(rotary(k, cos, sin))
+        return q, k, v
 
     def __call__(self, x, key=None):
         B, T, C = x.shape
@@ -185,7 +204,8 @@ class CausalSelfAttention(nnx.Module):
         write the new keys and values in at pos, attend to every cached position <= the query's."""
         B, T, C = x.shape
         hs = C // self.n_head
-        q, k, v = (a.transpose(0, 2, 1, 3).reshape(B * self.n_head, T, hs) for a in self.qkv(x))  # (B*nh, T, hs)
+        q, k, v = (a.transpose(0, 2, 1, 3).reshape(B * self.n_head, T, hs)  # (B*nh, T, hs), at their positions
+                   for a in self.qkv(x, pos, kv[0].shape[1]))
         k, v = (jax.lax.dynamic_update_slice_in_dim(c, a.astype(c.dtype), pos, axis=1) for c, a in zip(kv, (k, v)))
         # dot_product_attention's math, spelled out: with its (B, S, nh, hs) layout XLA:CPU copied the
         # whole cache every step; in this layout the cache feeds the dots as it is (README, Benchmarks)
@@ -200,6 +220,7 @@ class MLP(nnx.Module):
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
         self.dropout = config.dropout
         self.approximate_gelu = config.gelu == "tanh"
+        self.relu2 = config.arch == "speedrun"  # ReLU^2 (record 5: suggested by @SKYLINEZ007 and @Grad62304977)
         self.c_fc = linear(config.n_embd, 4 * config.n_embd, config, rngs)
         self.c_proj = linear(4 * config.n_embd, config.n_embd, config, rngs, std=0.02 / math.sqrt(2 * config.n_layer),
                              row_parallel=True)
@@ -208,7 +229,8 @@ class MLP(nnx.Module):
         # GPT-2's gelu is the tanh approximation (HF "gelu_new"); nanoGPT's is the exact erf GELU (config.gelu)
         B, T, C = x.shape
         # 2-D matmuls: XLA:CPU fuses the GELU into a (B, T, C) matmul badly (README, Benchmarks); free elsewhere
-        h = jax.nn.gelu(self.c_fc(x.reshape(B * T, C)), approximate=self.approximate_gelu)  # (B*T, 4C)
+        h = self.c_fc(x.reshape(B * T, C))  # (B*T, 4C)
+        h = jnp.square(jax.nn.relu(h)) if self.relu2 else jax.nn.gelu(h, approximate=self.approximate_gelu)
         return dropout(self.c_proj(h), self.dropout, key).reshape(B, T, C)
 
 
@@ -238,10 +260,13 @@ class Block(nnx.Module):
 class GPT(nnx.Module):
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
         self.config = config
-        self.wte = nnx.Embed(config.vocab_size, config.n_embd, embedding_init=normal(0.02),
-                             promote_dtype=_gathered_table, rngs=rngs)
-        self.wpe = nnx.Embed(config.block_size, config.n_embd, embedding_init=normal(0.02),
-                             promote_dtype=_gathered_table, rngs=rngs)
+        speedrun = config.arch == "speedrun"
+        # speedrun: the tied embedding is the record's lm_head, an nn.Linear(n_embd, vocab): its init
+        self.wte = nnx.Embed(config.vocab_size, config.n_embd, promote_dtype=_gathered_table, rngs=rngs,
+                             embedding_init=torch_linear_init(config.n_embd) if speedrun else normal(0.02))
+        # speedrun: no position embedding, rotary acts in attention
+        self.wpe = None if speedrun else nnx.Embed(config.block_size, config.n_embd, embedding_init=normal(0.02),
+                                                   promote_dtype=_gathered_table, rngs=rngs)
         blocks = [Block(config, rngs) for _ in range(config.n_layer)]  # the same draws, scanned or not
         self.h = stack_blocks(blocks) if config.scan_layers else nnx.List(blocks)
         self.ln_f = layer_norm(config, rngs)
@@ -252,7 +277,7 @@ class GPT(nnx.Module):
         with scan_layers), then ln_f's output."""
         B, T = idx.shape
         check_tokens(idx, self.config)
-        x = self.wte(idx) + self.wpe(jnp.arange(T))  # (B, T, C), float32
+        x = self.embed(idx, jnp.arange(T))  # (B, T, C), float32
         keys = jax.random.split(key, self.config.n_layer + 1) if key is not None else [None] * (self.config.n_layer + 1)
         x = dropout(x, self.config.dropout, keys[0])
         if self.config.scan_layers:  # one block compiled, whatever the depth
@@ -269,6 +294,11 @@ class GPT(nnx.Module):
             x = block(x, k) if self.config.remat == "none" else run_block(block, x, k, REMAT[self.config.remat])
             states.append(x)
         return states, self.ln_f(x)
+
+    def embed(self, idx, positions):
+        """Token ids (B, T) at positions (T,) -> the residual stream's input (B, T, C), float32."""
+        x = self.wte(idx)
+        return x if self.wpe is None else x + self.wpe(positions)
 
     def logits(self, x):
         """(..., C) -> (..., vocab) float32, through the tied wte (bf16 matmul, float32 accumulation)."""
@@ -316,7 +346,7 @@ class GPT(nnx.Module):
         T = idx.shape[1]
         # positions past block_size only occur in the padding rows of a prefill chunk: clamp them (an
         # out-of-range take would give NaNs, and NaN * 0 attention weight is still NaN)
-        x = self.wte(idx) + self.wpe(jnp.minimum(pos + jnp.arange(T), self.config.block_size - 1))  # (B, T, C)
+        x = self.embed(idx, jnp.minimum(pos + jnp.arange(T), self.config.block_size - 1))  # (B, T, C)
         if self.config.scan_layers:
             graphdef, stacked = nnx.split(self.h)
 
@@ -348,15 +378,16 @@ class GPT(nnx.Module):
         """Parameter count. As nanoGPT, non_embedding subtracts the position embeddings only: the token
         embeddings are also the lm_head weights, so they stay counted."""
         n = sum(p.size for p in jax.tree.leaves(nnx.state(self, nnx.Param)))
-        return n - self.wpe.embedding.size if non_embedding else n
+        return n - self.wpe.embedding.size if non_embedding and self.wpe is not None else n
 
     def crop_block_size(self, block_size):
         """Shrink the context length, e.g. to finetune GPT-2 (1024) with a shorter block_size."""
         if block_size > self.config.block_size:
             raise ValueError(f"cannot grow block_size from {self.config.block_size} to {block_size}")
         self.config = GPTConfig(**{**asdict(self.config), "block_size": block_size})
-        self.wpe.embedding = nnx.Param(self.wpe.embedding[:block_size])
-        self.wpe.num_embeddings = block_size
+        if self.wpe is not None:  # speedrun's rotary serves any length
+            self.wpe.embedding = nnx.Param(self.wpe.embedding[:block_size])
+            self.wpe.num_embeddings = block_size
 
     def flops_per_token(self):
         """Training FLOPs (forward and backward) per token at full context (flops_per_token below)."""
@@ -364,13 +395,14 @@ class GPT(nnx.Module):
         return flops_per_token(self.num_params(), c.n_layer, c.n_head, c.n_embd, c.block_size)
 
     @classmethod
-    def from_pretrained(cls, name_or_path, mesh=None, **settings):
+    def from_pretrained(cls, name_or_path, mesh=None, n_head=None, **settings):
         """GPT-2 weights from the HF hub by name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; the local HF
-        cache is used when present), a local HF directory (as `save_pretrained` writes it) or a nanoGPT
-        ckpt.pt (the file or its out_dir). No torch, except for a .pt or a pytorch_model.bin (weights.py). With a
+        cache is used when present), a local HF directory (as `save_pretrained` writes it), a nanoGPT
+        ckpt.pt (the file or its out_dir) or a modded-nanogpt state_step*.pt (arch='speedrun'; n_head: see
+        pretrained.read_modded). No torch, except for a .pt or a pytorch_model.bin (pretrained.py). With a
         `mesh`, each tensor goes straight into its shards (sharding.PARAM_SPECS).
         settings: GPTConfig's run choices (RUNTIME_FIELDS: dtype, dropout, attention, remat, loss_chunk)."""
-        return load_pretrained(name_or_path, mesh=mesh, **settings)[0]
+        return load_pretrained(name_or_path, mesh=mesh, n_head=n_head, **settings)[0]
 
     def save_pretrained(self, out_dir):
         """Write an HF GPT-2 directory (config.json + model.safetensors) that
@@ -385,11 +417,12 @@ def model_from(config: GPTConfig, state, mesh=None):
     return model
 
 
-def load_pretrained(name_or_path, mesh=None, **settings):
-    """(GPT, training config or None) from a GPT-2 hub name, an HF directory, or a nanoGPT ckpt.pt (a file or
-    a nanoGPT out_dir): the config carries a nanoGPT run's dataset, for its meta.pkl. settings: GPTConfig's
-    run choices (RUNTIME_FIELDS)."""
-    config_args, state, train_config = weights.read_pretrained(name_or_path)
+def load_pretrained(name_or_path, mesh=None, n_head=None, **settings):
+    """(GPT, training config or None) from a GPT-2 hub name, an HF directory, a nanoGPT ckpt.pt (a file or
+    a nanoGPT out_dir) or a modded-nanogpt state_step*.pt: the config carries a nanoGPT run's dataset, for its
+    meta.pkl. n_head: a state_step*.pt's (pretrained.read_modded). settings: GPTConfig's run choices
+    (RUNTIME_FIELDS)."""
+    config_args, state, train_config = pretrained.read_pretrained(name_or_path, n_head=n_head)
     return model_from(replace(GPTConfig(**config_args), **settings), state, mesh), train_config
 
 def check_tokens(idx, config: GPTConfig):
@@ -405,33 +438,6 @@ def check_tokens(idx, config: GPTConfig):
         lo, hi = int(values.min()), int(values.max())
         if lo < 0 or hi >= config.vocab_size:
             raise ValueError(f"token ids must be in [0, {config.vocab_size}), got min {lo}, max {hi}")
-
-
-def tied_head(x, embedding, dtype):
-    """(..., C) -> (..., vocab) float32 logits through the token embedding (vocab, C): a matmul in the compute
-    dtype with float32 accumulation; under a mesh, the embedding split by vocabulary over 'tensor'."""
-    head = sharding.constrain(embedding.astype(dtype), sharding.VOCAB)
-    return jnp.einsum("...c,vc->...v", x.astype(dtype), head, preferred_element_type=jnp.float32)
-
-
-def cross_entropy_terms(logits, targets):
-    """(sum of the cross-entropies, their number) in float32 over the targets that are not -1 (nanoGPT's
-    ignore_index)."""
-    logits = logits.astype(jnp.float32)
-    valid = targets != -1
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, jnp.where(valid, targets, 0)[..., None], axis=-1)[..., 0]
-    return jnp.sum(jnp.where(valid, logz - target_logit, 0.0)), jnp.sum(valid)
-
-
-def mean_of(total, count):
-    """cross_entropy_terms -> their mean (0 when every target is ignored)."""
-    return total / jnp.maximum(count, 1)
-
-
-def cross_entropy(logits, targets):
-    """Mean cross-entropy in float32 over the targets that are not -1 (nanoGPT's ignore_index)."""
-    return mean_of(*cross_entropy_terms(logits, targets))
 
 
 def flops_per_token(n_params, n_layer, n_head, n_embd, block_size):

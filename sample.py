@@ -6,6 +6,7 @@ Sample from a trained model: nanoGPT's sample.py, decoding all samples together 
         --num_samples=5 --max_new_tokens=100
     python sample.py --init_from=DIR --start=FILE:prompt.txt --temperature=0     # an HF GPT-2 directory, greedy
     python sample.py --init_from=../nanoGPT/out-shakespeare-char                  # a nanoGPT run's ckpt.pt
+    python sample.py --init_from=logs/RUN_ID/state_step005100.pt                  # a modded-nanogpt record 5 file
     python sample.py --init_from=gpt2 --num_samples=1 --stream                    # tokens printed as they come
 
 Settings as nanoGPT: an optional config file, then --key=value (configurator.py); --stream is --stream=True.
@@ -26,8 +27,9 @@ from generate import check_sampling
 from model import resolve_dtype
 
 defaults = dict(
-    init_from="resume",  # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory, or
-    # a nanoGPT ckpt.pt (or its out_dir; a character-level run decodes with its dataset's meta.pkl)
+    init_from="resume",  # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory,
+    # a nanoGPT ckpt.pt (or its out_dir; a character-level run decodes with its dataset's meta.pkl), or a
+    # modded-nanogpt state_step*.pt (record 5's GPT: arch='speedrun')
     out_dir="out",  # ignored unless init_from is 'resume'
     start="\n",  # or "<|endoftext|>" or etc. Can also specify a file, use as: "FILE:prompt.txt"
     num_samples=10,  # number of samples to draw, decoded together as one batch

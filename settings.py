@@ -33,11 +33,13 @@ DEFAULTS = dict(
     # data
     dataset="openwebtext",  # a folder under data/, or a path
     shuffle_shards=False,  # .npy shard datasets: visit the shards in a seeded order each epoch
+    val_tokens=0,  # val loss over this many tokens from the val split's start (modded-nanogpt); 0: eval_iters batches
     gradient_accumulation_steps=5 * 8,  # total micro-batches per step, over all devices
     total_batch_size=0,  # tokens per step; when > 0, gradient_accumulation_steps is derived from it
     batch_size=12,  # micro-batch size per batch shard (a device, or a group of tensor_parallel devices)
     block_size=1024,
     # model
+    arch="gpt2",  # 'gpt2' | 'speedrun': modded-nanogpt's record 5 (rotary, QK-norm, RMSNorm, ReLU^2; needs bias=False)
     n_layer=12,
     n_head=12,
     n_embd=768,
@@ -46,17 +48,24 @@ DEFAULTS = dict(
     bias=False,  # do we use bias inside LayerNorm and Linear layers?
     gelu="tanh",  # 'tanh': GPT-2's GELU | 'exact': nanoGPT's (erf; what export.py --format=nanogpt needs)
     # adamw optimizer
-    learning_rate=6e-4,  # max learning rate
+    optimizer="adamw",  # 'adamw' | 'muon': Muon on the blocks' matrices, AdamW on the rest (record 5; arch='speedrun')
+    learning_rate=6e-4,  # max learning rate (AdamW's; with optimizer='muon', the embedding's)
     max_iters=600000,  # total number of training iterations
     weight_decay=1e-1,
     beta1=0.9,
     beta2=0.95,
     grad_clip=1.0,  # clip gradients at this value, or disable if == 0.0
+    # muon optimizer (optimizer='muon')
+    muon_learning_rate=0.0,  # Muon's max learning rate, > 0 with optimizer='muon' (record 5: 0.1 x learning_rate)
+    muon_momentum=0.95,  # Muon's SGD momentum, Nesterov
+    muon_ns_dtype="bfloat16",  # Newton-Schulz's dtype: 'bfloat16' (the record's) | 'float32' (parity checks)
     # learning rate decay settings
     decay_lr=True,  # whether to decay the learning rate
+    lr_schedule="cosine",  # 'cosine': nanoGPT's, to min_lr at lr_decay_iters | 'trapezoid': modded-nanogpt's (below)
     warmup_iters=2000,  # how many steps to warm up for
     lr_decay_iters=600000,  # should be ~= max_iters per Chinchilla
     min_lr=6e-5,  # minimum learning rate, should be ~= learning_rate/10 per Chinchilla
+    warmdown_iters=0,  # trapezoid: warmup, constant, then linearly to 0 over the last warmdown_iters iterations
     # parallelism: the mesh is (data, fsdp, tensor), data = devices / (fsdp * tensor_parallel)
     fsdp=1,  # split params, grads and optimizer state over this many devices (the batch too)
     tensor_parallel=1,  # split each layer's heads and MLP units over this many devices (same rows)
@@ -74,7 +83,10 @@ DEFAULTS = dict(
 POSITIVE = ("batch_size", "block_size", "n_layer", "n_head", "n_embd", "gradient_accumulation_steps", "eval_iters",
             "eval_interval", "log_interval", "keep_checkpoints")
 NOT_NEGATIVE = ("max_iters", "total_batch_size", "vocab_size", "checkpoint_interval", "hellaswag_interval",
-                "warmup_iters", "lr_decay_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip")
+                "warmup_iters", "lr_decay_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip",
+                "muon_learning_rate", "warmdown_iters", "val_tokens")
+OPTIMIZERS = ("adamw", "muon")
+LR_SCHEDULES = ("cosine", "trapezoid")
 
 
 def validate(c):
@@ -87,15 +99,16 @@ def validate(c):
             raise UsageError(f"{key} must be >= 0{' (0: off)' if key.endswith('_interval') else ''}, got {c[key]}")
     if not 0.0 <= c["dropout"] < 1.0:
         raise UsageError(f"dropout must be in [0, 1), got {c['dropout']}")
-    for key in ("beta1", "beta2"):
+    for key in ("beta1", "beta2", "muon_momentum"):
         if not 0.0 <= c[key] < 1.0:
             raise UsageError(f"{key} must be in [0, 1), got {c[key]}")
     resolve_dtype(c["dtype"], "cpu")
     resolve_scan_layers(c["scan_layers"], "cpu")
-    try:  # the model's own checks: n_embd % n_head, gelu, attention, remat, loss_chunk
-        GPTConfig(**{k: c[k] for k in ("n_head", "n_embd", "gelu", "attention", "remat", "loss_chunk")})
+    try:  # the model's own checks: arch (and its bias), n_embd % n_head, gelu, attention, remat, loss_chunk
+        GPTConfig(**{k: c[k] for k in ("arch", "bias", "n_head", "n_embd", "gelu", "attention", "remat", "loss_chunk")})
     except ValueError as e:
         raise UsageError(str(e)) from None
+    check_optimizer(c)
     profile_range(c["profile"])
     if not 0 <= c["seed"] < 2**32:
         raise UsageError(f"seed must be in [0, 2**32), got {c['seed']}")
@@ -107,6 +120,33 @@ def validate(c):
     if os.path.isfile(c["dataset"]):
         raise UsageError(f"--dataset={c['dataset']} is a file: give the folder holding train.bin and val.bin "
                          "(or the .npy shards), or a name under data/")
+
+
+def check_optimizer(c):
+    """The optimizer's and the schedule's settings."""
+    if c["optimizer"] not in OPTIMIZERS:
+        raise UsageError(f"optimizer must be 'adamw' or 'muon', got {c['optimizer']!r}")
+    if c["lr_schedule"] not in LR_SCHEDULES:
+        raise UsageError(f"lr_schedule must be 'cosine' or 'trapezoid', got {c['lr_schedule']!r}")
+    if c["muon_ns_dtype"] not in ("bfloat16", "float32"):
+        raise UsageError(f"muon_ns_dtype must be 'bfloat16' or 'float32', got {c['muon_ns_dtype']!r}")
+    if c["lr_schedule"] == "trapezoid" and c["decay_lr"]:
+        if c["warmdown_iters"] > c["max_iters"]:
+            raise UsageError(f"warmdown_iters={c['warmdown_iters']} exceeds max_iters={c['max_iters']}: the "
+                             "trapezoid's warmdown is the last warmdown_iters iterations; lower --warmdown_iters")
+        if c["warmup_iters"] + c["warmdown_iters"] > c["max_iters"]:
+            raise UsageError(f"warmup_iters={c['warmup_iters']} + warmdown_iters={c['warmdown_iters']} exceed "
+                             f"max_iters={c['max_iters']}: the trapezoid's ramps overlap; lower one of them")
+    if c["optimizer"] != "muon":
+        return
+    if c["arch"] == "gpt2":
+        raise UsageError("optimizer='muon' steps the blocks' matrices only, and GPT-2's blocks also hold biases and "
+                         "LayerNorm weights: use it with --arch=speedrun (or --optimizer=adamw)")
+    if c["muon_learning_rate"] <= 0:
+        raise UsageError("optimizer='muon' needs --muon_learning_rate > 0 (record 5: 0.1 x learning_rate, 0.00036)")
+    if c["lr_schedule"] == "cosine" and c["learning_rate"] <= 0:
+        raise UsageError("optimizer='muon' with lr_schedule='cosine' scales Muon's rate as learning_rate's "
+                         "(muon_learning_rate x get_lr / learning_rate): learning_rate must be > 0")
 
 
 def profile_range(profile):
@@ -135,7 +175,8 @@ def resolve_scan_layers(scan_layers, platform):
 def fixed_by_checkpoint(c, model_args):
     """On resume the checkpoint fixes the model's shape: the settings that asked otherwise, which now follow it."""
     ignored = {}
-    for key in ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "gelu"):
+    model_args = {"arch": "gpt2", **model_args}  # a checkpoint from before arch: GPT-2
+    for key in ("arch", "n_layer", "n_head", "n_embd", "vocab_size", "bias", "gelu"):
         if c[key] != model_args[key] and not (key == "vocab_size" and c[key] == 0):
             ignored[key] = c[key]
         c[key] = model_args[key]

@@ -31,10 +31,10 @@ import hellaswag
 import runlog
 import sharding
 import watchdog
-import weights
 from configurator import InputNotFound, RunStopped, UsageError, configure, exit_on_bad_input, exit_on_interrupt
-from dataloader import Prefetcher, data_dir_for, data_meta, make_loader
+from dataloader import Prefetcher, data_dir_for, data_meta, make_loader, val_batches_for
 from model import RUNTIME_FIELDS, GPTConfig, resolve_dtype
+from pretrained import read_pretrained
 from settings import DEFAULTS, accumulation_steps, fixed_by_checkpoint, profile_range, resolve_scan_layers, validate
 from tokenizer import vocab_file
 from train_step import (all_finite, compile_step, first_nonfinite, get_lr, init_state, make_eval_step, make_optimizer,
@@ -72,6 +72,9 @@ class Trainer:
         self.accum = accumulation_steps(c, shards)  # micro-batches per step on each batch shard
         self.rows = c["batch_size"] * shards  # global micro-batch
         self.tokens_per_iter = self.accum * self.rows * c["block_size"]
+        # val batches per eval: the record's fixed val_tokens from the val shards' start, else eval_iters
+        self.eval_batches = {"train": c["eval_iters"],
+                             "val": val_batches_for(c["val_tokens"], self.rows, c["block_size"]) or c["eval_iters"]}
 
         # the model's shape, from the settings, the checkpoint's meta (read once) or the weights' files
         self.data_dir = data_dir_for(c["dataset"])
@@ -84,7 +87,8 @@ class Trainer:
             if not c["vocab_size"] and data_vocab_size:
                 print(f"found vocab_size = {vocab_size} (inside {vocab_file(self.data_dir)})")
             model_config = GPTConfig(block_size=c["block_size"], vocab_size=vocab_size or 50304, n_layer=c["n_layer"],
-                                     n_head=c["n_head"], n_embd=c["n_embd"], bias=c["bias"], gelu=c["gelu"], **runtime)
+                                     n_head=c["n_head"], n_embd=c["n_embd"], bias=c["bias"], gelu=c["gelu"],
+                                     arch=c["arch"], **runtime)
         elif c["init_from"] == "resume":  # the run's one checkpoint manager, opened where there are checkpoints
             if os.path.isdir(checkpoint.ckpt_dir(c["out_dir"])):
                 self.mngr = checkpoint.manager(c["out_dir"], c["keep_checkpoints"])
@@ -98,7 +102,7 @@ class Trainer:
             self.iter_num, self.best_val_loss = meta["iter_num"], meta["best_val_loss"]
             self.last_saved = self.iter_num
         else:  # pretrained: read lazily, cropped to block_size once placed
-            config_args, pretrained, _ = weights.read_pretrained(c["init_from"])
+            config_args, pretrained, _ = read_pretrained(c["init_from"], n_head=c["n_head"])  # a record's .pt
             model_config = replace(GPTConfig(**config_args), **runtime)
         if c["block_size"] > model_config.block_size:
             raise UsageError(f"block_size={c['block_size']} exceeds the model's {model_config.block_size}")
@@ -202,13 +206,14 @@ class Trainer:
         return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
     def estimate_loss(self):
-        """Mean loss over eval_iters batches per split, each batch split over all devices."""
+        """Mean loss over eval_iters batches per split (val: val_tokens' worth, where set), each batch split over
+        all devices."""
         rows = sharding.batch_sharding(self.mesh, ndim=2)
         out = {}
         for split, loader in self.loaders.items():
             with jax.set_mesh(self.mesh):  # the model's sharding constraints apply when the eval step is traced
                 losses = [self.eval_step(self._param_leaves, self._put(x, rows), self._put(y, rows))
-                          for x, y in loader.eval_batches(self.c["eval_iters"], self.iter_num)]
+                          for x, y in loader.eval_batches(self.eval_batches[split], self.iter_num)]
             out[split] = float(jnp.mean(jnp.stack(losses)))
         return out
 
@@ -266,8 +271,11 @@ class Trainer:
                        f"shard)\ntokens per iteration will be: {self.tokens_per_iter:,}")
         if c["attention"] == "splash" and sharding.platform_of(mesh) != "tpu":
             self.out.print("attention='splash' off a TPU: the same kernel in Pallas interpret mode (slow: for tests)")
-        self.out.print(f"number of parameters: {nnx.merge(self.graphdef, self.params).num_params() / 1e6:.2f}M; "
-                       f"dtype {c['dtype']}\nmesh: data {mesh.shape['data']} x fsdp {mesh.shape['fsdp']} x tensor "
+        optimizer = (f"Muon (lr {c['muon_learning_rate']:g}) on the blocks' matrices, Adam (lr {c['learning_rate']:g})"
+                     " on the rest" if c["optimizer"] == "muon" else f"AdamW (lr {c['learning_rate']:g})")
+        self.out.print(f"number of parameters: {nnx.merge(self.graphdef, self.params).num_params() / 1e6:.2f}M "
+                       f"(arch {self.model_config.arch}); dtype {c['dtype']}; {optimizer}, {c['lr_schedule']} "
+                       f"schedule\nmesh: data {mesh.shape['data']} x fsdp {mesh.shape['fsdp']} x tensor "
                        f"{mesh.shape['tensor']}; memory per device: state {self.state_bytes / 2**30:.2f} GiB, "
                        f"step peak {self.step_peak_bytes / 2**30:.2f} GiB")
         self.out.start_wandb(c)

@@ -5,10 +5,10 @@ only: readers return GPTConfig's arguments and tensors, writers take a model; mo
 - HF GPT-2 directories (config.json + model.safetensors, or a sharded index), read and written with
   safetensors' numpy API: no torch. By hub name they come through huggingface_hub (its cache, HF_HOME,
   HF_HUB_OFFLINE). Only a directory holding nothing but pytorch_model.bin needs torch.
-- nanoGPT's ckpt.pt (torch.save of {'model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss',
-  'config'}): torch is needed to read or write it, imported only then.
+- nanoGPT's ckpt.pt and modded-nanogpt's state_step*.pt: pretrained.py, on this file's table.
 
-Readers return a lazy {HF name: array} mapping: a tensor is read from disk when load_state_dict places it.
+Readers return a lazy {HF name: array} mapping: a tensor is read from disk when load_state_dict places it. An
+arch='speedrun' model's names are GPT-2's for the params it has (its fused c_attn too), in HF's (in, out) layout.
 """
 
 import json
@@ -48,17 +48,18 @@ TIED_KEY = "lm_head.weight"  # == transformer.wte.weight, in HF's and nanoGPT's 
 HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 # causal-mask buffers, not weights: HF's, and nanoGPT's attn.bias when torch has no flash attention
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
-COMPILED_PREFIX = "_orig_mod."  # torch.compile'd models save their state dict under it
 # HF activation_function -> GPTConfig.gelu. GPT-2's "gelu_new" is the tanh approximation; "gelu" is exact (erf)
 HF_GELU = {"gelu_new": "tanh", "gelu": "exact"}
-NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")  # its model_args
+# the params of arch='speedrun' (record 5): no position embedding, no LayerNorms, no biases
+SPEEDRUN_PARAMS = ("wte.embedding", "attn.c_attn.kernel", "attn.c_proj.kernel", "mlp.c_fc.kernel",
+                   "mlp.c_proj.kernel")
 
 
-def weight_map(n_layer, bias=True):
+def weight_map(n_layer, bias=True, arch="gpt2"):
     """[(HF name, our path, nn.Linear weight?)] for a model with n_layer blocks."""
     rows = []
     for hf, ours, linear in WEIGHT_MAP:
-        if not bias and hf.endswith(".bias"):
+        if (not bias and hf.endswith(".bias")) or (arch == "speedrun" and not ours.endswith(SPEEDRUN_PARAMS)):
             continue
         for i in range(n_layer) if "{i}" in hf else [None]:
             rows.append((hf.format(i=i), ours.format(i=i), linear))
@@ -87,7 +88,8 @@ def state_dict(model, zero_biases=False):
         var, layer = _slot(model, ours)
         return np.asarray(var[...] if layer is None else var[layer])
 
-    state = {hf: read(ours) for hf, ours, _ in weight_map(model.config.n_layer, model.config.bias)}
+    c = model.config
+    state = {hf: read(ours) for hf, ours, _ in weight_map(c.n_layer, c.bias, c.arch)}
     if zero_biases and not model.config.bias:
         for hf, _, _ in weight_map(model.config.n_layer):
             if hf not in state:  # a bias is as long as its weight's last axis (HF's layout: out)
@@ -99,11 +101,13 @@ def load_state_dict(model, state, mesh=None):
     """Copy {HF name: array} (HF's layout) into the model in place; key sets and shapes must match exactly.
     The one function that puts arrays into a model: each value is read from `state` here, once. With a mesh,
     each is split by its spec as it is placed (each device receives only its shard)."""
-    rows = weight_map(model.config.n_layer, model.config.bias)
+    c = model.config
+    rows = weight_map(c.n_layer, c.bias, c.arch)
     expected = {hf for hf, _, _ in rows}
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
-        raise UsageError(f"GPT-2 weights do not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise UsageError(f"the weights do not match the {c.arch} model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
     layers = {}  # scan_layers: {stacked path: its rows in layer order}, each set once all are read
     for hf, ours, _ in rows:
         var, layer = _slot(model, ours)
@@ -151,7 +155,7 @@ def _hf_name(name):
     return name if name.startswith("transformer.") or name == TIED_KEY else "transformer." + name
 
 
-def _untied(state, where):
+def untied(state, where):
     """state without lm_head.weight, which must be wte.weight."""
     if TIED_KEY not in state:
         return state
@@ -176,8 +180,8 @@ def hf_directory(name_or_path):
                                 "model.safetensors (as written by save_pretrained)")
         return name_or_path
     if name_or_path not in HF_NAMES:
-        raise UsageError(f"unknown model {name_or_path!r}: use one of {', '.join(HF_NAMES)}, an HF directory "
-                         "or a nanoGPT ckpt.pt")
+        raise UsageError(f"unknown model {name_or_path!r}: use one of {', '.join(HF_NAMES)}, an HF directory, "
+                         "a nanoGPT ckpt.pt or a modded-nanogpt state_step*.pt")
     from huggingface_hub import snapshot_download
 
     try:
@@ -211,7 +215,7 @@ def read_hf_weights(path):
 
         state = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
         state = {_hf_name(k): v.float().numpy() for k, v in state.items() if not k.endswith(MASK_BUFFERS)}
-        return _untied(state, path)
+        return untied(state, path)
     from safetensors import safe_open
 
     handles = {shard: safe_open(file, framework="numpy") for shard, file in files.items()}
@@ -222,7 +226,7 @@ def read_hf_weights(path):
         handle, stored = where[name]
         return handle.get_tensor(stored)
 
-    return _untied(LazyState(where, read), path)
+    return untied(LazyState(where, read), path)
 
 
 def config_from_hf(hf: dict):
@@ -257,92 +261,25 @@ def hf_config_for(config):
             "dtype": "float32"}
 
 
+def check_gpt2(model, fmt):
+    """`fmt` (GPT-2's formats: hf, nanogpt) can hold the model: a one-line UsageError for arch='speedrun'."""
+    if model.config.arch != "gpt2":
+        raise UsageError(f"this model is arch={model.config.arch!r} (modded-nanogpt's record 5), which {fmt}'s "
+                         "GPT-2 cannot compute: export it with --format=modded")
+
+
 def save_hf(model, out_dir):
     """An HF GPT-2 directory (config.json + model.safetensors) that GPT2LMHeadModel.from_pretrained loads;
     a bias=False model gets zero biases (HF's GPT-2 always has them: the same function)."""
     from safetensors.numpy import save_file
 
+    check_gpt2(model, "hf")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config_for(model.config), f, indent=2)
     # lm_head.weight is left out, as transformers' save_pretrained leaves out a tied weight
     save_file(state_dict(model, zero_biases=True), os.path.join(out_dir, "model.safetensors"),
               metadata={"format": "pt"})
-
-
-# ---------------------------------------------------------------------------------------------------
-# nanoGPT's ckpt.pt
-
-NANOGPT_CKPT = "ckpt.pt"
-
-
-def nanogpt_checkpoint(init_from):
-    """The ckpt.pt that `init_from` names (the file, or a nanoGPT out_dir holding one), else None."""
-    if os.path.isfile(init_from) and init_from.endswith(".pt"):
-        return init_from
-    path = os.path.join(init_from, NANOGPT_CKPT)
-    return path if os.path.isdir(init_from) and os.path.isfile(path) else None
-
-
-def read_nanogpt(path):
-    """nanoGPT's ckpt.pt -> (GPTConfig's arguments: its model_args with the exact GELU, {HF name: array} in HF's
-    layout, lazily transposed, its training config dict)."""
-    import torch
-
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        args, model_state = ckpt["model_args"], ckpt["model"]
-    except Exception as e:  # torch raises many kinds for a file that is not a checkpoint
-        raise UsageError(f"{path} is not a nanoGPT checkpoint ({type(e).__name__}: {str(e)[:200]})") from e
-    # nanoGPT's GPT computes F.gelu, the exact erf GELU
-    config = {**{k: args[k] for k in NANOGPT_ARGS if k != "dropout"}, "gelu": "exact"}
-    model_state = {k.removeprefix(COMPILED_PREFIX): v for k, v in model_state.items()}
-    linear = linear_names(config["n_layer"], config["bias"])
-    names = [k for k in model_state if not k.endswith(MASK_BUFFERS)]
-
-    def read(name):  # (out, in) nn.Linear weights -> (in, out)
-        value = model_state[name].float().numpy()
-        return value.T if name in linear else value
-
-    return config, _untied(LazyState(names, read), path), ckpt.get("config") or {}
-
-
-def linear_names(n_layer, bias):
-    """The HF names of the weights nanoGPT holds as torch nn.Linear, (out, in): transposed to and from it."""
-    return {hf for hf, _, is_linear in weight_map(n_layer, bias) if is_linear}
-
-
-def save_nanogpt(model, path, iter_num=0, best_val_loss=None, config=None):
-    """A ckpt.pt that nanoGPT's model.py and sample.py load: its key names, nn.Linear layout, lm_head.weight,
-    model_args; `config` (the training settings, with `dataset`: its sample.py finds meta.pkl through it).
-    No optimizer state: an export holds the weights."""
-    import torch
-
-    c = model.config
-    if c.gelu != "exact":
-        raise UsageError("nanoGPT's model computes the exact GELU and this model uses GPT-2's tanh one: export it "
-                         "with --format=hf, or train with --gelu=exact")
-    linear = linear_names(c.n_layer, c.bias)
-    state = {k: torch.from_numpy(np.array(v.T if k in linear else v, order="C"))
-             for k, v in state_dict(model).items()}
-    state[TIED_KEY] = state["transformer.wte.weight"]  # tied: nanoGPT's state dict has both names, one tensor
-    model_args = {k: getattr(c, k) for k in NANOGPT_ARGS}
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save({"model": state, "optimizer": None, "model_args": model_args, "iter_num": iter_num,
-                "best_val_loss": best_val_loss, "config": dict(config or {})}, path)
-
-
-# ---------------------------------------------------------------------------------------------------
-
-def read_pretrained(name_or_path):
-    """(GPTConfig's arguments, {HF name: array}, training config or None) from a GPT-2 hub name, an HF directory,
-    or a nanoGPT ckpt.pt (a file or a nanoGPT out_dir): the config carries a nanoGPT run's dataset, for its
-    meta.pkl."""
-    ckpt = nanogpt_checkpoint(name_or_path)
-    if ckpt is not None:
-        return read_nanogpt(ckpt)
-    path = hf_directory(name_or_path)
-    return config_from_hf(read_hf_config(path)), read_hf_weights(path), None
 
 
 def load_hf_model(name_or_path):

@@ -20,7 +20,8 @@ import sharding
 from checkpoint import use_compilation_cache
 from configurator import UsageError, exit_on_bad_input
 from parity.common import pin_numerics, print_table, verdict
-from weights import load_hf_model, nanogpt_checkpoint
+from pretrained import nanogpt_checkpoint
+from weights import load_hf_model
 
 LOSS_RTOL = 1e-5  # each ending's summed and mean loss, relative to the reference's; predictions must be identical
 

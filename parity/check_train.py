@@ -95,10 +95,10 @@ class JaxTrainer:
         import sharding
         import train_step
         from model import RUNTIME_FIELDS, GPTConfig
-        from weights import read_pretrained
+        from pretrained import read_pretrained
 
         c = dict(run.c, dtype=dtype)
-        config_args, state, _ = read_pretrained(run.model_dir)
+        config_args, state, _ = read_pretrained(run.model_dir, n_head=c["n_head"])  # a .pt of the record's: its heads
         config = GPTConfig(**config_args, **{k: c[k] for k in RUNTIME_FIELDS})
         mesh = sharding.make_mesh(run.fsdp, run.tensor_parallel, jax.devices()[:run.devices])
         sharding.check_model_fits_mesh(config, mesh)
@@ -416,8 +416,9 @@ def parse_args(argv=None):
     return args
 
 
-def rerun_with_fake_devices(argv, devices, have):
-    """This check again in a fresh python with `devices` fake CPU devices (XLA reads the flag when jax starts)."""
+def rerun_with_fake_devices(argv, devices, have, module="parity.check_train"):
+    """This check (`module`) again in a fresh python with `devices` fake CPU devices (XLA reads the flag when jax
+    starts)."""
     if os.environ.get("CHECK_TRAIN_FAKE_DEVICES"):
         raise UsageError(f"--devices {devices}: only {have} device(s), even with fake CPU devices")
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
@@ -425,7 +426,7 @@ def rerun_with_fake_devices(argv, devices, have):
            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     print(f"--devices {devices} with {have} device(s) here: running on {devices} fake CPU devices", flush=True)
-    return subprocess.run([sys.executable, "-m", "parity.check_train", *argv], env=env).returncode
+    return subprocess.run([sys.executable, "-m", module, *argv], env=env).returncode
 
 
 def main(argv=None):

@@ -24,7 +24,8 @@ from helpers import assert_close, settings, tiny_config
 from layers import relayout_blocks
 from model import GPT
 from parity.common import save_random_hf_model
-from weights import read_nanogpt, state_dict
+from pretrained import read_nanogpt
+from weights import state_dict
 from settings import DEFAULTS, validate
 
 

@@ -59,10 +59,11 @@ def abstract_model(config, mesh):
     return graphdef, sharding.abstract(params, sharding.shardings_for(params, mesh))
 
 
-def compile_train_step(config, mesh):
-    """(compiled step, state bytes per device, params, opt_state, batch) of train.py's step, 2 rows per batch shard."""
+def compile_train_step(config, mesh, settings=DEFAULTS):
+    """(compiled step, state bytes per device, params, opt_state, batch) of train.py's step, 2 rows per batch shard,
+    with the optimizer of train.py's `settings`."""
     graphdef, params = abstract_model(config, mesh)
-    tx = train_step.make_optimizer(dict(DEFAULTS))
+    tx = train_step.make_optimizer(dict(settings))
     opt_state = jax.eval_shape(tx.init, params)
     opt_state = sharding.abstract(opt_state, sharding.shardings_for(opt_state, mesh))
     batch = jax.ShapeDtypeStruct((1, 2 * sharding.batch_shards(mesh), T), jnp.int32,
@@ -131,6 +132,18 @@ def test_generate_compiles_for_a_tpu(variant):
     """sample.py's generation (generate.generate_in_jit: the prompt prefilled into the KV cache, then sampled token by
     token, top_k) compiled for the same mesh, its weights split as the train step's."""
     assert_tpu_program(compile_generate(tiny_config(block_size=T, **VARIANTS[variant]), tpu_mesh()))
+
+
+def test_speedrun_step_compiles_for_a_tpu():
+    """The speedrun recipe's step (arch='speedrun': rotary, QK-norm, RMSNorm, ReLU²; Muon on the blocks' matrices,
+    its Newton-Schulz run whole on every chip) compiled for fsdp 2 x tensor 2 on v5e:2x2, in bf16, splash attention
+    taking the rotated, normed q and k."""
+    config = tiny_config(block_size=T, arch="speedrun", bias=False, dtype="bfloat16", scan_layers=True)
+    settings = dict(DEFAULTS, arch="speedrun", optimizer="muon", muon_learning_rate=0.01, lr_schedule="trapezoid",
+                    warmdown_iters=10, max_iters=100)
+    compiled = compile_train_step(config, tpu_mesh(), settings)[0]
+    assert_tpu_program(compiled)
+    assert "tpu_custom_call" in compiled.as_text()
 
 
 # one topology of every generation (sharding.TPUS), its device_kind, and whether its compiler takes splash in bf16
