@@ -25,7 +25,7 @@ import numpy as np
 
 from configurator import UsageError, exit_on_bad_input
 from parity.check_train import JaxTrainer, Run, check_rows, report, rerun_with_fake_devices, train_side
-from parity.common import pin_numerics, print_table
+from parity.common import add_step_args, pin_numerics, print_table
 
 TINY = dict(vocab_size=128, n_layer=2, n_head=2, n_embd=64)
 # the record's optimizer settings at a learning rate that moves a tiny model far in a dozen steps
@@ -154,16 +154,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=TINY_RUN["steps"], help="steps (max_iters: the warmdown ends there)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--accum", type=int, default=1, help="micro-batches per step: the step's rows split K ways")
-    p.add_argument("--devices", type=int, default=None, help="devices of our mesh (default fsdp x tensor_parallel)")
-    p.add_argument("--fsdp", type=int, default=1, help="our mesh's fsdp axis")
-    p.add_argument("--tensor_parallel", type=int, default=1, help="our mesh's tensor axis")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="the reference's init and the shards")
-    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "splash"], help="ours (train.py's)")
-    p.add_argument("--remat", default="none", choices=["none", "block", "dots", "qkv_proj"], help="ours (train.py's)")
-    p.add_argument("--loss-chunk", type=int, default=0, help="ours: positions per loss chunk, 0 = none (train.py's)")
-    p.add_argument("--scan_layers", action="store_true", help="ours: the blocks under one lax.scan (train.py's)")
+    add_step_args(p)
     args = p.parse_args(argv)
     args.devices = args.devices or args.fsdp * args.tensor_parallel
     if args.steps <= TINY_RUN["warmdown_iters"] or min(args.accum, args.devices, args.fsdp, args.tensor_parallel) < 1:

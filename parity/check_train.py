@@ -31,7 +31,7 @@ import numpy as np
 
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
 from dataloader import data_dir_for, data_meta, make_loader
-from parity.common import HF_SIZES, max_abs, pin_numerics, print_table, random_hf_model, verdict
+from parity.common import HF_SIZES, add_step_args, max_abs, pin_numerics, print_table, random_hf_model, verdict
 
 # jax, and our modules on it (model, settings, sharding, train_step, weights), are imported where they are used:
 # bad arguments fail before jax loads, in a fraction of a second (parse_args)
@@ -376,19 +376,12 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--model", default="tiny", help="tiny | gpt2 | gpt2-medium | ... (random weights) | HF directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--accum", type=int, default=1, help="micro-batches per step: the step's rows split K ways")
-    p.add_argument("--devices", type=int, default=None, help="devices of our mesh (default fsdp x tensor_parallel)")
-    p.add_argument("--fsdp", type=int, default=1, help="our mesh's fsdp axis: params and Adam state split K ways")
-    p.add_argument("--tensor_parallel", type=int, default=1, help="our mesh's tensor axis (Megatron)")
     p.add_argument("--config", default=None,
                    help="golden run: config/train_<name>.py (e.g. shakespeare_char) or a config file, on its data")
     p.add_argument("--batch-size", type=int, default=None, help="rows per step, over all micro-batches and devices")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="random weights and data (not --config's)")
-    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "splash"], help="ours (train.py's)")
-    p.add_argument("--remat", default="none", choices=["none", "block", "dots", "qkv_proj"], help="ours (train.py's)")
-    p.add_argument("--loss-chunk", type=int, default=0, help="ours: positions per loss chunk, 0 = none (train.py's)")
-    p.add_argument("--scan_layers", action="store_true", help="ours: the blocks under one lax.scan (train.py's)")
+    add_step_args(p)
     args = p.parse_args(argv)
     # bad input fails here, before anything heavy is imported or written
     args.devices = args.devices or args.fsdp * args.tensor_parallel

@@ -70,3 +70,16 @@ def verdict(ok, what):
 
 def max_abs(a, b):
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def add_step_args(parser):
+    """The options check_train and check_speedrun share for our side: how a step's rows split (micro-batches, the
+    mesh's devices and axes) and train.py's compute settings, under train.py's names."""
+    parser.add_argument("--accum", type=int, default=1, help="micro-batches per step: the step's rows split K ways")
+    parser.add_argument("--devices", type=int, default=None, help="our mesh's devices (default fsdp x tensor_parallel)")
+    parser.add_argument("--fsdp", type=int, default=1, help="our mesh's fsdp axis: params and optimizer state split")
+    parser.add_argument("--tensor_parallel", type=int, default=1, help="our mesh's tensor axis (Megatron)")
+    parser.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "splash"], help="train.py's")
+    parser.add_argument("--remat", default="none", choices=["none", "block", "dots", "qkv_proj"], help="train.py's")
+    parser.add_argument("--loss-chunk", type=int, default=0, help="positions per loss chunk, 0 = none (train.py's)")
+    parser.add_argument("--scan_layers", action="store_true", help="the blocks under one lax.scan (train.py's)")
