@@ -205,10 +205,18 @@ def test_profile_writes_a_trace_of_the_steps_asked_for(dataset, tmp_path, capsys
     assert "perfetto_trace.json.gz" in files and any(f.endswith(".xplane.pb") for f in files)
 
 
-def test_exact_resume_bit_for_bit(dataset, tmp_path):
+# the trapezoid's warmdown ends at max_iters, which the test's first run shortens: a warmup only, which a step count
+# restored wrong would run again
+SPEEDRUN_RECIPE = ["--arch=speedrun", "--bias=False", "--optimizer=muon", "--muon_learning_rate=0.02",
+                   "--lr_schedule=trapezoid", "--warmup_iters=2", "--warmdown_iters=0", "--grad_clip=0.0"]
+
+
+@pytest.mark.parametrize("recipe", [[], SPEEDRUN_RECIPE], ids=["gpt2", "speedrun"])
+def test_exact_resume_bit_for_bit(recipe, dataset, tmp_path):
     """The prefetching loader has read two batches past the stop; the checkpoint holds the position after the last
-    batch a step took, so the resumed run sees the same batches as the uninterrupted one."""
-    extra = ["--dropout=0.1", "--eval_interval=3", "--always_save_checkpoint=True"]
+    batch a step took, so the resumed run sees the same batches as the uninterrupted one. The speedrun recipe's too:
+    Muon's momentum and the trapezoid's step count come back with the checkpoint."""
+    extra = ["--dropout=0.1", "--eval_interval=3", "--always_save_checkpoint=True", *recipe]
     straight = run(dataset, tmp_path / "a", "--max_iters=6", *extra)
     run(dataset, tmp_path / "b", "--max_iters=3", *extra)
     resumed = run(dataset, tmp_path / "b", "--max_iters=6", "--init_from=resume", *extra)
