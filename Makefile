@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test test-all shakespeare clean
+.PHONY: venv test test-all test-gpu-compile shakespeare clean
 
 $(BIN)/activate: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,17 @@ test: $(VENV)/.test-requirements
 test-all: $(VENV)/.test-requirements
 	$(BIN)/python -m pytest -q -n auto -m ""
 
+# NVIDIA GPU programs compiled without a GPU (tests/test_gpu.py, marked gpu_compile): JAX's CUDA plugin (6 GB) in a venv
+# of its own, since with the plugin installed every `import jax` of the default suite would look for a GPU
+VENV_GPU := .venv-gpu
+$(VENV_GPU)/.requirements: requirements.txt requirements-test.txt requirements-gpu.txt
+	$(PYTHON) -m venv $(VENV_GPU)
+	$(VENV_GPU)/bin/pip install -q -r requirements-test.txt -r requirements-gpu.txt
+	touch $@
+
+test-gpu-compile: $(VENV_GPU)/.requirements
+	$(VENV_GPU)/bin/python -m pytest -q -n auto -m gpu_compile tests/test_gpu.py
+
 # the bundled default: nanoGPT's CPU Shakespeare run (char-level baby GPT, 2000 iters), then samples. Each time it
 # starts over: the last run's checkpoints and log are moved to out-shakespeare-char/previous-<time>/ (--start_over)
 shakespeare: venv
@@ -34,4 +45,4 @@ shakespeare: venv
 	$(BIN)/python sample.py --out_dir=out-shakespeare-char --num_samples=3 --max_new_tokens=300
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VENV_GPU) .pytest_cache

@@ -10,6 +10,7 @@ Training with dropout > 0 takes explicit_attention instead: the probabilities ma
 """
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +33,10 @@ SPLASH_FLOAT32_ONLY = ("TPU v2", "TPU v3")
 
 
 def cuda_capability(device):
-    """(major, minor) compute capability of an NVIDIA GPU; None for any other device."""
-    if device.platform not in ("gpu", "cuda") or "cuda" not in device.client.platform_version.lower():
-        return None
-    return tuple(int(v) for v in device.compute_capability.split("."))
+    """(major, minor) compute capability of an NVIDIA GPU, attached or compiled for without one (sharding.gpu_devices:
+    its client says only 'PJRT C API'); None for any other device (a CPU, a TPU, ROCm's 'gfx90a')."""
+    m = re.fullmatch(r"(\d+)\.(\d+)", getattr(device, "compute_capability", ""))
+    return (int(m[1]), int(m[2])) if m and device.platform in ("gpu", "cuda") else None
 
 
 def _cudnn_reason(dtype, head_size, capability):

@@ -10,6 +10,7 @@ process, so peak memory is that run's alone.
     python bench_train.py --memory --preset gpt2 --batch_size=64 --dtype=bfloat16   # config/train_gpt2.py's remat
     python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 --remat=none
     python bench_train.py --memory --topology=v5e:2x4 --preset gpt2 --batch_size=16 --dtype=bfloat16   # a v5e-8 VM
+    python bench_train.py --memory --gpu=h100 --preset gpt2 --batch_size=64 --dtype=bfloat16   # an H100, here
 
 Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's peak is known,
 peak memory (the device's on GPU/TPU, the process's peak RSS on CPU) and, for ours, the compiled step's scratch
@@ -17,8 +18,9 @@ memory (XLA's memory analysis); then ours with gradient accumulation 8 vs 1 (mem
 micro-batches). --full-run times whole runs instead, in pairs (--repeats): train.py with the main command's settings,
 then nanoGPT's training loop (nanogpt_run) on the same data: the wall time and final val loss of each, and the
 median ratio. --memory prints `memory per device: state, step peak` of one step on a mesh, as train.py does at
-start-up, compiled only (bench_memory). With --topology (v3:2x2, v5e:2x4, v4:2x2x1, tpu7x:2x2x1...) libtpu's
-compiler (requirements-test.txt) compiles it here for that TPU: its memory, compile time, and whether it fits.
+start-up, compiled only (bench_memory). With --topology (v3:2x2, v5e:2x4, tpu7x:2x2x1...) libtpu's compiler
+(requirements-test.txt) compiles it here for that TPU, with --gpu (h100, a100-40...) and --gpus XLA:GPU
+(requirements-gpu.txt) for a node of those GPUs: its memory, compile time, and whether it fits.
 """
 
 import argparse
@@ -122,14 +124,15 @@ def bench_memory(s):
     """The memory per device of a train step on a mesh, from abstract state: train_step.init_state traced only
     (jax.eval_shape), XLA compiles the step for ShapeDtypeStructs, nothing is materialized, so a laptop can size a
     pod's run. With a topology, libtpu's compiler compiles it for that TPU; a step that does not fit its HBM comes
-    back as the compiler's refusal."""
+    back as the compiler's refusal. With a GPU, XLA:GPU compiles it for that GPU's spec (sharding.GPUS)."""
     import jax
 
     import sharding
     import train_step
 
-    if s["topology"]:
-        devices = sharding.topology_devices(s["topology"])[:s["devices"]]
+    if s["topology"] or s["gpu"]:  # compile-only devices
+        devices = (sharding.topology_devices(s["topology"]) if s["topology"] else
+                   sharding.gpu_devices(s["gpu"], s["devices"]))[:s["devices"]]
     elif jax.device_count() < s["devices"]:
         return {"too_few_devices": jax.device_count()}
     else:
@@ -176,18 +179,19 @@ def memory(args):
     compute, source = compute_settings(args)
     s = dict(PRESETS[args.preset], batch_size=args.batch_size or PRESETS[args.preset]["batch_size"], dtype=args.dtype,
              devices=args.devices or 1, fsdp=args.fsdp, tensor_parallel=args.tensor_parallel, **compute,
-             attention=args.attention, topology=args.topology)
-    if args.topology:
+             attention=args.attention, topology=args.topology, gpu=args.gpu)
+    if args.topology or args.gpu:
         import attention
         import sharding
 
-        devices = sharding.topology_devices(args.topology)  # a bad name: one line here, before any worker
-        attention.check_run(model_config(s, "tpu"), devices[0])  # e.g. splash in bf16 on a v3: one line, too
+        devices = (sharding.topology_devices(args.topology) if args.topology  # a bad name: one line, before any worker
+                   else sharding.gpu_devices(args.gpu, args.gpus))
+        attention.check_run(model_config(s, devices[0].platform), devices[0])  # e.g. splash in bf16 on a v3: one line
         n = len(devices)
         if (args.devices or n) > n:
-            raise UsageError(f"--devices={args.devices}: the topology {args.topology} has {n}")
+            raise UsageError(f"--devices={args.devices}: the target {args.topology or args.gpu} has {n}")
         s["devices"] = args.devices or n
-        # the host's backend is not the program's; JAX's compilation cache cannot load a topology's executables
+        # the host's backend is not the program's; JAX's compilation cache cannot load a compile-only client's programs
         r = run_worker("memory", s, {"JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "false"})
     else:
         env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={s['devices']}"}
@@ -195,7 +199,7 @@ def memory(args):
         if "too_few_devices" in r:  # e.g. one GPU asked for 8 devices: XLA:CPU's analysis on fake CPU devices
             r = run_worker("memory", s, dict(env, JAX_PLATFORMS="cpu"))
     m = r["mesh"]
-    where = f" of {args.topology} ({r['device_kind']})" if args.topology else ""
+    where = f" of {args.topology or args.gpu} ({r['device_kind']})" if args.topology or args.gpu else ""
     print(f"{args.preset}, batch {s['batch_size']} x {s['block_size']} per batch shard, {s['dtype']}, "
           f"{s['devices']} {r['backend']} device(s){where}, mesh data {m['data']} x fsdp {m['fsdp']} x tensor "
           f"{m['tensor']}, remat {s['remat']}, loss_chunk {s['loss_chunk']}, scan_layers {r['scan_layers']}{source}, "
@@ -207,11 +211,14 @@ def memory(args):
               f"(the TPU compiler's figure)")
         return 0
     print(f"memory per device: state {r['state'] / 2**30:.2f} GiB, step peak {r['peak'] / 2**30:.2f} GiB")
-    if not args.topology:
+    if args.topology or args.gpu:  # the TPU compiler refuses a step that does not fit (above), XLA:GPU compiles any
+        fits = (f"fits, step peak {r['peak'] / r['hbm']:.0%} of it" if r["peak"] <= r["hbm"] else
+                f"does not fit, by {(r['peak'] - r['hbm']) / 2**30:.2f} GiB")
+        what = "HBM" if args.topology else f"memory {sharding.GPUS[args.gpu].memory / 2**30:.2f} GiB, for JAX"
+        print(f"{r['device_kind']} {what} {r['hbm'] / 2**30:.2f} GiB per device: {fits} (compiled by "
+              f"{'libtpu' if args.topology else 'XLA:GPU'} for {args.topology or args.gpu} in {r['compile_s']:.1f} s)")
+    else:
         print(f"compiled by XLA:{r['backend'].upper()} in {r['compile_s']:.1f} s")
-    else:  # the TPU compiler refuses a program that does not fit (above)
-        print(f"{r['device_kind']} HBM {r['hbm'] / 2**30:.2f} GiB per device: fits, step peak "
-              f"{r['peak'] / r['hbm']:.0%} of it (compiled by libtpu for {args.topology} in {r['compile_s']:.1f} s)")
     return 0
 
 
@@ -393,6 +400,8 @@ def main():
     p.add_argument("--tensor_parallel", type=int, default=1, help="--memory: the mesh's tensor axis")
     p.add_argument("--topology", help="--memory: compile for this TPU (e.g. v3:2x2, v5e:2x4, tpu7x:2x2x1) with "
                    "libtpu, here")
+    p.add_argument("--gpu", help="--memory: compile for this NVIDIA GPU (a100-40, a100-80, h100, h200, b200), here")
+    p.add_argument("--gpus", type=int, default=1, help="--gpu: GPUs of a node (e.g. 8), or nodes of 8")
     p.add_argument("--remat", choices=list(REMAT), help="ours: train.py's remat (default: the preset's config "
                    "file's: gpt2 config/train_gpt2.py, gpt2-xl config/finetune_shakespeare.py)")
     p.add_argument("--loss_chunk", type=int, help="ours: train.py's loss_chunk (default: as --remat)")
@@ -402,12 +411,10 @@ def main():
     p.add_argument("--reference-as-on-gpu", action="store_true",
                    help="run nanoGPT's reference as on a GPU (torch.compile, fused AdamW, TF32) on any device")
     args = p.parse_args()
-    if args.topology and not args.memory:
-        raise UsageError("--topology is for --memory: a TPU step compiled here is sized, not run")
-    if args.full_run:
-        return full_run(args.repeats)
-    if args.memory:
-        return memory(args)
+    if (args.topology or args.gpu) and not args.memory:
+        raise UsageError("--topology and --gpu are for --memory: a step compiled here is sized, not run")
+    if args.full_run or args.memory:
+        return full_run(args.repeats) if args.full_run else memory(args)
 
     compute, source = compute_settings(args)
     s = dict(PRESETS[args.preset], batch_size=args.batch_size or PRESETS[args.preset]["batch_size"], dtype=args.dtype,

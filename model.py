@@ -187,8 +187,8 @@ class CausalSelfAttention(nnx.Module):
         q, k, v = self.qkv(x)  # (B, T, nh, hs)
         if key is None or self.dropout == 0.0:
             platform = sharding.target_platform()
-            # a GPU is compiled for on itself: its capability is the host's
-            capability = attention.cuda_capability(jax.devices()[0]) if platform == "gpu" else None
+            # the target's capability (the mesh's GPU), not the host's: a GPU may be compiled for without one
+            capability = attention.cuda_capability(sharding.target_device()) if platform == "gpu" else None
             kernel = attention.choose(self.attention, platform=platform, dtype=q.dtype, seq_len=T,
                                       head_size=C // self.n_head, capability=capability,
                                       device_kind=sharding.target_device_kind())

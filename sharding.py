@@ -12,6 +12,7 @@ fsdp 1 and tensor 1 is plain data parallelism: each device a full replica.
 import contextlib
 import ctypes
 import dataclasses
+import importlib.util
 import math
 import os
 import platform
@@ -24,6 +25,7 @@ import numpy as np
 from jax._src import hardware_utils
 from jax._src.cloud_tpu_init import get_tpu_library_path
 from jax._src.lib import xla_client
+from jax._src.mesh import get_concrete_mesh
 from jax.experimental import topologies
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -170,6 +172,13 @@ def target_platform():
     return device.platform if device is not None else jax.default_backend()
 
 
+def target_device():
+    """The first device of the program being traced: the mesh in context's (jax.set_mesh), else the default backend's.
+    A GPU compiled for here (gpu_devices) is the mesh's: its compute capability, not the host's, decides cuDNN."""
+    mesh = get_concrete_mesh()  # jax.sharding.get_mesh refuses to be called while tracing
+    return jax.devices()[0] if mesh.empty else mesh.devices.flat[0]
+
+
 def target_device_kind():
     """The device_kind ('TPU v3', 'NVIDIA H100 80GB HBM3', 'cpu') of the program being traced, as target_platform."""
     device = jax.sharding.get_abstract_mesh().abstract_device
@@ -273,15 +282,100 @@ def topology_devices(name):
 
 
 def hbm_bytes(device):
-    """A TPU device's HBM: what the device itself reports on a TPU VM, else its generation's (TPUS: a topology's
-    devices report nothing); None for other devices."""
-    if device.device_kind not in GENERATIONS:
+    """A TPU's or an NVIDIA GPU's memory a program may use: what the device itself reports on a TPU VM or a GPU
+    machine, else its table's (a compile-only device reports nothing: TPUS, or GPUS less what JAX keeps back,
+    gpu_usable); None for other devices."""
+    if device.device_kind not in GENERATIONS and device.device_kind not in GPU_NAMES:
         return None
     try:
         limit = (device.memory_stats() or {}).get("bytes_limit")
     except jax.errors.JaxRuntimeError:  # a topology's compile-only device: "only supported for addressable" devices
         limit = None
-    return limit or TPUS[GENERATIONS[device.device_kind]].hbm
+    if limit or device.device_kind in GENERATIONS:
+        return limit or TPUS[GENERATIONS[device.device_kind]].hbm
+    return gpu_usable(GPUS[GPU_NAMES[device.device_kind]].memory)
+
+
+# GPU programs without a GPU: XLA compiles for an NVIDIA GPU from a description of it (a GpuTargetConfigProto, as
+# XLA's own tools do) through JAX's CUDA plugin (requirements-gpu.txt), on any machine; nothing runs.
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    device_kind: str  # the name the GPU reports (jax's Device.device_kind)
+    capability: tuple  # CUDA compute capability (major, minor): what cuDNN's fused attention and XLA's kernels need
+    memory: int  # bytes of device memory, as the CUDA driver reports it (cudaDeviceProp.totalGlobalMem)
+    cores: int  # streaming multiprocessors
+    fpus_per_core: int  # FP32 units per SM
+    clock_ghz: float  # SM boost clock
+    bandwidth: int  # memory bandwidth, bytes/s
+    l2: int  # L2 cache bytes
+    shared_per_core: int  # shared memory per SM, bytes (a block may opt in to all but 1 KiB of it)
+
+
+# The SXM parts' figures from XLA's own GPU specs (openxla/xla, Apache-2.0: xla/backends/gpu/target_config/specs/
+# a100_sxm_40, a100_sxm_80, h100_sxm, h200, b200 .txtpb), which agree with NVIDIA's data sheets (A100: 108 SMs, 40 MB
+# L2, 1.56/2.04 TB/s; H100 SXM: 132 SMs, 3.35 TB/s; H200: 141 GB, 4.8 TB/s; B200: 148 SMs, 7.7 TB/s).
+GPUS = {
+    "a100-40": GPU("NVIDIA A100-SXM4-40GB", (8, 0), 42331013120, 108, 64, 1.41, 1555200000000, 41943040, 167936),
+    "a100-80": GPU("NVIDIA A100-SXM4-80GB", (8, 0), 85100068864, 108, 64, 1.41, 2039040000000, 41943040, 167936),
+    "h100": GPU("NVIDIA H100 80GB HBM3", (9, 0), 84942979072, 132, 128, 1.98, 3352320000000, 52428800, 233472),
+    "h200": GPU("NVIDIA H200 141GB HBM3e", (9, 0), 151397597184, 132, 128, 1.98, 4800000000000, 52428800, 233472),
+    "b200": GPU("NVIDIA B200", (10, 0), 191514411008, 148, 128, 1.965, 7672320000000, 132644864, 233472),
+}
+GPU_NAMES = {g.device_kind: name for name, g in GPUS.items()}  # device_kind: name
+# The text form of one (the fields the pinned jaxlib parses; XLA's specs carry newer ones it does not). cuDNN 9.10 and
+# CUDA 12.8 as XLA's specs say; what jax[cuda12] installs is newer (cuDNN 9.28, CUDA 12.9) and takes the same programs
+GPU_SPEC = """gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152 threads_per_core_limit: 2048
+  shared_memory_per_core: {g.shared_per_core} shared_memory_per_block_optin: {optin}
+  core_count: {g.cores} fpus_per_core: {g.fpus_per_core} clock_rate_ghz: {g.clock_ghz}
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {g.bandwidth} l2_cache_size: {g.l2} device_memory_size: {g.memory}
+  cuda_compute_capability {{ major: {g.capability[0]} minor: {g.capability[1]} }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA" dnn_version_info {{ major: 9 minor: 10 }} runtime_version {{ major: 12 minor: 8 }}
+device_description_str: "{g.device_kind}"
+"""
+
+
+def gpu_usable(memory):
+    """Of a GPU's `memory`, the bytes JAX's allocator lets a program use: XLA_PYTHON_CLIENT_MEM_FRACTION of it (JAX's
+    default 0.75), what a GPU's memory_stats() reports as bytes_limit and train.py checks the step against."""
+    return round(memory * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
+
+
+def gpu_devices(name, n=1):
+    """n compile-only devices of the GPU `name` (GPUS): one node of n GPUs (8 at most), or nodes of 8. A mesh of them
+    takes abstract inputs only, as a TPU topology's (topology_devices)."""
+    if name not in GPUS:
+        raise UsageError(f"unknown GPU {name!r}: give one of {', '.join(GPUS)}")
+    if n < 1 or (n > 8 and n % 8):
+        raise UsageError(f"--gpus={n}: give 1 to 8 (one node), or a multiple of 8 (nodes of 8)")
+    if not cuda_plugin_installed():
+        raise UsageError(f'compiling for {name} needs JAX\'s CUDA plugin: pip install "jax[cuda12]=={jax.__version__}"')
+    cuda_quiet()
+    spec = GPU_SPEC.format(g=GPUS[name], optin=GPUS[name].shared_per_core - 1024)
+    try:
+        # "1xHxG": H hosts of G GPUs (XLA's GPU topology: slices x hosts x devices per host)
+        return topologies.get_topology_desc(platform="cuda", target_config=spec,
+                                            topology=f"1x{max(1, n // 8)}x{min(n, 8)}").devices
+    except NotImplementedError:  # the plugin failed its start-up check before cuda_quiet could skip it
+        raise UsageError(f"compiling for {name}: JAX's CUDA plugin did not start in this process; run it with "
+                         "JAX_PLATFORMS=cpu") from None
+
+
+def cuda_quiet():
+    """Where JAX's CUDA plugin is installed on a machine with no NVIDIA GPU, skip the plugin's start-up check of the
+    CUDA libraries against the GPU's driver: with no driver it fails (cuInit error 303), JAX logs a traceback on every
+    start, and the plugin stays unregistered, so nothing could be compiled for a GPU. Before JAX's backends start."""
+    if cuda_plugin_installed() and not os.path.exists("/dev/nvidiactl"):
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+def cuda_plugin_installed():
+    """Whether jax[cuda12]'s plugin is installed (not imported: importing it loads the CUDA libraries)."""
+    find = importlib.util.find_spec  # of a submodule: imports its package, so that must be there
+    return find("jax_plugins") is not None and find("jax_plugins.xla_cuda12") is not None
 
 
 # the TPU compiler's refusal of a program that does not fit: "... required for HLO temporaries (16.16G) exceeds
@@ -313,7 +407,9 @@ def keep_freed_memory():
 
 def start_backend():
     """Start JAX's backends: scripts call it at the top of main (after jax.distributed.initialize). On a machine with
-    libtpu installed but no TPU, libtpu's start-up banner is kept off the terminal (libtpu_quiet)."""
+    libtpu installed but no TPU, libtpu's start-up banner is kept off the terminal (libtpu_quiet); so is the CUDA
+    plugin's failed check where jax[cuda12] is installed without a GPU (cuda_quiet)."""
+    cuda_quiet()
     with libtpu_quiet():
         jax.devices()
 
