@@ -16,6 +16,13 @@ its tokens/s is timed over its last --nocache-steps steps at the full length and
 --max_new_tokens=200 --num_samples=1 --temperature=1.0 --top_k=200` on a cold JAX compilation cache (a new,
 empty one) and on a warm one (the same command again), and a transformers process that loads DIR and calls
 generate(max_new_tokens=200, do_sample=True, top_k=200); the medians of ours / transformers.
+
+--memory compiles sample.py's generation (the prompt prefilled into the KV cache, then --new-tokens sampled with
+top-k, in one jit) for a device it need not have, as bench_train.py --memory does the train step: --gpu=NAME
+(XLA:GPU, jax[cuda12]: docs/gpu.md) or --topology=T (one chip of a TPU topology, libtpu: docs/tpu.md). It prints the
+weights' bytes, the compiled program's peak and whether it fits the device's memory:
+
+    python bench_sample.py --memory --gpu=h100 --size gpt2-xl --batch 8 --new-tokens 1000 --dtype bfloat16
 """
 
 import argparse
@@ -132,6 +139,42 @@ def startup(size, repeats):
     return 0
 
 
+def memory(args):
+    """sample.py's generate step compiled for one device of args.gpu or args.topology, from abstract weights."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import generate
+    import sharding
+    from model import GPT, GPTConfig
+
+    if args.gpu:
+        devices, compiler = sharding.gpu_devices(args.gpu), "XLA:GPU"
+    else:
+        devices, compiler = sharding.topology_devices(args.topology), "libtpu"
+    mesh = sharding.make_mesh(devices=devices[:1])
+    config = GPTConfig(**HF_SIZES[args.size], vocab_size=50257, dtype=args.dtype, scan_layers=True)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
+    params = sharding.abstract(params, sharding.shardings_for(params, mesh))
+    L = min(8 + args.new_tokens, config.block_size)  # an 8-token prompt (PROMPT's), then the samples
+    one = sharding.replicated(mesh)
+    rows, n, key = (jax.ShapeDtypeStruct(shape, dtype, sharding=one) for shape, dtype in
+                    (((args.batch[0], L), jnp.int32), ((), jnp.int32), ((), jax.random.key(0).dtype)))
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = generate.generate_in_jit.lower(nnx.merge(graphdef, params), rows, n, key,
+                                                  sampling=(1.0, 200, None, None), use_cache=True, on_token=None,
+                                                  return_logits=False).compile()
+    peak = sharding.step_peak_bytes(compiled.compiled, sharding.platform_of(mesh))
+    limit = sharding.hbm_bytes(devices[0])
+    print(f"{args.size}, batch {args.batch[0]}, {L} positions, {args.dtype}, KV cache, on {devices[0].device_kind}: "
+          f"weights {sharding.bytes_per_device(params) / 2**30:.2f} GiB, generate peak {peak / 2**30:.2f} GiB of "
+          f"{limit / 2**30:.2f} GiB: {'fits' if peak <= limit else 'does not fit'} (compiled by {compiler} in "
+          f"{time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,10 +184,18 @@ def main(argv=None):
     p.add_argument("--nocache-steps", type=int, default=1, help="steps timed on the no-cache path")
     p.add_argument("--startup", action="store_true", help="time whole processes instead (see above)")
     p.add_argument("--repeats", type=int, default=3, help="--startup: rounds")
+    p.add_argument("--memory", action="store_true", help="compile generation for --gpu or --topology (see above)")
+    p.add_argument("--gpu", help="--memory: an NVIDIA GPU of sharding.GPUS (h100, a100-40, ...)")
+    p.add_argument("--topology", help="--memory: a TPU topology (e.g. v5e:2x2): one of its chips")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="--memory's compute dtype")
     args = p.parse_args(argv)
+    if args.memory and bool(args.gpu) == bool(args.topology):
+        raise UsageError("--memory compiles for a device it need not have: give --gpu=NAME or --topology=T")
     import sharding
 
     sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is
+    if args.memory:
+        return memory(args)
     if args.startup:
         return startup(args.size, args.repeats)
     if args.new_tokens < 1 or min(args.batch) < 1 or args.nocache_steps < 1:

@@ -27,7 +27,8 @@ muon_momentum = 0.95
 muon_ns_dtype = "bfloat16"
 # memory: batch 64 x 1024 per device on a v5e chip, by the TPU compiler (bench_train.py --memory --topology=v5e:2x4
 # --preset speedrun --dtype=bfloat16): remat 'qkv_proj' 10.61 GiB, 'dots' 14.97, 'none' 40.71 (refused); the logits
-# 128 positions at a time. docs/tpu.md.
+# 128 positions at a time. docs/tpu.md. On an 80 GB GPU --remat=none fits (42.31 GiB, XLA:GPU's figure, docs/gpu.md),
+# as on the record's H100s, and recomputes nothing.
 remat = "qkv_proj"
 loss_chunk = 128
 beta1 = 0.9
@@ -41,7 +42,8 @@ max_iters = 5100
 dtype = "bfloat16"
 # memory: batch 64 x 1024 per device on a v5e chip, by the TPU compiler (bench_train.py --memory --topology=v5e:2x4
 # --preset speedrun --dtype=bfloat16): remat 'qkv_proj' 10.61 GiB, 'dots' 14.97, 'none' 40.71 (refused); the logits
-# 128 positions at a time. docs/tpu.md.
+# 128 positions at a time. docs/tpu.md. On an 80 GB GPU --remat=none fits (42.31 GiB, XLA:GPU's figure, docs/gpu.md),
+# as on the record's H100s, and recomputes nothing.
 remat = "qkv_proj"
 loss_chunk = 128
 

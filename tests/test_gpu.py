@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import attention
+import bench_sample
 import sharding
 import train_step
 from configurator import UsageError
@@ -88,3 +89,13 @@ def test_bench_memory_for_a_gpu():
     assert re.fullmatch(r"memory per device: state \d+\.\d\d GiB, step peak \d+\.\d\d GiB", lines[1]), lines[1]
     assert re.fullmatch(r"NVIDIA A100-SXM4-40GB memory 39\.42 GiB, for JAX 29\.57 GiB per device: fits, step peak "
                         r"\d+% of it \(compiled by XLA:GPU for a100-40 in [\d.]+ s\)", lines[2]), lines[2]
+
+
+def test_bench_sample_sizes_generation_for_a_gpu(capsys):
+    """bench_sample.py --memory --gpu: sample.py's generation for an H100, from abstract weights, and whether it
+    fits the memory JAX lets a program use there."""
+    assert bench_sample.main(["--memory", "--gpu=h100", "--size=gpt2", "--batch", "2", "--new-tokens", "8"]) == 0
+    assert re.fullmatch(r"gpt2, batch 2, 16 positions, bfloat16, KV cache, on NVIDIA H100 80GB HBM3: weights "
+                        r"0\.46 GiB, generate peak \d+\.\d\d GiB of 59\.33 GiB: fits \(compiled by XLA:GPU in "
+                        r"[\d.]+ s\)\n",
+                        capsys.readouterr().out)

@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 from jax._src import config as jax_config
 
+import bench_sample
 import bench_train
 import generate
 import helpers
@@ -207,6 +208,19 @@ def test_bench_memory_for_a_topology(monkeypatch, capsys):
     assert bench_train.main() == 0
     assert re.fullmatch(r"does not fit: needs ~\d+\.\d\d GiB of 15\.75 GiB HBM \(the TPU compiler's figure\)",
                         capsys.readouterr().out.splitlines()[-1])
+
+
+def test_bench_sample_sizes_generation_for_a_tpu_chip(capsys):
+    """bench_sample.py --memory: sample.py's generation (KV cache, top-k) for one chip of a topology, from abstract
+    weights; without a target, or with two, one line."""
+    args = ["--memory", "--topology=v5e:2x2", "--size=gpt2", "--batch", "2", "--new-tokens", "8"]
+    assert bench_sample.main(args) == 0
+    assert re.fullmatch(r"gpt2, batch 2, 16 positions, bfloat16, KV cache, on TPU v5 lite: weights 0\.46 GiB, generate "
+                        r"peak \d+\.\d\d GiB of 15\.75 GiB: fits \(compiled by libtpu in [\d.]+ s\)\n",
+                        capsys.readouterr().out)
+    for args in (["--memory"], ["--memory", "--gpu=h100", "--topology=v5e:2x2"]):
+        with pytest.raises(UsageError, match="^--memory compiles for a device it need not have: give --gpu"):
+            bench_sample.main(args)
 
 
 def test_tpu_out_of_memory_reads_both_refusals():
