@@ -308,9 +308,9 @@ class Trainer:
         out.start_clock(self.iter_num)
         while True:
             last_step = self.iter_num == c["max_iters"]
-            if self.iter_num % c["eval_interval"] == 0 or last_step:
+            if self.iter_num % c["eval_interval"] == 0 or last_step or c["eval_only"]:  # eval_only: at any step
                 self._log_unlogged()
-                self.evaluate(last_step)
+                self.evaluate(last_step, save=not c["eval_only"])
                 out.start_clock(self.iter_num)  # eval time is not step time
             if self.hellaswag_examples and (self.iter_num % c["hellaswag_interval"] == 0 or last_step):
                 self._log_unlogged()
@@ -348,8 +348,9 @@ class Trainer:
                       f"resume with --init_from=resume --out_dir={c['out_dir']}")
                 return
 
-    def evaluate(self, last_step):
-        """Train and val loss, logged; a checkpoint when val improved (or always_save_checkpoint, or at the end)."""
+    def evaluate(self, last_step, save=True):
+        """Train and val loss, logged; with `save`, a checkpoint when val improved (or always_save_checkpoint, or at
+        the end). eval_only never saves: it evaluates a checkpoint that is already there."""
         c = self.c
         self.check_finite()  # no eval of a diverged run
         losses = self.estimate_loss()
@@ -358,7 +359,8 @@ class Trainer:
                          "lr": float(get_lr(self.iter_num, c))})
         improved = losses["val"] < self.best_val_loss
         self.best_val_loss = min(self.best_val_loss, losses["val"])
-        if self.iter_num > 0 and (improved or c["always_save_checkpoint"] or last_step or self._interval_save_due()):
+        if save and self.iter_num > 0 and (improved or c["always_save_checkpoint"] or last_step
+                                           or self._interval_save_due()):
             self.save(val_loss=losses["val"])
 
     def _interval_save_due(self):

@@ -250,6 +250,16 @@ def test_eval_only_does_not_train(dataset, tmp_path):
     assert t.iter_num == 0 and read_log(tmp_path, "loss") == [] and len(read_log(tmp_path, "val_loss")) == 1
 
 
+def test_eval_only_evaluates_a_run_resumed_at_any_step(dataset, tmp_path):
+    """A checkpoint at step 3, eval_interval 1000: eval_only evaluates it all the same (it exited 0 without a word),
+    and writes no checkpoint over the one it reads."""
+    run(dataset, tmp_path, "--max_iters=3")
+    before = snapshot(tmp_path / "ckpt")
+    t = run(dataset, tmp_path, "--eval_only=True", "--init_from=resume")
+    assert t.iter_num == 3 and [i for i, _ in read_log(tmp_path, "val_loss")] == [0, 3, 3]
+    assert snapshot(tmp_path / "ckpt") == before
+
+
 def test_finetune_from_hf_directory(dataset, tmp_path):
     from parity.common import save_random_hf_model
 
