@@ -37,6 +37,7 @@ from checkpoint import load_bpe_model, use_compilation_cache
 from configurator import UsageError, configure, exit_on_bad_input
 from generate import generate_in_jit
 from model import resolve_dtype
+from runlog import check_results_file, write_results
 from tokenizer import EOT, GPT2_VOCAB, BPECodec
 
 defaults = dict(
@@ -292,6 +293,8 @@ def check_settings(cfg):
         raise UsageError(f"--num_fewshot must be an integer >= 0, got {cfg['num_fewshot']!r}")
     if cfg["include_path"] and not os.path.isdir(cfg["include_path"]):
         raise UsageError(f"--include_path {cfg['include_path']} is not a directory of task YAMLs")
+    if cfg["output"]:
+        check_results_file(cfg["output"], "--output")
     resolve_dtype(cfg["dtype"], "cpu")
 
 
@@ -350,8 +353,7 @@ def main(argv=None):
     if cfg["output"]:
         results["config"]["model"] = "nanogpt-jax"
         results["config"]["model_args"] = {**cfg, "step": step, "model_config": vars(model.config)}
-        with open(cfg["output"], "w") as f:
-            json.dump(results, f, indent=2, default=handle_non_serializable)
+        write_results(cfg["output"], json.dumps(results, indent=2, default=handle_non_serializable), "--output")
         print(f"wrote {cfg['output']}", file=sys.stderr)
     return 0
 

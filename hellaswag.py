@@ -36,6 +36,7 @@ import sharding
 from checkpoint import load_bpe_model, use_compilation_cache
 from configurator import InputNotFound, UsageError, exit_on_bad_input
 from model import cross_entropy_terms
+from runlog import check_results_file, write_results
 from tokenizer import GPT2_VOCAB, get_encoding
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
@@ -363,6 +364,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.batch_size < 1:
         raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.out:
+        check_results_file(args.out, "--out")
     path, raw = cli_examples(args)
     t0 = time.time()
     use_compilation_cache()
@@ -382,11 +385,10 @@ def main(argv=None):
     with precision:
         score = evaluate(model, examples, batch_size=args.batch_size, progress=True)
     dt = time.time() - t0
-    if args.out:
-        with open(args.out, "w") as f:
-            f.writelines(r.to_json() + "\n" for r in score.results)
     print(f"hellaswag: acc {score.acc:.4f} acc_norm {score.acc_norm:.4f} count {score.count} "
           f"({dt:.1f}s, {score.count / dt:.1f} examples/s)")
+    if args.out:
+        write_results(args.out, "".join(r.to_json() + "\n" for r in score.results), "--out")
     return 0
 
 

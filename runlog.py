@@ -106,6 +106,31 @@ def check_out_dir(out_dir):
         raise UsageError(f"out_dir {out_dir} cannot be written: {existing} is not writable by this user")
 
 
+def check_results_file(path, flag):
+    """A file a script writes its results to when its work is done (eval.py --output, hellaswag.py --out): checked
+    before the work starts, so that hours of evaluation never end in an unwritable path."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag}={path} is a directory: give a file's path")
+    if not os.path.isdir(directory):
+        raise UsageError(f"{flag}={path}: its directory {directory} does not exist: create it, or give another path")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}={path} cannot be written: {directory} is not writable by this user")
+
+
+def write_results(path, text, flag):
+    """`text` to `path` whole or not at all (a temporary file, then renamed over it). A write that fails all the
+    same is one line; the caller has printed the results first, so nothing is lost."""
+    tmp = f"{path}.partial"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UsageError(f"{flag}={path} could not be written ({e.strerror or e}); the results are printed "
+                         "above") from None
+
+
 def write_failed(path, error, intact=None):
     """An OSError writing the run's own files, as one line: a full disk or quota stops the run (RunStopped);
     anything else (a path the OS refuses, /proc/x) is the user's to fix (UsageError). `intact`: the last

@@ -13,6 +13,7 @@ import pytest
 
 import eval as lm_eval_py
 import export
+import runlog
 from configurator import UsageError
 from parity import check_eval
 from parity import nanogpt_reference as nanogpt
@@ -124,6 +125,16 @@ def test_bad_input_is_one_line(tiny_hf, tmp_path):
     fails("batch_size must be an integer >= 1", "--tasks=hellaswag_local", "--batch_size=0")
     fails("--tasks is required", f"--init_from={tiny_hf}")
     fails("limit", "--tasks=x", "--limit=0")
+    # a results file that could not be written is refused before anything is loaded or evaluated (issue 33)
+    fails(r"^--output=.*/no/such/r\.json: its directory .*/no/such does not exist: create it, or give another path$",
+          f"--init_from={tiny_hf}", "--tasks=hellaswag_local", f"--include_path={TASKS}",
+          f"--output={tmp_path / 'no' / 'such' / 'r.json'}")
+    fails(r"^--output=.* is a directory", "--tasks=x", f"--output={tmp_path}")
+    # and written whole: a write that fails all the same is one line, after the results were printed
+    runlog.write_results(str(tmp_path / "r.json"), "{}", "--output")
+    assert os.listdir(tmp_path) == ["r.json"]
+    with pytest.raises(UsageError, match=r"could not be written \(No such file or directory\); the results are "):
+        runlog.write_results(str(tmp_path / "gone" / "r.json"), "{}", "--output")
     fails("no checkpoint|not found", "--init_from=resume", f"--out_dir={tmp_path / 'none'}", "--tasks=hellaswag_local",
           f"--include_path={TASKS}")
     with open(tmp_path / "meta.pkl", "wb") as f:  # a nanoGPT ckpt.pt of shakespeare_char: its meta.pkl beside it

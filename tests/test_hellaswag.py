@@ -310,6 +310,13 @@ def test_cli_bad_input_is_one_line_and_exit_code_2(main, tmp_path, capsys):
         assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
 
 
+def test_out_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """hellaswag.py --out into a directory that does not exist: one line before any model is loaded (issue 33)."""
+    monkeypatch.setattr(hellaswag, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    code, err = bad_input(capsys, hellaswag.main, ["--path", str(FIXTURE), "--out", str(tmp_path / "no" / "p.jsonl")])
+    assert code == 2 and err.startswith(f"error: --out={tmp_path / 'no' / 'p.jsonl'}: its directory "), err
+
+
 def test_download_caches_and_fails_clearly_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(hellaswag, "URL", FIXTURE.as_uri() + "#{split}")  # urllib drops the #fragment
     path = hellaswag.download("val", str(tmp_path / "cache"))
