@@ -100,13 +100,13 @@ def stderr_into(file):
         os.close(saved)
 
 
-def _checked(key, value, defaults, source):
+def _checked(key, value, defaults, source, nullable=()):
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=3)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise ConfigError(f"unknown config key '{key}' in {source}{hint}")
     default = defaults[key]
-    if default is None or value is None:
+    if default is None or (value is None and key in nullable):
         return value
     if type(default) is float and type(value) is int:  # --learning_rate=1 means 1.0
         return float(value)
@@ -118,8 +118,9 @@ def _checked(key, value, defaults, source):
     return value
 
 
-def configure(defaults: dict, argv: list[str]) -> dict:
-    """defaults + config files + --key=value overrides, in argv order -> a new dict."""
+def configure(defaults: dict, argv: list[str], nullable=()) -> dict:
+    """defaults + config files + --key=value overrides, in argv order -> a new dict. None is a value only for the
+    settings whose default is None and those in `nullable` (documented: sample.py's top_k=None, all tokens)."""
     config = dict(defaults)
     for arg in argv:
         if not arg.startswith("--"):
@@ -140,7 +141,7 @@ def configure(defaults: dict, argv: list[str]) -> dict:
                 # private helpers (_x), imports and functions are not settings
                 if key.startswith("_") or callable(value) or type(value).__name__ == "module":
                     continue
-                config[key] = _checked(key, value, defaults, arg)
+                config[key] = _checked(key, value, defaults, arg, nullable)
         else:
             key, sep, raw = arg[2:].partition("=")
             if not sep:
@@ -149,5 +150,5 @@ def configure(defaults: dict, argv: list[str]) -> dict:
                 value = literal_eval(raw)
             except (ValueError, SyntaxError):
                 value = raw  # a bare string: --dataset=shakespeare_char
-            config[key] = _checked(key, value, defaults, arg)
+            config[key] = _checked(key, value, defaults, arg, nullable)
     return config

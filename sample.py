@@ -71,7 +71,7 @@ def read_start(start):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    cfg = configure(defaults, ["--stream=True" if a == "--stream" else a for a in argv])
+    cfg = configure(defaults, ["--stream=True" if a == "--stream" else a for a in argv], nullable=("top_k",))
     check_settings(cfg)
     use_compilation_cache()
     sharding.start_backend()

@@ -124,6 +124,8 @@ def test_corrupt_checkpoints_are_one_line_errors(char_run, tmp_path):
     (["--dtype=float16"], ValueError, "dtype must be 'auto', 'float32' or 'bfloat16'"),
     (["--start=FILE:no/such/prompt.txt"], FileNotFoundError, "no/such/prompt.txt"),
     (["--top_k=2.5"], ValueError, "top_k must be int"),
+    (["--num_samples=None"], ValueError, "num_samples must be int .* got NoneType None"),
+    (["--temperature=None"], ValueError, "temperature must be float .* got NoneType None"),
     (["--nonsense=1"], ValueError, "unknown config key 'nonsense'"),
 ])
 def test_bad_input_is_a_one_line_error(argv, error, message):

@@ -44,6 +44,14 @@ def test_configurator_contract(tmp_path):
         configure(defaults, ["--batch_size=big"])
     with pytest.raises(ConfigError, match="decay_lr must be bool"):
         configure(defaults, ["--decay_lr=1"])
+    # None is no value for a setting whose default is not None (issue 33): not given, nor from a config file's
+    # os.environ.get of an unset variable; unless the script documents it (nullable: sample.py's top_k)
+    with pytest.raises(ConfigError, match=r"^dataset must be str \(default 'openwebtext'\), got NoneType None in "):
+        configure(defaults, ["--dataset=None"])
+    cfg.write_text("import os\ndataset = os.environ.get('NANOGPT_JAX_NO_SUCH_VARIABLE')\n")
+    with pytest.raises(ConfigError, match="dataset must be str .* got NoneType None in .*cfg.py"):
+        configure(defaults, [str(cfg)])
+    assert configure(defaults, ["--batch_size=None"], nullable=("batch_size",))["batch_size"] is None
     with pytest.raises(ConfigError, match="config file not found: nope.py"):
         configure(defaults, ["nope.py"])
     with pytest.raises(ConfigError, match="expected --key=value"):
