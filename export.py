@@ -12,8 +12,9 @@ reads (no pickle), and nanoGPT's meta.pkl, for nanoGPT's own sample.py.
 --step: a saved step (default: the latest). --to: a directory for hf; for nanogpt a directory (ckpt.pt goes in
 it, nanoGPT's out_dir layout) or a file ending in .pt; for modded a file ending in .pt (its state dict's keys carry
 torch.compile's _orig_mod. prefix, as the record's files do). An arch='speedrun' model exports to modded only, a
-GPT-2 one to hf and nanogpt only. Bad input (no checkpoint, an unwritable target, a model
-the format cannot hold) fails with one line, exit code 2, and writes nothing.
+GPT-2 one to hf and nanogpt only. Bad input (no checkpoint, an unwritable target, a model the format cannot hold, a
+target holding an earlier export) fails with one line, exit code 2, and writes nothing. An export is whole or not at
+all: --overwrite=True replaces an earlier one at --to, every file of it removed first, never mixed with the new.
 """
 
 import os
@@ -21,7 +22,7 @@ import sys
 
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
 from runlog import nearest_existing
-from tokenizer import CharCodec, codec_for, save_vocab
+from tokenizer import VOCAB_FILES, CharCodec, codec_for, save_vocab
 
 FORMATS = ("hf", "nanogpt", "modded")
 defaults = dict(
@@ -29,6 +30,7 @@ defaults = dict(
     step=-1,  # the saved step to export; -1: the latest
     format="hf",  # 'hf' | 'nanogpt' | 'modded' (modded-nanogpt's state_step*.pt, arch='speedrun')
     to="",  # where to write (see above)
+    overwrite=False,  # replace an earlier export at --to, whole (its weights and vocabulary files first removed)
 )
 
 
@@ -42,19 +44,36 @@ def target(cfg):
     if cfg["format"] == "modded" and not to.endswith(".pt"):
         raise UsageError(f"--format=modded writes one file: --to must end in .pt (e.g. state_step000100.pt), "
                          f"got {to!r}")
-    path = to if cfg["format"] == "hf" or to.endswith(".pt") else os.path.join(to, "ckpt.pt")
-    directory = to if cfg["format"] == "hf" else os.path.dirname(path)
-    if os.path.isdir(path):
-        raise UsageError(f"cannot write to {path}: it is a directory")
+    hf = cfg["format"] == "hf"
+    path = to if hf or to.endswith(".pt") else os.path.join(to, "ckpt.pt")
+    directory = to if hf else os.path.dirname(path)
+    if not hf and os.path.isdir(path):
+        raise UsageError(f"cannot write to {path}: it is a directory; give a file's path (ending in .pt) or a "
+                         "directory that holds no ckpt.pt directory")
+    if hf and os.path.exists(to) and not os.path.isdir(to):
+        raise UsageError(f"cannot write to {to}: it is a file, and --format=hf writes a directory; give another --to")
     existing = nearest_existing(directory or ".")
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write to {to}: {existing} is not a writable directory")
-    return path
+    # an export is whole or not at all: never new weights beside an earlier export's vocabulary (or the reverse)
+    earlier = [f for f in export_files(cfg["format"], path) if os.path.lexists(f)]
+    if earlier and not cfg["overwrite"]:
+        raise UsageError(f"{to} holds an earlier export ({', '.join(os.path.basename(f) for f in earlier)}): give a "
+                         "new --to, or --overwrite=True to replace it whole")
+    return path, earlier
+
+
+def export_files(fmt, path):
+    """The files an export to `path` writes, which an earlier export there may have left: the weights (HF: the
+    config and the safetensors) and the character vocabulary beside them."""
+    directory = path if fmt == "hf" else os.path.dirname(path)
+    weights = [os.path.join(path, f) for f in ("config.json", "model.safetensors")] if fmt == "hf" else [path]
+    return weights + [os.path.join(directory, f) for f in VOCAB_FILES]
 
 
 def main(argv=None):
     cfg = configure(defaults, sys.argv[1:] if argv is None else argv)
-    path = target(cfg)
+    path, earlier = target(cfg)
     # here, once the settings are checked: jax, flax and orbax take seconds to import
     import checkpoint
     import pretrained
@@ -70,6 +89,8 @@ def main(argv=None):
         codec = None
         print(f"note: {e}")
     try:
+        for f in earlier:  # --overwrite: the earlier export goes first, whole
+            os.remove(f)
         if cfg["format"] == "hf":
             weights.save_hf(model, path)
         elif cfg["format"] == "modded":

@@ -23,8 +23,9 @@ from model import GPT, model_from
 from parity import nanogpt_reference as nanogpt
 from parity.check_logits import FP32_MAX_REL_TOL as FP32_LOGITS_TOL  # max |Δlogit| / max |logit|
 from parity.check_logits import check
-from configurator import exit_on_bad_input
+from configurator import UsageError, exit_on_bad_input
 from parity.common import random_hf_model, save_random_hf_model
+from tokenizer import save_vocab
 from weights import MASK_BUFFERS, TIED_KEY, load_hf_model, read_hf_weights, state_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,6 +162,21 @@ def test_export_hf_gives_our_logits_in_transformers_and_round_trips(tmp_path, bi
         np.testing.assert_array_equal(exported[k], v, err_msg=k)
     assert any(k.endswith(".bias") for k in exported) and (bias or not any(
         exported[k].any() for k in exported if k.endswith(".bias")))
+
+
+def test_an_export_is_whole_or_not_at_all(tmp_path, capsys):
+    """An existing, empty directory takes an HF export; one holding an earlier export (here a character vocabulary
+    a BPE model must never be decoded with) is refused in one line naming the fix, and --overwrite=True replaces the
+    earlier export whole (issue 33)."""
+    save_ours(tmp_path / "run", GPT(tiny_config(), nnx.Rngs(0)), {})
+    (tmp_path / "hf").mkdir()
+    assert export.main([f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}"]) == 0
+    save_vocab(tmp_path / "hf", ["a", "b"])  # as a character-level export into the same place would leave it
+    with pytest.raises(UsageError, match=r"hf holds an earlier export \(config\.json, model\.safetensors, meta\.json, "
+                                         r"meta\.pkl\): give a new --to, or --overwrite=True to replace it whole$"):
+        export.main([f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}"])
+    assert export.main([f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}", "--overwrite=True"]) == 0
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
 
 
 def test_export_cli_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
