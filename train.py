@@ -402,7 +402,8 @@ def setup_distributed():
 
 def main(argv=None):
     config = configure(DEFAULTS, sys.argv[1:] if argv is None else argv)
-    started = exit_on_interrupt("interrupted before the first step: nothing saved")
+    # Ctrl-C or SIGTERM (a preemption, a scheduler) before the first step: one line, exit 130 or 143, not XLA's dump
+    started = exit_on_interrupt("interrupted before the first step: nothing saved", (signal.SIGINT, signal.SIGTERM))
     # orbax logs a failed background save as a traceback from each of its threads (24 for a full disk); the
     # run reports that failure itself, in one line (checkpoint.check_saved)
     logging.getLogger("absl").addFilter(lambda record: record.levelno < logging.ERROR)
