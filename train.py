@@ -115,6 +115,10 @@ class Trainer:
         loader = partial(make_loader, self.data_dir, block_size=c["block_size"], rows=self.rows, seed=c["seed"],
                          row_slice=row_slice, shuffle_shards=c["shuffle_shards"],
                          vocab_size=self.model_config.vocab_size)
+        if data_vocab_size > self.model_config.vocab_size:  # else the first batch's ids say it, after out_dir exists
+            raise UsageError(f"{vocab_file(self.data_dir)} has {data_vocab_size} characters, more than the model's "
+                             f"vocab_size {self.model_config.vocab_size}: set --vocab_size={data_vocab_size} or more "
+                             "(or 0: the data's)")
         self.loaders = {"train": loader("train"), "val": loader("val")}  # estimate_loss's
         self.train_loader = loader("train")  # the steps' own: read ahead on a thread (run: Prefetcher)
         if meta is not None:

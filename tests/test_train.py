@@ -324,6 +324,10 @@ def test_bad_input_is_one_line_and_writes_nothing(dataset, tmp_path, capsys):
     code, err = cli(*TINY, f"--dataset={dataset}", f"--out_dir={tmp_path / 'none'}", "--init_from=resume")
     assert code == 2 and err.startswith("error: no checkpoint in") and "\n" not in err
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "none")
+    with pytest.raises(UsageError, match=r"meta\.pkl has 64 characters, more than the model's vocab_size 10: set "
+                                         r"--vocab_size=64 or more \(or 0: the data's\)$"):
+        run(dataset, tmp_path / "small", "--vocab_size=10")  # refused before out_dir, its log or ckpt/ exist
+    assert not os.path.exists(tmp_path / "small")
 
     # a corrupt checkpoint: clear error, and nothing in out_dir is touched
     out = tmp_path / "out"
