@@ -394,8 +394,13 @@ def data_meta(data_dir):
 
 
 def data_dir_for(dataset):
-    return dataset if os.path.isdir(dataset) and not os.path.isdir(os.path.join("data", dataset)) \
-        else os.path.join("data", dataset)
+    """A dataset's folder: data/<dataset> here, else the path `dataset`, else data/<dataset> of the project (a run
+    started from another directory); data/<dataset> here when none exists, for the error that follows."""
+    here = os.path.join("data", dataset)
+    for candidate in (here, dataset, os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", dataset)):
+        if os.path.isdir(candidate):
+            return candidate
+    return here
 
 
 class Prefetcher:

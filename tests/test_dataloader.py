@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import checkpoint
+import dataloader
 from configurator import RunStopped, UsageError
 from dataloader import BinLoader, Prefetcher, ShardLoader, make_loader
 from helpers import REPO, TINY, run, snapshot
@@ -335,3 +336,15 @@ def test_train_py_stops_in_one_line_when_train_bin_is_truncated_mid_run(tmp_path
     what = "changed while the run read it (now 500 tokens, was 30000)"
     assert err.strip() == f"error: {data / 'train.bin'} {what}: {FIX}"
     assert snapshot(checkpoint.ckpt_dir(out)) == saved
+
+
+def test_a_run_from_another_directory_finds_the_projects_data(tmp_path, monkeypatch):
+    """train.py --dataset=shakespeare_char started from another directory reads the project's data/shakespeare_char
+    (it said to run prepare.py); a local data/<name> or a path still comes first, and a name found nowhere is
+    data/<name>, for the error's advice (issue 33)."""
+    project = os.path.join(REPO, "data", "shakespeare_char")
+    monkeypatch.chdir(tmp_path)
+    assert dataloader.data_dir_for("shakespeare_char") == project
+    assert dataloader.data_dir_for("nowhere") == os.path.join("data", "nowhere")
+    (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)
+    assert dataloader.data_dir_for("shakespeare_char") == os.path.join("data", "shakespeare_char")
