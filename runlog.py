@@ -99,6 +99,9 @@ def check_out_dir(out_dir):
     """out_dir must be a directory, or creatable as one by this user: checked before anything is written."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UsageError(f"out_dir {out_dir} is a file: give a directory")
+    if os.path.islink(out_dir) and not os.path.exists(out_dir):  # makedirs would say only "File exists"
+        raise UsageError(f"out_dir {out_dir} is a link to {os.readlink(out_dir)}, which does not exist: create it, "
+                         "or give another --out_dir")
     existing = nearest_existing(out_dir)
     if not os.path.isdir(existing):
         raise UsageError(f"out_dir {out_dir} cannot be created: {existing} is a file")

@@ -274,3 +274,11 @@ def test_a_stop_during_the_first_compilation_is_one_line_and_exit_128_plus_the_s
     assert p.returncode == 128 + signum, stderr[-3000:]
     assert stderr == "error: interrupted before the first step: nothing saved\n", stderr[-3000:]
     assert "iter 0:" not in stdout and not os.path.exists(tmp_path / "ckpt")
+
+
+def test_a_dangling_link_as_out_dir_is_one_line_naming_its_target(tmp_path):
+    """It said "File exists" (issue 33)."""
+    os.symlink(tmp_path / "gone", tmp_path / "out")
+    with pytest.raises(UsageError, match=r"^out_dir .*/out is a link to .*/gone, which does not exist: create it, or "
+                                         r"give another --out_dir$"):
+        runlog.check_out_dir(str(tmp_path / "out"))
