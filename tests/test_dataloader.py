@@ -348,4 +348,3 @@ def test_a_run_from_another_directory_finds_the_projects_data(tmp_path, monkeypa
     assert dataloader.data_dir_for("nowhere") == os.path.join("data", "nowhere")
     (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)
     assert dataloader.data_dir_for("shakespeare_char") == os.path.join("data", "shakespeare_char")
-
