@@ -390,6 +390,13 @@ def sigint_as_sigterm(signum, frame):
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def launched_on_several_processes():
+    """Whether this process is one of several: JAX_COORDINATOR_ADDRESS set, or a TPU pod slice, SLURM, Open MPI."""
+    env = os.environ
+    return bool(env.get("JAX_COORDINATOR_ADDRESS")) or env.get("SLURM_NTASKS", "1") != "1" \
+        or env.get("OMPI_COMM_WORLD_SIZE", "1") != "1" or "," in env.get("TPU_WORKER_HOSTNAMES", "")
+
+
 def setup_distributed():
     """Several processes (hosts) -> one JAX runtime: explicit with JAX_COORDINATOR_ADDRESS,
     JAX_NUM_PROCESSES and JAX_PROCESS_ID; auto-detected on TPU pod slices, SLURM and Open MPI."""
@@ -397,8 +404,7 @@ def setup_distributed():
     if env.get("JAX_COORDINATOR_ADDRESS"):
         jax.distributed.initialize(env["JAX_COORDINATOR_ADDRESS"], int(env["JAX_NUM_PROCESSES"]),
                                    int(env["JAX_PROCESS_ID"]))
-    elif env.get("SLURM_NTASKS", "1") != "1" or env.get("OMPI_COMM_WORLD_SIZE", "1") != "1" \
-            or "," in env.get("TPU_WORKER_HOSTNAMES", ""):
+    elif launched_on_several_processes():
         jax.distributed.initialize()
     # a process killed or cut off ends the others within seconds, in one line each (JAX's own abort takes 100 s)
     watchdog.watch_processes()
@@ -406,8 +412,10 @@ def setup_distributed():
 
 def main(argv=None):
     config = configure(DEFAULTS, sys.argv[1:] if argv is None else argv)
-    # Ctrl-C or SIGTERM (a preemption, a scheduler) before the first step: one line, exit 130 or 143, not XLA's dump
-    started = exit_on_interrupt("interrupted before the first step: nothing saved", (signal.SIGINT, signal.SIGTERM))
+    # Ctrl-C or SIGTERM (a preemption, a scheduler) before the first step: one line, exit 130 or 143, not XLA's dump.
+    # With several processes JAX's preemption service owns SIGTERM (Trainer._stop_agreed): Ctrl-C only
+    signals = (signal.SIGINT,) if launched_on_several_processes() else (signal.SIGINT, signal.SIGTERM)
+    started = exit_on_interrupt("interrupted before the first step: nothing saved", signals)
     # orbax logs a failed background save as a traceback from each of its threads (24 for a full disk); the
     # run reports that failure itself, in one line (checkpoint.check_saved)
     logging.getLogger("absl").addFilter(lambda record: record.levelno < logging.ERROR)
