@@ -186,12 +186,11 @@ class CausalSelfAttention(nnx.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x)  # (B, T, nh, hs)
         if key is None or self.dropout == 0.0:
-            platform = sharding.target_platform()
-            # the target's capability (the mesh's GPU), not the host's: a GPU may be compiled for without one
-            capability = attention.cuda_capability(sharding.target_device()) if platform == "gpu" else None
-            kernel = attention.choose(self.attention, platform=platform, dtype=q.dtype, seq_len=T,
-                                      head_size=C // self.n_head, capability=capability,
-                                      device_kind=sharding.target_device_kind())
+            # the target's device (the mesh's), not the host's: a GPU or TPU may be compiled for without one
+            device = sharding.target_device()
+            kernel = attention.choose(self.attention, platform=sharding.target_platform(), dtype=q.dtype, seq_len=T,
+                                      head_size=C // self.n_head, capability=attention.cuda_capability(device),
+                                      device_kind=device.device_kind)
             y = attention.causal_attention(q, k, v, kernel)  # (B, T, nh, hs)
         else:
             y = explicit_attention(q, k, v, self.dropout, key)

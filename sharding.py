@@ -179,12 +179,6 @@ def target_device():
     return jax.devices()[0] if mesh.empty else mesh.devices.flat[0]
 
 
-def target_device_kind():
-    """The device_kind ('TPU v3', 'NVIDIA H100 80GB HBM3', 'cpu') of the program being traced, as target_platform."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    return device.device_kind if device is not None else jax.devices()[0].device_kind
-
-
 def platform_of(mesh):
     """'cpu', 'gpu' or 'tpu': the platform of a mesh's devices."""
     return mesh.abstract_mesh.abstract_device.platform
