@@ -33,20 +33,26 @@ TINY_RUN = dict(rows=16, seq_len=32, learning_rate=1e-2, muon_learning_rate=5e-3
 SHARD_TOKENS = 12_000  # per train shard: a dozen steps of 16 x 32 cross a shard end (its tail dropped)
 
 
-def write_shards(data_dir, vocab_size, n_shards=2, seed=0):
-    """llm.c .bin shards (magic 20240520, version 1, count, uint16 tokens) with something to learn: each token the
-    previous one plus 1, 2 or 3 (mod vocab). -> the shards' token arrays."""
+def write_datafile(path, tokens, magic=None, version=None, count=None):
+    """As llm.c's write_datafile: a header of 256 int32 (magic 20240520, version 1, the token count, zeros), then
+    the tokens as uint16. magic, version, count: other values, for tests of bad shards."""
     from dataloader import LLMC_HEADER, LLMC_MAGIC, LLMC_VERSION
 
+    header = np.zeros(LLMC_HEADER // 4, "<i4")
+    header[:3] = (LLMC_MAGIC if magic is None else magic, LLMC_VERSION if version is None else version,
+                  len(tokens) if count is None else count)
+    with open(path, "wb") as f:
+        f.write(header.tobytes() + np.asarray(tokens, np.uint16).tobytes())
+
+
+def write_shards(data_dir, vocab_size, n_shards=2, seed=0):
+    """llm.c .bin shards with something to learn: each token the previous one plus 1, 2 or 3 (mod vocab). -> the
+    shards' token arrays."""
     rng = np.random.default_rng(seed)
     shards = []
     for i in range(n_shards):
-        tokens = (np.cumsum(rng.integers(1, 4, SHARD_TOKENS)) % vocab_size).astype(np.uint16)
-        header = np.zeros(LLMC_HEADER // 4, np.int32)
-        header[:3] = LLMC_MAGIC, LLMC_VERSION, len(tokens)
-        with open(os.path.join(data_dir, f"tiny_train_{i:06d}.bin"), "wb") as f:
-            f.write(header.tobytes() + tokens.tobytes())
-        shards.append(tokens)
+        shards.append((np.cumsum(rng.integers(1, 4, SHARD_TOKENS)) % vocab_size).astype(np.uint16))
+        write_datafile(os.path.join(data_dir, f"tiny_train_{i:06d}.bin"), shards[-1])
     return shards
 
 

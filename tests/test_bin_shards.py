@@ -14,21 +14,13 @@ import pytest
 
 from configurator import InputNotFound, RunStopped, UsageError, exit_on_bad_input
 from dataloader import BinLoader, BinShardLoader, Prefetcher, ShardLoader, make_loader, val_batches_for
+from parity.check_speedrun import write_datafile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = "the run stopped; restore the file and resume with --init_from=resume"
 W, B, T = 2, 3, 8  # the record's processes, rows per process, sequence length: a global batch is 48 tokens (+1)
 # batches per shard: 2 (tail of 30 dropped), 1 (exactly one batch + 1 token), 4 (tail of 28 dropped); 7 in all
 TRAIN_SIZES = [126, 49, 220]
-
-
-def write_datafile(path, tokens, magic=20240520, version=1, count=None):
-    """As llm.c's write_datafile: 256 int32 (magic, version, token count, zeros), then the tokens as uint16."""
-    header = np.zeros(256, "<i4")
-    header[:3] = magic, version, len(tokens) if count is None else count
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(np.asarray(tokens, np.uint16).tobytes())
 
 
 def write_shards(folder, sizes, split="train", seed=0):
