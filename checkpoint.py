@@ -11,6 +11,7 @@ loadable.
 """
 
 import dataclasses
+import errno
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from flax import nnx
 from jax import lax
 
 import sharding as sharding_  # `sharding` is restore's argument
+import storage
 import tokenizer
 from configurator import InputNotFound, RunStopped, UsageError, stderr_into
 from layers import relayout_blocks
@@ -43,7 +45,7 @@ class CheckpointError(UsageError):
 
 
 def ckpt_dir(out_dir):
-    return os.path.join(os.path.abspath(out_dir), CKPT_SUBDIR)
+    return storage.join(storage.absolute(out_dir), CKPT_SUBDIR)
 
 
 def manager(out_dir, keep=3):
@@ -119,10 +121,23 @@ def _save_errors(mngr):
     try:
         yield
     except Exception as e:  # whatever the writer raised: ENOSPC, EDQUOT, a storage error
-        intact = max(mngr.all_steps(), default=None)
+        intact = max(mngr.all_steps(), default=None)  # orbax's record of the saves that completed: no I/O
         raise RunStopped(f"saving a checkpoint to {mngr.directory} failed ({_first_line(e)}); the run stopped. "
-                         + (f"Checkpoint {intact} is intact: free space and resume from it" if intact is not None
-                            else "No checkpoint was written")) from e
+                         + (f"Checkpoint {intact} is intact: {_fix_for(e, str(mngr.directory))} and resume from it"
+                            if intact is not None else "No checkpoint was written")) from e
+
+
+def _fix_for(error, where):
+    """What to do about a failed save, by its cause: the first OSError's errno in the chain, a storage failure."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return f"make {where} writable"
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "free space"
+        if storage.is_url(where) and (line := storage.failure_line(where, error)) is not None:
+            return "check the network" if isinstance(line, RunStopped) else "fix the bucket's access"
+        error = error.__cause__ or error.__context__
+    return "fix the cause above"
 
 
 def _first_line(e):
@@ -145,7 +160,7 @@ def all_steps(out_dir, mngr=None):
     error naming the fix."""
     path = ckpt_dir(out_dir)
     steps = []
-    if mngr is not None or os.path.isdir(path):
+    if mngr is not None or storage.isdir(path):
         with _opened(out_dir, mngr) as m:
             steps = m.all_steps()
     if not steps:
@@ -198,13 +213,13 @@ def restore(out_dir, params=None, opt_state=None, sharding=None, step=None, mngr
             log.seek(0)
             sys.stderr.write(log.read().decode(errors="replace"))
             if arrays and saved is None and jax.process_index() == 0:
-                print(f"checkpoint {os.path.join(ckpt_dir(out_dir), str(step))} carries no checksums (saved before "
+                print(f"checkpoint {storage.join(ckpt_dir(out_dir), str(step))} carries no checksums (saved before "
                       "they were kept): its arrays load unverified", file=sys.stderr)
             return {k: restored[k] for k in ("meta", *items)}
     earlier = [s for s in steps if s < step]
     fallback = (f"move it away to resume from step {max(earlier)}" if earlier
                 else "no earlier checkpoint to fall back on")
-    raise CheckpointError(f"checkpoint {os.path.join(ckpt_dir(out_dir), str(step))} did not restore ({error}); "
+    raise CheckpointError(f"checkpoint {storage.join(ckpt_dir(out_dir), str(step))} did not restore ({error}); "
                           f"{fallback}")
 
 
@@ -352,7 +367,7 @@ def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0, step=None
 
 def load_checkpoint_model(out_dir, step=None, dtype="float32", dropout=0.0):
     """(GPT, meta) of our checkpoint in out_dir: the latest, or `step`."""
-    if not os.path.isdir(ckpt_dir(out_dir)):
+    if not storage.isdir(ckpt_dir(out_dir)):
         all_steps(out_dir)  # no checkpoint: one line naming the fix
     with closing(_reader(ckpt_dir(out_dir))) as reader:  # one reader: the steps, the meta (once), the arrays
         step = all_steps(out_dir, reader)[-1] if step is None else step

@@ -19,7 +19,9 @@ all: --overwrite=True replaces an earlier one at --to, every file of it removed 
 
 import os
 import sys
+import tempfile
 
+import storage
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
 from runlog import nearest_existing
 from tokenizer import VOCAB_FILES, CharCodec, codec_for, save_vocab
@@ -45,7 +47,20 @@ def target(cfg):
         raise UsageError(f"--format=modded writes one file: --to must end in .pt (e.g. state_step000100.pt), "
                          f"got {to!r}")
     hf = cfg["format"] == "hf"
-    path = to if hf or to.endswith(".pt") else os.path.join(to, "ckpt.pt")
+    path = to if hf or to.endswith(".pt") else storage.join(to, "ckpt.pt")
+    if storage.is_url(to):  # an object store: the bucket and its access; no folders to check
+        storage.check_reachable(to, "--to")
+    else:
+        check_local_target(to, path, hf)
+    # an export is whole or not at all: never new weights beside an earlier export's vocabulary (or the reverse)
+    earlier = [f for f in export_files(cfg["format"], path) if storage.exists(f) or os.path.lexists(f)]
+    if earlier and not cfg["overwrite"]:
+        raise UsageError(f"{to} holds an earlier export ({', '.join(f.rsplit('/', 1)[-1] for f in earlier)}): give a "
+                         "new --to, or --overwrite=True to replace it whole")
+    return path, earlier
+
+
+def check_local_target(to, path, hf):
     directory = to if hf else os.path.dirname(path)
     if not hf and os.path.isdir(path):
         raise UsageError(f"cannot write to {path}: it is a directory; give a file's path (ending in .pt) or a "
@@ -55,20 +70,14 @@ def target(cfg):
     existing = nearest_existing(directory or ".")
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write to {to}: {existing} is not a writable directory")
-    # an export is whole or not at all: never new weights beside an earlier export's vocabulary (or the reverse)
-    earlier = [f for f in export_files(cfg["format"], path) if os.path.lexists(f)]
-    if earlier and not cfg["overwrite"]:
-        raise UsageError(f"{to} holds an earlier export ({', '.join(os.path.basename(f) for f in earlier)}): give a "
-                         "new --to, or --overwrite=True to replace it whole")
-    return path, earlier
 
 
 def export_files(fmt, path):
     """The files an export to `path` writes, which an earlier export there may have left: the weights (HF: the
     config and the safetensors) and the character vocabulary beside them."""
-    directory = path if fmt == "hf" else os.path.dirname(path)
-    weights = [os.path.join(path, f) for f in ("config.json", "model.safetensors")] if fmt == "hf" else [path]
-    return weights + [os.path.join(directory, f) for f in VOCAB_FILES]
+    directory = path if fmt == "hf" else storage.dirname(path)
+    weights = [storage.join(path, f) for f in ("config.json", "model.safetensors")] if fmt == "hf" else [path]
+    return weights + [storage.join(directory, f) for f in VOCAB_FILES]
 
 
 def main(argv=None):
@@ -90,15 +99,21 @@ def main(argv=None):
         print(f"note: {e}")
     try:
         for f in earlier:  # --overwrite: the earlier export goes first, whole
-            os.remove(f)
-        if cfg["format"] == "hf":
-            weights.save_hf(model, path)
-        elif cfg["format"] == "modded":
-            pretrained.save_modded(model, path, meta["iter_num"])
-        else:
-            pretrained.save_nanogpt(model, path, meta["iter_num"], meta["best_val_loss"], meta["config"])
-        if isinstance(codec, CharCodec):  # beside the weights, where sample.py (and nanoGPT's, by hand) finds it
-            save_vocab(os.path.dirname(path) if path.endswith(".pt") else path, codec.itos)
+            storage.remove(f)
+        with tempfile.TemporaryDirectory() as staging:  # an object store's export is written here, then uploaded
+            remote = storage.is_url(path)
+            local = os.path.join(staging, path.rstrip("/").rsplit("/", 1)[-1]) if remote else path
+            if cfg["format"] == "hf":
+                weights.save_hf(model, local)
+            elif cfg["format"] == "modded":
+                pretrained.save_modded(model, local, meta["iter_num"])
+            else:
+                pretrained.save_nanogpt(model, local, meta["iter_num"], meta["best_val_loss"], meta["config"])
+            if isinstance(codec, CharCodec):  # beside the weights, where sample.py (and nanoGPT's, by hand) finds it
+                save_vocab(os.path.dirname(local) if local.endswith(".pt") else local, codec.itos)
+            if remote:
+                storage.upload(local if cfg["format"] == "hf" else staging,
+                               path if cfg["format"] == "hf" else storage.dirname(path))
     except OSError as e:  # a path that looked writable and is not: under /proc, a read-only mount, a full disk
         raise UsageError(f"cannot write to {cfg['to']}: {e.strerror or e}") from None
     if cfg["format"] == "hf" and not c.bias:

@@ -8,15 +8,23 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import socket
+import threading
 import time
 
 import jax
 
+import storage
 from configurator import RunStopped, UsageError
 
 LOCK_FILE = "run.lock"
 LOG_FILE = "log.jsonl"
+SHARED_MARKER = "hosts.check"  # process 0 writes it at start; every process must read it back (check_shared)
+# On an object store the lock is an object, not an flock the OS drops with the process: its holder rewrites it every
+# LOCK_REFRESH_S, and a lock not rewritten for LOCK_STALE_S is a dead run's, which the next run takes over
+LOCK_REFRESH_S, LOCK_STALE_S = 30, 120
+LOG_FLUSH_S = 15  # log.jsonl on an object store: rewritten whole at most this often, and at every save
 
 
 class RunLog:
@@ -24,11 +32,12 @@ class RunLog:
     step's line with its time, tokens/s and MFU, and a jax.profiler trace of the iterations `profile` names."""
 
     def __init__(self, c, master, tokens_per_iter, flops_per_iter, devices, profile=None):
-        self.path, self.master = os.path.join(c["out_dir"], LOG_FILE), master
+        self.path, self.master = storage.join(c["out_dir"], LOG_FILE), master
         self.tokens_per_iter, self.flops_per_iter, self.devices = tokens_per_iter, flops_per_iter, devices
         self.intact = None  # the last checkpoint, in words, for the line of a failed write
         self.wandb = None
-        self.profile, self.profile_dir = profile or (-1, -1), os.path.join(c["out_dir"], "profile")
+        self.profile, self.profile_dir = profile or (-1, -1), storage.join(c["out_dir"], "profile")
+        self.log = (ObjectLog(self.path) if storage.is_url(self.path) else None) if master else None
         self.profiling = False
         self.mfu = None  # a running average, once past the first steps (compilation)
 
@@ -47,11 +56,16 @@ class RunLog:
         if not self.master:
             return
         try:
-            append_line(self.path, json.dumps(record))
+            self.log.append(json.dumps(record)) if self.log is not None else append_line(self.path, json.dumps(record))
         except OSError as e:
             raise write_failed(self.path, e, self.intact) from None
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+
+    def flush(self):
+        """The records so far into the log, now (at a save: a resume finds the log as far as its checkpoint)."""
+        if self.log is not None:
+            self.log.flush()
 
     def start_clock(self, it):
         """Step times count from here (after an eval: its time is not step time)."""
@@ -96,7 +110,10 @@ def nearest_existing(path):
 
 
 def check_out_dir(out_dir):
-    """out_dir must be a directory, or creatable as one by this user: checked before anything is written."""
+    """out_dir must be a directory, or creatable as one by this user: checked before anything is written. A URL:
+    credentials, the bucket and this account's access to it (storage.check_reachable)."""
+    if storage.is_url(out_dir):
+        return storage.check_reachable(out_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UsageError(f"out_dir {out_dir} is a file: give a directory")
     if os.path.islink(out_dir) and not os.path.exists(out_dir):  # makedirs would say only "File exists"
@@ -151,19 +168,47 @@ def claim_out_dir(out_dir, move_aside=()):
     `move_aside` names (a start over: the previous run's checkpoints and log) moved to out_dir/previous-<time>-<pid>/,
     never mixed with this run's; a log line cut by a crash dropped."""
     try:
-        os.makedirs(out_dir, exist_ok=True)
-        lock = lock_out_dir(out_dir)
+        storage.makedirs(out_dir)
+        lock = ObjectLock(out_dir) if storage.is_url(out_dir) else lock_out_dir(out_dir)
     except OSError as e:
         raise write_failed(e.filename or out_dir, e) from None
-    old = [p for p in move_aside if os.path.exists(os.path.join(out_dir, p))]
+    old = [p for p in move_aside if storage.exists(storage.join(out_dir, p))]
     if old:
-        aside = os.path.join(out_dir, f"previous-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-        os.makedirs(aside)
+        aside = storage.join(out_dir, f"previous-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        storage.makedirs(aside)
         for p in old:
-            os.rename(os.path.join(out_dir, p), os.path.join(aside, p))
+            storage.move(storage.join(out_dir, p), storage.join(aside, p))
         print(f"start_over: the previous run's {' and '.join(old)} moved to {aside}")
-    drop_partial_line(os.path.join(out_dir, LOG_FILE))
+    if not storage.is_url(out_dir):  # an object is never cut: it is written whole
+        drop_partial_line(os.path.join(out_dir, LOG_FILE))
     return lock
+
+
+def check_shared(out_dir, master):
+    """A run of several processes needs one out_dir that every process reads and writes (each writes its shards of
+    a checkpoint; a resume reads what process 0 wrote): process 0 writes a marker of this start, every process reads
+    it back, and if one does not (each host's own disk), every process stops with one line."""
+    from jax.experimental import multihost_utils
+
+    nonce = int(multihost_utils.broadcast_one_to_all(secrets.randbits(31)))
+    marker = storage.join(out_dir, SHARED_MARKER)
+    if master:
+        try:
+            storage.makedirs(out_dir)
+            storage.write_bytes(marker, str(nonce).encode())
+        except OSError as e:
+            raise write_failed(marker, e) from None
+    multihost_utils.sync_global_devices("out_dir marker written")
+    try:
+        seen = storage.read_bytes(marker) == str(nonce).encode()
+    except OSError:
+        seen = False
+    seen_by = multihost_utils.process_allgather(seen)
+    if not all(seen_by):
+        blind = [str(i) for i, ok in enumerate(seen_by) if not ok]
+        raise UsageError(f"out_dir {out_dir} is not shared by the run's hosts: process(es) {', '.join(blind)} do not "
+                         f"see what process 0 wrote there; give every host the same --out_dir: gs://bucket/run (Cloud "
+                         "Storage) or a shared filesystem (NFS, Filestore)")
 
 
 def lock_out_dir(out_dir):
@@ -183,6 +228,122 @@ def lock_out_dir(out_dir):
     f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     f.flush()
     return f
+
+
+class ObjectLock:
+    """lock_out_dir on an object store: out_dir/run.lock, an object created only if absent (a generation
+    precondition, so that of two runs starting at once one wins), naming its holder and rewritten every LOCK_REFRESH_S
+    while the run lives; deleted when it ends. A lock not rewritten for LOCK_STALE_S, or whose holder was a process
+    of this host that is gone (a crash, kill -9), is a dead run's: taken over by deleting exactly that generation, so
+    that of two runs taking it over one wins. A live run's lock is never taken."""
+
+    def __init__(self, out_dir):
+        self.url = storage.join(out_dir, LOCK_FILE)
+        self.fs, self.path = storage.filesystem(self.url)
+        self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "run": secrets.token_hex(8)}
+        if not self._create():
+            generation, held = self._read()
+            if held is not None and not self._dead(held):
+                raise UsageError(f"{out_dir} is in use by another run (pid {held.get('pid')} on {held.get('host')}, "
+                                 f"lock refreshed {time.time() - held.get('refreshed', 0):.0f} s ago): wait for it to "
+                                 f"end (a run that died leaves a lock taken over after {LOCK_STALE_S} s), or give "
+                                 "this one another --out_dir")
+            if generation is not None:
+                self._delete(generation)
+            if not self._create():
+                raise UsageError(f"{out_dir} was taken by another run starting at the same time: give this one "
+                                 "another --out_dir")
+        self._stop = threading.Event()
+        self._refresher = threading.Thread(target=self._refresh, daemon=True, name="out_dir lock")
+        self._refresher.start()
+
+    def _content(self):
+        return json.dumps({**self.holder, "refreshed": time.time()}).encode()
+
+    def _create(self):
+        try:
+            with storage.errors(self.url, "out_dir lock"):
+                self.fs.pipe_file(self.path, self._content(), mode="create")
+            return True
+        except FileExistsError:
+            return False
+
+    def _read(self):
+        """(generation, holder dict) of the lock object, or (None, None) once it is gone."""
+        try:
+            with storage.errors(self.url, "out_dir lock"):
+                self.fs.invalidate_cache(self.path)
+                generation = self.fs.info(self.path)["generation"]
+                held = json.loads(self.fs.cat_file(self.path))
+            return generation, held if isinstance(held, dict) else {}
+        except FileNotFoundError:
+            return None, None
+        except ValueError:  # not ours, or cut: whoever wrote it, it is no live run's refresh
+            return generation, {}
+
+    def _dead(self, held):
+        if time.time() - held.get("refreshed", 0) > LOCK_STALE_S:
+            return True
+        if held.get("host") != socket.gethostname() or not isinstance(held.get("pid"), int):
+            return False
+        try:
+            os.kill(held["pid"], 0)
+            return False
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            return False
+
+    def _delete(self, generation):
+        bucket, key = self.path.split("/", 1)
+        try:  # only that generation: a lock another run has just taken stays
+            self.fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=generation)
+        except (FileNotFoundError, OSError):
+            pass  # gone already, or taken since: the create that follows tells
+
+    def _refresh(self):
+        while not self._stop.wait(LOCK_REFRESH_S):
+            try:
+                _, held = self._read()
+                if held is not None and held.get("run") != self.holder["run"]:
+                    print(f"warning: the lock {self.url} was taken over by another run (this one did not refresh "
+                          f"it for {LOCK_STALE_S} s): stop one of them", flush=True)
+                    return
+                self.fs.pipe_file(self.path, self._content())
+            except Exception:  # a lost network: the next refresh tries again; the lock is stale only after minutes
+                pass
+
+    def close(self):
+        self._stop.set()
+        self._refresher.join()
+        generation, held = self._read()
+        if held is not None and held.get("run") == self.holder["run"]:
+            self._delete(generation)
+
+
+class ObjectLog:
+    """log.jsonl on an object store, where an object is never appended to: the log so far is held here (read back
+    at a resume) and the object rewritten whole, at most every LOG_FLUSH_S and at every save, so that it is never
+    cut, and a resume finds every record up to its checkpoint."""
+
+    def __init__(self, url):
+        self.url = url
+        try:
+            self.text = storage.read_bytes(url).decode()
+        except FileNotFoundError:
+            self.text = ""
+        self.flushed, self.dirty = time.time(), False
+
+    def append(self, line):
+        self.text += line + "\n"
+        self.dirty = True
+        if time.time() - self.flushed >= LOG_FLUSH_S:
+            self.flush()
+
+    def flush(self):
+        if self.dirty:
+            storage.write_bytes(self.url, self.text.encode())
+            self.flushed, self.dirty = time.time(), False
 
 
 def append_line(path, line):

@@ -5,6 +5,7 @@ characters (nanoGPT's meta.pkl, our meta.json), which runs nothing that a file n
 import base64
 import codecs
 import functools
+import io
 import json
 import os
 import pickle
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import tiktoken
 
+import storage
 from configurator import InputNotFound, UsageError
 
 BPE_FILE = Path(__file__).resolve().parent / "assets" / "gpt2.tiktoken"
@@ -95,14 +97,15 @@ class NoGlobals(pickle.Unpickler):
 
 
 def vocab_file(directory):
-    """The file of `directory` that holds a vocabulary of characters (VOCAB_FILES), or None."""
-    return next((p for p in (os.path.join(directory, f) for f in VOCAB_FILES) if os.path.exists(p)), None)
+    """The file of `directory` (a folder or a URL) that holds a vocabulary of characters (VOCAB_FILES), or None."""
+    return next((p for p in (storage.join(directory, f) for f in VOCAB_FILES) if storage.exists(p)), None)
 
 
 def read_vocab(path):
     """(vocab_size, characters) of a character-level vocabulary: our meta.json or nanoGPT's meta.pkl (as its
     data/shakespeare_char/prepare.py writes it), read without running anything it names and checked, so that
-    anything else is one line (UsageError) naming the file, before a model is built or a file written."""
+    anything else is one line (UsageError) naming the file, before a model is built or a file written. `path` may
+    be a URL."""
     is_json = path.endswith(".json")
 
     def bad(why):
@@ -110,10 +113,11 @@ def read_vocab(path):
                           f"{WRITTEN_BY['meta.json' if is_json else 'meta.pkl']}")
 
     try:
-        with open(path, "rb") as f:
-            meta = json.load(f) if is_json else NoGlobals(f).load()
+        data = storage.read_bytes(path)  # a local file or a URL's
     except OSError as e:
         raise UsageError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        meta = json.loads(data) if is_json else NoGlobals(io.BytesIO(data)).load()
     except RefusedGlobal as e:
         raise bad(str(e)) from None
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file: what it raises varies with its bytes
@@ -197,7 +201,7 @@ def codec_for(vocab_size, vocab=None, dataset=None, beside=None):
         return BPECodec()
     dirs = [beside] if beside else []
     if dataset:
-        dirs += [os.path.join("data", dataset), dataset]
+        dirs += [dataset] if storage.is_url(dataset) else [os.path.join("data", dataset), dataset]
     found = next(filter(None, map(vocab_file, dirs)), None)
     if found:
         codec = CharCodec.from_file(found)  # read first: a file it refuses is the one line on stderr

@@ -30,6 +30,7 @@ import checkpoint
 import hellaswag
 import runlog
 import sharding
+import storage
 import watchdog
 from configurator import InputNotFound, RunStopped, UsageError, configure, exit_on_bad_input, exit_on_interrupt
 from dataloader import Prefetcher, data_dir_for, data_meta, make_loader, val_batches_for
@@ -64,6 +65,8 @@ class Trainer:
         c = self.c = dict(config)
         self.master = jax.process_index() == 0
         self.mesh = sharding.make_mesh(c["fsdp"], c["tensor_parallel"])
+        if jax.process_count() > 1:  # before anything reads out_dir: a resume reads what process 0 wrote
+            runlog.check_shared(c["out_dir"], self.master)
         platform = sharding.platform_of(self.mesh)  # the program's, not the host's
         c["dtype"] = resolve_dtype(c["dtype"], platform)
         c["scan_layers"] = resolve_scan_layers(c["scan_layers"], platform)
@@ -90,7 +93,7 @@ class Trainer:
                                      n_head=c["n_head"], n_embd=c["n_embd"], bias=c["bias"], gelu=c["gelu"],
                                      arch=c["arch"], **runtime)
         elif c["init_from"] == "resume":  # the run's one checkpoint manager, opened where there are checkpoints
-            if os.path.isdir(checkpoint.ckpt_dir(c["out_dir"])):
+            if storage.isdir(checkpoint.ckpt_dir(c["out_dir"])):
                 self.mngr = checkpoint.manager(c["out_dir"], c["keep_checkpoints"])
             meta = checkpoint.restore(c["out_dir"], mngr=self.mngr)["meta"]
             model_config = checkpoint.model_config_from_meta(meta, **runtime)
@@ -247,6 +250,7 @@ class Trainer:
         meta["vocab"] = self.vocab  # what decodes its ids, wherever sample.py runs
         checkpoint.save(self.mngr, self.iter_num, self.params, self.opt_state, meta, val_loss)
         self.out.intact = f"checkpoint {self.iter_num} in {checkpoint.ckpt_dir(self.c['out_dir'])}"
+        self.out.flush()  # the log as far as this checkpoint (on an object store, it is rewritten now)
         self.out.print(f"saving checkpoint to {checkpoint.ckpt_dir(self.c['out_dir'])}/{self.iter_num}")
 
     def _request_stop(self, signum, frame):
@@ -263,7 +267,9 @@ class Trainer:
         """The loop, to max_iters or a stop. `started()` is called as the first step begins (train.main: Ctrl-C
         until then ends the process at once, from then on it saves)."""
         try:
-            return self._run(started)
+            self._run(started)
+            self.out.flush()
+            return self
         finally:
             if self.lock is not None:
                 self.lock.close()

@@ -103,3 +103,40 @@ def dataset(tmp_path_factory):
     with open(d / "meta.pkl", "wb") as f:  # as nanoGPT's data/shakespeare_char/prepare.py writes it
         pickle.dump({"vocab_size": 64, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}, f)
     return str(d)
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """A Cloud Storage emulator on loopback (tests/gcs_emulator.py), one per pytest worker, in memory: this process
+    and the commands the tests start reach it through the environment it sets. Yields that environment."""
+    import subprocess
+    import sys
+    import uuid
+
+    from gcs_emulator import client_env
+    from helpers import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "gcs_emulator.py"), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # its per-request noise
+    assert server.stdout.readline().strip() == "ready", "the GCS emulator did not start"
+    env = client_env(port)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    env["GCS_TEST_RUN"] = uuid.uuid4().hex[:8]
+    try:
+        yield env
+    finally:
+        server.kill()
+        server.wait()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+@pytest.fixture
+def gcs_dir(gcs, request):
+    """A folder of its own in the emulator's bucket: gs://nanogpt-test/<worker run>/<test>."""
+    from gcs_emulator import BUCKET
+
+    name = "".join(ch if ch.isalnum() else "-" for ch in request.node.name)
+    return f"gs://{BUCKET}/{gcs['GCS_TEST_RUN']}/{name}"

@@ -47,8 +47,11 @@ def run(dataset, out_dir, *extra):
 
 
 def read_log(out_dir, key):
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        return [(r["iter"], r[key]) for r in map(json.loads, f) if key in r]
+    """(iter, value) of each record with `key`, in out_dir's log.jsonl (a local path or a gs:// URL)."""
+    import storage
+
+    text = storage.read_bytes(storage.join(str(out_dir), "log.jsonl")).decode()
+    return [(r["iter"], r[key]) for r in map(json.loads, text.splitlines()) if key in r]
 
 
 def fake_devices(n):

@@ -137,13 +137,16 @@ def test_sample_and_hellaswag_load_a_checkpoint_of_any_mesh(mesh_runs, dataset):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def test_two_processes_fsdp_spanning_both_stop_at_one_step_on_sigterm_and_resume(mesh_runs, dataset, tmp_path):
+@pytest.mark.parametrize("disk", ["local", "gs"])
+def test_two_processes_fsdp_spanning_both_stop_at_one_step_on_sigterm_and_resume(mesh_runs, dataset, tmp_path, disk,
+                                                                                  request):
     """The issue's pod: 2 processes x 4 devices with fsdp 8 across both (jax.distributed on loopback), SIGTERM to
     the second only: both stop at one step, saved (meanwhile a second run on the same out_dir is refused: the lock).
     Resumed on both, nothing lost, nothing repeated: the same losses as 1 process x 8 devices with fsdp 8, and as
-    the same global batches straight through on this process's one device."""
+    the same global batches straight through on this process's one device. On local disk, and on gs:// (Cloud
+    Storage's emulator, tests/gcs_emulator.py: checkpoints, log and lock as a pod keeps them)."""
     tmp, _, _ = mesh_runs
-    out = tmp_path / "multi"
+    out = tmp_path / "multi" if disk == "local" else f"{request.getfixturevalue('gcs_dir')}/multi"
     args = [*TINY, "--n_embd=64", *mesh_args(8, 1), f"--dataset={dataset}", f"--out_dir={out}"]
 
     def start(*extra):

@@ -1,0 +1,103 @@
+"""A Cloud Storage emulator on loopback for the tests (gcp-storage-emulator, from PyPI), with what it lacks and a run
+on gs:// relies on: the generation preconditions GCS defines (ifGenerationMatch on an upload and on a delete, so that
+a lock object is created only if absent), the generation in a read's headers (tensorstore's read-modify-write), a
+thread per request, and a bucket that refuses this account (FORBIDDEN, 403) as IAM would.
+
+    python tests/gcs_emulator.py PORT [DIR]     # in memory, or kept in DIR (a restart finds it again)
+
+prints `ready` once it serves. The real clients reach it by the environment of `client_env(port)`."""
+
+import sys
+import time
+from http import HTTPStatus
+from http.server import ThreadingHTTPServer
+
+BUCKET = "nanogpt-test"  # created at start
+FORBIDDEN = "forbidden-bucket"
+
+
+def client_env(port):
+    """What points gcsfs (google's clients) and tensorstore (orbax's arrays) at the emulator, without credentials."""
+    url = f"http://127.0.0.1:{port}"
+    return {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",
+            "TENSORSTORE_GCS_HTTP_VERSION": "1"}
+
+
+def _error(response, status, message):
+    response.status = status
+    response.json({"error": {"code": status.value, "message": message, "errors": [{"message": message}]}})
+
+
+def _precondition_failed(request, storage):
+    """GCS's ifGenerationMatch: 0 means 'only if absent', a generation 'only if it is still that one'."""
+    wanted = request.query.get("ifGenerationMatch")
+    if not wanted:
+        return False
+    from gcp_storage_emulator.exceptions import NotFound
+
+    name = request.params.get("object_id") or (request.query.get("name") or [None])[0]
+    if name is None and isinstance(request.data, dict):
+        name = request.data["meta"].get("name")
+    try:
+        generation = storage.get_file_obj(request.params["bucket_name"], name)["generation"]
+    except NotFound:
+        generation = "0"
+    return str(generation) != wanted[0]
+
+
+def _guarded(handler, storage):
+    def handle(request, response, *args, **kwargs):
+        if request.params.get("bucket_name") == FORBIDDEN:
+            return _error(response, HTTPStatus.FORBIDDEN,
+                          f"emulator@test does not have storage.objects access to the bucket {FORBIDDEN}.")
+        if request.method in ("POST", "PUT", "DELETE") and _precondition_failed(request, storage):
+            return _error(response, HTTPStatus.PRECONDITION_FAILED, "At least one of the pre-conditions you "
+                          "specified did not hold.")
+        result = handler(request, response, storage, *args, **kwargs)
+        if request.method == "GET" and request.params.get("object_id") and response.status.value < 300:
+            _generation_headers(request, response, storage)
+        return result
+    return handle
+
+
+def _generation_headers(request, response, storage):
+    """GCS names an object's generation in each read's headers; tensorstore's read-modify-write of a checkpoint's
+    manifest needs it (without it: 'Malformed StorageGeneration')."""
+    from gcp_storage_emulator.exceptions import NotFound
+
+    try:
+        obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+    except NotFound:
+        return
+    response["x-goog-generation"] = str(obj["generation"])
+    response["x-goog-metageneration"] = str(obj.get("metageneration", 1))
+
+
+class _ConcurrentServer(ThreadingHTTPServer):
+    """A thread per request and a deep accept queue: tensorstore writes a checkpoint's files 32 at a time, which the
+    emulator's own server (one request at a time, a queue of 5) refuses as connection resets."""
+    request_queue_size = 256
+    daemon_threads = True
+
+
+def serve(port, directory=None):
+    import http.server
+
+    from gcp_storage_emulator import server
+
+    http.server.HTTPServer = _ConcurrentServer
+
+    emulator = server.create_server("127.0.0.1", port, in_memory=directory is None, data_dir=directory,
+                                    default_bucket=BUCKET)
+    storage = emulator._storage
+    # every route through the guard (the router calls handler(request, response, storage))
+    server.HANDLERS = tuple((regex, {m: _guarded(h, storage) for m, h in routes.items()})
+                            for regex, routes in server.HANDLERS)
+    emulator.start()
+    print("ready", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None)

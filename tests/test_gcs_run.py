@@ -1,0 +1,179 @@
+"""python -m pytest tests/test_gcs_run.py -q
+
+A run whose out_dir is on Cloud Storage (gs:// on the emulator of tests/gcs_emulator.py, on loopback): checkpoints,
+log and lock there, a kill -9 and a resume bit for bit, sample.py, export.py and hellaswag.py reading the run; a second
+run refused by the lock; a bucket missing, refused or unreachable and no credentials, each one line before anything is
+written; and hosts that share no disk, told so. Two processes resuming on gs://: tests/test_sharding.py."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import checkpoint
+import runlog
+import storage
+import train
+from configurator import UsageError
+from gcs_emulator import FORBIDDEN
+from helpers import REPO, TINY, fake_devices, free_port, one_line_error, run, settings, train_cli
+
+STEPS = ["--max_iters=8", "--checkpoint_interval=2"]
+
+
+@pytest.fixture(scope="module")
+def straight(dataset, tmp_path_factory):
+    """8 steps straight through, on local disk, in this process."""
+    out = str(tmp_path_factory.mktemp("straight"))
+    run(dataset, out, *STEPS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(dataset, gcs):
+    """The same 8 steps on gs://: killed (kill -9) once past the save of step 4, which may still be in flight,
+    then resumed. (out_dir, the resume's result)."""
+    out = f"gs://nanogpt-test/{gcs['GCS_TEST_RUN']}/killed-and-resumed"
+    args = [*TINY, f"--dataset={dataset}", f"--out_dir={out}", *STEPS]
+    killed = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in killed.stdout:
+            if line.startswith("iter 5:"):
+                break
+    finally:
+        killed.kill()
+        killed.communicate()
+    return out, train_cli([*args, "--init_from=resume"])
+
+
+def one_line(result, code):
+    """helpers.one_line_error, but for tensorstore's note that it uses the emulator's test token (tests only)."""
+    result.stderr = "".join(line for line in result.stderr.splitlines(True) if "AUTH_TOKEN_FOR_TESTING" not in line)
+    return one_line_error(result, code)
+
+
+def log_of(out_dir):
+    """iter -> the last loss logged for it (a resume logs the steps after its checkpoint again)."""
+    text = storage.read_bytes(storage.join(out_dir, runlog.LOG_FILE)).decode()
+    return {r["iter"]: r["loss"] for r in map(json.loads, text.splitlines()) if "loss" in r}
+
+
+def test_a_run_on_gs_killed_mid_run_resumes_bit_for_bit(killed_and_resumed, straight):
+    out, resumed = killed_and_resumed
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not os.path.exists(os.path.join(REPO, "gs:")), "a local folder named gs:"
+    final = checkpoint.restore(out)["meta"]
+    assert final["iter_num"] == 8
+    assert final["digests"] == checkpoint.restore(straight)["meta"]["digests"]  # every array, bit for bit
+    assert log_of(out) == log_of(straight)  # every step logged, with the straight run's loss
+    assert not storage.exists(storage.join(out, runlog.LOCK_FILE))  # released at the end
+
+
+def test_sample_export_and_hellaswag_read_a_run_on_gs(killed_and_resumed, straight, gcs_dir, tmp_path):
+    out, _ = killed_and_resumed
+
+    def script(*args):
+        result = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    sample = ["sample.py", "--start='0'", "--num_samples=2", "--max_new_tokens=12", "--seed=3"]
+    assert script(*sample, f"--out_dir={out}").split("\n", 1)[1] == \
+        script(*sample, f"--out_dir={straight}").split("\n", 1)[1]  # the same text (after the line naming the model)
+    script("export.py", f"--out_dir={out}", "--format=hf", f"--to={gcs_dir}/hf")
+    script("export.py", f"--out_dir={straight}", "--format=hf", f"--to={tmp_path / 'hf'}")
+    for name in ("config.json", "model.safetensors", "meta.json"):
+        assert storage.read_bytes(f"{gcs_dir}/hf/{name}") == (tmp_path / "hf" / name).read_bytes(), name
+    again = subprocess.run([sys.executable, "export.py", f"--out_dir={out}", "--format=hf", f"--to={gcs_dir}/hf"],
+                           cwd=REPO, capture_output=True, text=True)
+    assert "holds an earlier export" in one_line(again, 2)
+    # HellaSwag reads the run from gs:// too, and refuses its character-level vocabulary in one line
+    refused = subprocess.run([sys.executable, "hellaswag.py", "--init_from=resume", f"--out_dir={out}",
+                              "--path=tests/fixtures/hellaswag_small.jsonl"], cwd=REPO,
+                             capture_output=True, text=True)
+    assert "killed-and-resumed is a character-level model" in one_line(refused, 2)
+
+
+def write_lock(out, **holder):
+    storage.write_bytes(storage.join(out, runlog.LOCK_FILE), json.dumps({"run": "another", **holder}).encode())
+
+
+def test_the_lock_on_gs_refuses_a_live_run_and_takes_over_a_dead_ones(dataset, gcs_dir, monkeypatch):
+    out = f"{gcs_dir}/locked"
+    monkeypatch.setattr(runlog, "LOCK_REFRESH_S", 0.2)
+    first = runlog.ObjectLock(out)
+    held = json.loads(storage.read_bytes(storage.join(out, runlog.LOCK_FILE)))
+    time.sleep(1)
+    assert json.loads(storage.read_bytes(storage.join(out, runlog.LOCK_FILE)))["refreshed"] > held["refreshed"]
+    with pytest.raises(UsageError, match=r"locked is in use by another run \(pid \d+ on .*, lock refreshed 0 s ago"):
+        runlog.ObjectLock(out)
+    err = one_line_error(train_cli([*TINY, f"--dataset={dataset}", f"--out_dir={out}"]), 2)
+    assert "is in use by another run" in err and not storage.exists(storage.join(out, runlog.LOG_FILE))
+    first.close()
+    assert not storage.exists(storage.join(out, runlog.LOCK_FILE))
+
+    gone = subprocess.Popen(["true"])  # a process of this host that has ended: its lock is a killed run's
+    gone.wait()
+    write_lock(out, host=socket.gethostname(), pid=gone.pid, refreshed=time.time())
+    runlog.ObjectLock(out).close()
+    write_lock(out, host="another-host", pid=1, refreshed=time.time())  # another host's, refreshed: alive
+    with pytest.raises(UsageError, match="in use by another run"):
+        runlog.ObjectLock(out)
+    write_lock(out, host="another-host", pid=1, refreshed=time.time() - runlog.LOCK_STALE_S - 1)  # not refreshed
+    runlog.ObjectLock(out).close()
+
+
+@pytest.mark.parametrize(("bucket", "message"), [
+    ("no-such-bucket", "the bucket gs://no-such-bucket does not exist: create it"),
+    (FORBIDDEN, f"permission denied on gs://{FORBIDDEN} .*roles/storage.objectAdmin")])
+def test_a_missing_or_refused_bucket_is_one_line_before_anything(dataset, gcs, bucket, message):
+    with pytest.raises(UsageError, match=message):
+        train.Trainer(settings(dataset, f"gs://{bucket}/run"))
+
+
+def test_no_credentials_and_no_network_are_one_line(dataset, gcs):
+    args = [*TINY, f"--dataset={dataset}", "--out_dir=gs://nanogpt-test/unreached"]
+    bare = {k: v for k, v in os.environ.items() if k not in gcs}
+    no_credentials = {**bare, "GOOGLE_APPLICATION_CREDENTIALS": "/no/such/key.json", "NO_GCE_CHECK": "True"}
+    err = one_line_error(subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=no_credentials,
+                                        capture_output=True, text=True, timeout=120), 2)
+    assert "no Google Cloud credentials to reach gs://nanogpt-test" in err and "gcloud auth" in err
+    unreachable = {**os.environ, "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{free_port()}"}
+    err = one_line_error(subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=unreachable,
+                                        capture_output=True, text=True, timeout=300), 1)
+    assert "cannot reach gs://nanogpt-test" in err
+
+
+def test_hosts_that_share_no_disk_are_told_so(dataset, tmp_path):
+    """Two processes, each with a tmpfs of its own mounted at the same out_dir (its own mount namespace): each
+    host's own disk. Both stop, in one line naming out_dir and the way out."""
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -m (a mount namespace per process) is not permitted here: it needs root")
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    private = f'mount -t tmpfs tmpfs "{out}" && exec "$0" "$@"'
+
+    def process(i):
+        env = {**fake_devices(2), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+               "JAX_PROCESS_ID": str(i)}
+        return subprocess.Popen(["unshare", "-m", "sh", "-c", private, sys.executable, "train.py", *TINY,
+                                 f"--dataset={dataset}", f"--out_dir={out}"], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    procs = [process(i) for i in range(2)]
+    try:
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, results):
+        line = one_line_error(subprocess.CompletedProcess(p.args, p.returncode, "", err), 2)
+        assert f"out_dir {out} is not shared by the run's hosts: process(es) 1 do not see" in line
+        assert "gs://bucket/run" in line
+    assert os.listdir(out) == []  # the mounts went with the processes: nothing on this disk
