@@ -98,6 +98,7 @@ def save(mngr, iter_num, params, opt_state, meta, val_loss=None):
 
     meta = dict(meta, digests=digests({"params": params, "opt_state": opt_state}))
     with _save_errors(mngr):
+        _unconfirmed(mngr).add(iter_num)
         mngr.save(iter_num, force=True, metrics=None if val_loss is None else {"val_loss": float(val_loss)},
                   args=ocp.args.Composite(
                       params=ocp.args.StandardSave(params),
@@ -114,6 +115,12 @@ def check_saved(mngr):
 def wait_saved(mngr):
     with _save_errors(mngr):
         mngr.wait_until_finished()
+        _unconfirmed(mngr).clear()
+
+
+def _unconfirmed(mngr):
+    """Steps whose save started and was not yet seen to complete (orbax lists a step as soon as its save starts)."""
+    return vars(mngr).setdefault("nanogpt_unconfirmed", set())
 
 
 @contextmanager
@@ -121,19 +128,18 @@ def _save_errors(mngr):
     try:
         yield
     except Exception as e:  # whatever the writer raised: ENOSPC, EDQUOT, a storage error
-        intact = max(mngr.all_steps(), default=None)  # orbax's record of the saves that completed: no I/O
+        # orbax's record of the saves (no I/O), less those not seen to complete: the failed one among them
+        intact = max(set(mngr.all_steps()) - _unconfirmed(mngr), default=None)
         raise RunStopped(f"saving a checkpoint to {mngr.directory} failed ({_first_line(e)}); the run stopped. "
                          + (f"Checkpoint {intact} is intact: {_fix_for(e, str(mngr.directory))} and resume from it"
-                            if intact is not None else "No checkpoint was written")) from e
+                            if intact is not None else "No checkpoint was written"), writers_left=True) from e
 
 
 def _fix_for(error, where):
     """What to do about a failed save, by its cause: the first OSError's errno in the chain, a storage failure."""
     while error is not None:
-        if isinstance(error, OSError) and error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            return f"make {where} writable"
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return "free space"
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS):
+            return "free space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else f"make {where} writable"
         if storage.is_url(where) and (line := storage.failure_line(where, error)) is not None:
             return "check the network" if isinstance(line, RunStopped) else "fix the bucket's access"
         error = error.__cause__ or error.__context__

@@ -35,7 +35,13 @@ class ConfigError(UsageError):
 
 
 class RunStopped(RuntimeError):
-    """A run that stopped on purpose, for a reason one line states (it diverged, a save failed): exit 1."""
+    """A run that stopped on purpose, for a reason one line states (it diverged, a save failed): exit 1.
+    `writers_left`: threads that write may never end (a save's, retrying a storage that is gone or refuses it):
+    the process exits without waiting for them."""
+
+    def __init__(self, message, writers_left=False):
+        super().__init__(message)
+        self.writers_left = writers_left
 
 
 def exit_on_bad_input(main):
@@ -48,6 +54,9 @@ def exit_on_bad_input(main):
         # that line is the whole report: a failed orbax restore or save leaves threads and coroutines whose
         # errors would reach stderr as the process ends; stderr goes quiet then
         atexit.register(os.dup2, os.open(os.devnull, os.O_WRONLY), 2)
+        if getattr(e, "writers_left", False):  # sys.exit would wait for them: a hang no signal ends
+            sys.stdout.flush()
+            os._exit(1)
         sys.exit(2 if isinstance(e, UsageError) else 1)
 
 

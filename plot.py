@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 
+import storage
 from configurator import InputNotFound, UsageError, exit_on_bad_input
 
 
@@ -32,12 +33,11 @@ BASELINES = {
 
 def read_log(path):
     """Series {key: {iter: value}} for loss, train_loss, val_loss, hellaswag_acc_norm; plus the dataset if given."""
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         raise InputNotFound(f"no training log at {path} (train.py writes out_dir/log.jsonl)")
     series = {k: {} for k in ("loss", "train_loss", "val_loss", "hellaswag_acc_norm")}
     dataset = None
-    with open(path) as f:
-        lines = f.read().splitlines()
+    lines = storage.read_bytes(path).decode().splitlines()
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -114,13 +114,14 @@ def main(argv=None):
     p.add_argument("out_dir", help="the run's out_dir, holding log.jsonl")
     p.add_argument("--baseline", default="auto", choices=["auto", *BASELINES],
                    help="reference lines: fineweb (FineWeb-Edu val, HellaSwag), owt (OpenWebText), none")
-    p.add_argument("--out", default=None, help="PNG path (default: out_dir/loss.png)")
+    p.add_argument("--out", default=None, help="PNG path (default: out_dir/loss.png; ./loss.png for a gs:// out_dir)")
     p.add_argument("--ymax", type=float, default=None, help="top of the loss axis (default: fit the data)")
     args = p.parse_args(argv)
 
-    series, dataset = read_log(os.path.join(args.out_dir, "log.jsonl"))
+    series, dataset = read_log(storage.join(args.out_dir, "log.jsonl"))
     baseline = choose_baseline(series, dataset) if args.baseline == "auto" else args.baseline
-    out = args.out or os.path.join(args.out_dir, "loss.png")
+    # a run on gs:// is plotted here, in the current directory
+    out = args.out or ("loss.png" if storage.is_url(args.out_dir) else os.path.join(args.out_dir, "loss.png"))
     plot(series, baseline, out, os.path.basename(os.path.normpath(args.out_dir)), args.ymax)
     summary = [f"{len(series['loss'])} train points"]
     if series["val_loss"]:

@@ -314,11 +314,16 @@ class ObjectLock:
                 pass
 
     def close(self):
+        """Released, if this run still holds it. Never raises: at the end of a run that failed (the network gone), the
+        run's own line says why; a lock left behind is taken over once stale."""
         self._stop.set()
         self._refresher.join()
-        generation, held = self._read()
-        if held is not None and held.get("run") == self.holder["run"]:
-            self._delete(generation)
+        try:
+            generation, held = self._read()
+            if held is not None and held.get("run") == self.holder["run"]:
+                self._delete(generation)
+        except (UsageError, RunStopped, OSError):
+            pass
 
 
 class ObjectLog:

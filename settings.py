@@ -14,7 +14,7 @@ from model import GPTConfig, resolve_dtype
 # default config values designed to train a gpt2 (124M) on OpenWebText (nanoGPT's)
 DEFAULTS = dict(
     # I/O
-    out_dir="out",
+    out_dir="out",  # a folder, or gs://bucket/run (docs/pods.md)
     eval_interval=2000,
     log_interval=1,
     eval_iters=200,
@@ -31,7 +31,7 @@ DEFAULTS = dict(
     wandb_project="owt",
     wandb_run_name="gpt2",
     # data
-    dataset="openwebtext",  # a folder under data/, or a path
+    dataset="openwebtext",  # a folder under data/, a path, or gs://bucket/folder
     shuffle_shards=False,  # .npy shard datasets: visit the shards in a seeded order each epoch
     val_tokens=0,  # val loss over this many tokens from the val split's start (modded-nanogpt); 0: eval_iters batches
     gradient_accumulation_steps=5 * 8,  # total micro-batches per step, over all devices

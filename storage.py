@@ -45,7 +45,8 @@ def filesystem(url):
 
     # gcsfs logs a warning at every bucket it opens without the storage-control API (most accounts), and a traceback
     # at each failed request: our one line says it
-    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+    for name in ("gcsfs", "fsspec.prefetcher"):  # the latter: gcsfs's read-ahead, a traceback per failed read
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     return fsspec.core.url_to_fs(url)
 
 

@@ -23,6 +23,9 @@ NPY_PEEK = 4096  # bytes read for a .npy header, in one read where it fits (np.s
 # Windows of a URL's file closer than this are read as one range: a request's latency (tens of ms on Cloud Storage)
 # costs more than the gap's bytes
 MERGE_GAP = 256 * 1024
+# a raw train.bin/val.bin at a URL up to this size is read whole once (nanoGPT's shakespeare_char: 2 MB): its random
+# windows would otherwise cost requests every batch, on a CPU run whose step is a few ms
+WHOLE_BELOW = 64 * 2**20
 
 
 def prepare_hint(data_dir, bin_shards=False):
@@ -164,7 +167,16 @@ class URLTokenFile(TokenFile):
     MERGE_GAP apart as one range), then one metadata request that checks the object is still the one opened (its
     size and generation: Cloud Storage gives every write of an object a new one), so every token a read returns is
     the opened object's. An object store keeps no descriptor open: one deleted or rewritten under the run stops it
-    (RunStopped) at the read that meets it."""
+    (RunStopped) at the read that meets it. A small raw file (WHOLE_BELOW) is read whole once instead, and keeps
+    giving the data the run started with, as a local file renamed over does."""
+
+    def __init__(self, path, layout="raw"):
+        self.whole = None  # the object's bytes, when small and raw (WHOLE_BELOW)
+        super().__init__(path, layout)
+        if layout == "raw" and self._opened[0] <= WHOLE_BELOW:
+            whole = storage.read_bytes(path)
+            self._verify()  # what was read whole is the object opened
+            self.whole = whole
 
     def _open(self):
         pass  # nothing held: each read names the object
@@ -195,6 +207,12 @@ class URLTokenFile(TokenFile):
             return out
         width, itemsize = n * self.dtype.itemsize, self.dtype.itemsize
         firsts = [self.offset + start * itemsize for start in starts]  # each window's first byte
+        if self.whole is not None:  # held whole since it was opened: the data the run started with, no request
+            if max(firsts) + width > len(self.whole):
+                raise stopped(self.path, f"has no {n} tokens from token {max(starts)}")
+            for i, b in enumerate(firsts):
+                out[i] = np.frombuffer(self.whole, self.dtype, n, b)
+            return out
         spans = []  # [first byte, end) of each range read
         for b in sorted(set(firsts)):
             if spans and b <= spans[-1][1] + MERGE_GAP:

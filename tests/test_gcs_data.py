@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import storage
+import token_files
 from configurator import InputNotFound, RunStopped, UsageError
 from dataloader import BinLoader, BinShardLoader, Prefetcher, ShardLoader, data_dir_for, data_meta, make_loader
 from helpers import TINY, read_log, run, train_cli
@@ -99,16 +100,23 @@ def test_gs_gives_the_local_batches(data, request):
 @pytest.mark.parametrize("data", FORMATS, indirect=True)
 def test_a_batch_is_ranged_reads_of_its_own_bytes(data, request, monkeypatch):
     """No shard is downloaded: each next() is one call of concurrent ranged reads (two where it crosses a shard end),
-    of the bytes it needs (the shards' loaders) or of its random windows (train.bin)."""
+    of the bytes it needs (the shards' loaders) or of its random windows (a train.bin over WHOLE_BELOW). A small
+    train.bin is read whole once, at open: its batches make no request."""
     local, url = data
+    raw = request.node.callspec.params["data"] == "raw"
+    if raw:
+        held = make_loader(url, "train", T, ROWS, seed=3)
+        monkeypatch.setattr(token_files, "WHOLE_BELOW", 0)
     loader = make_loader(url, "train", T, ROWS, seed=3)
     calls, read_ranges = [], storage.read_ranges
     monkeypatch.setattr(storage, "read_ranges",
                         lambda paths, starts, ends: calls.append(sum(e - s for s, e in zip(starts, ends)))
                         or read_ranges(paths, starts, ends))
-    loader.next(1)
-    assert len(calls) == 1
-    if request.node.callspec.params["data"] != "raw":
+    if raw:
+        np.testing.assert_array_equal(held.next(1), loader.next(1))
+        assert len(calls) == 1  # the ranged loader's; the held one made none
+    else:
+        loader.next(1)
         assert calls == [(ROWS * T + 1) * 2]
 
 
@@ -179,8 +187,17 @@ def test_a_bad_npy_shard_on_gs_is_the_local_line_naming_the_url(fault, gcs_dir, 
     assert errors[1].startswith(f"{gcs_dir}/edufineweb_train_000001.npy ")
 
 
-def test_a_file_changed_on_gs_under_the_run_stops_it_in_one_line(gcs_dir, tmp_path):
+def test_a_file_changed_on_gs_under_the_run_stops_it_in_one_line(gcs_dir, tmp_path, monkeypatch):
+    """Read by ranges (a train.bin over WHOLE_BELOW, any shard): a change stops the run. A small train.bin, held
+    whole, keeps giving the data the run started with."""
     write_raw(tmp_path)
+    storage.upload(str(tmp_path), f"{gcs_dir}/held")
+    held, same = (make_loader(d, "train", T, ROWS, seed=0) for d in (f"{gcs_dir}/held", str(tmp_path)))
+    held.next(1), same.next(1)
+    storage.write_bytes(f"{gcs_dir}/held/train.bin", (tmp_path / "train.bin").read_bytes()[::-1])
+    for a, b in zip(held.next(1), same.next(1)):  # no request, the data it started with
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.setattr(token_files, "WHOLE_BELOW", 0)
     train_bin, tokens = f"{gcs_dir}/raw/train.bin", (tmp_path / "train.bin").read_bytes()
     changes = [(tokens[:200], "changed while the run read it (now 100 tokens, was 3000)"),
                (tokens[::-1], "changed while the run read it (rewritten in place)"),

@@ -1,10 +1,11 @@
 """python -m pytest tests/test_gcs_run.py -q
 
 A run whose out_dir is on Cloud Storage (gs:// on the emulator of tests/gcs_emulator.py, on loopback): checkpoints,
-log and lock there, a kill -9 and a resume bit for bit, sample.py, export.py and hellaswag.py reading the run; a second
+log and lock there, a kill -9 and a resume bit for bit, sample.py, export.py, plot.py and hellaswag.py reading the run; a second
 run refused by the lock; a bucket missing, refused or unreachable and no credentials, each one line before anything is
 written; and hosts that share no disk, told so. Two processes resuming on gs://: tests/test_sharding.py."""
 
+import ast
 import json
 import os
 import socket
@@ -19,17 +20,19 @@ import runlog
 import storage
 import train
 from configurator import UsageError
-from gcs_emulator import FORBIDDEN
-from helpers import REPO, TINY, fake_devices, free_port, one_line_error, run, settings, train_cli
+from gcs_emulator import FORBIDDEN, client_env
+from helpers import REPO, TINY, fake_devices, free_port, one_line_error, settings, train_cli
 
 STEPS = ["--max_iters=8", "--checkpoint_interval=2"]
 
 
 @pytest.fixture(scope="module")
 def straight(dataset, tmp_path_factory):
-    """8 steps straight through, on local disk, in this process."""
+    """8 steps straight through, on local disk, as a command as the run on gs:// is (in this process, what other
+    modules set in the worker, as the matmul precision, would be part of the comparison)."""
     out = str(tmp_path_factory.mktemp("straight"))
-    run(dataset, out, *STEPS)
+    result = train_cli([*TINY, f"--dataset={dataset}", f"--out_dir={out}", *STEPS])
+    assert result.returncode == 0, result.stderr[-3000:]
     return out
 
 
@@ -74,7 +77,7 @@ def test_a_run_on_gs_killed_mid_run_resumes_bit_for_bit(killed_and_resumed, stra
     assert not storage.exists(storage.join(out, runlog.LOCK_FILE))  # released at the end
 
 
-def test_sample_export_and_hellaswag_read_a_run_on_gs(killed_and_resumed, straight, gcs_dir, tmp_path):
+def test_sample_export_plot_and_hellaswag_read_a_run_on_gs(killed_and_resumed, straight, gcs_dir, tmp_path):
     out, _ = killed_and_resumed
 
     def script(*args):
@@ -92,6 +95,8 @@ def test_sample_export_and_hellaswag_read_a_run_on_gs(killed_and_resumed, straig
     again = subprocess.run([sys.executable, "export.py", f"--out_dir={out}", "--format=hf", f"--to={gcs_dir}/hf"],
                            cwd=REPO, capture_output=True, text=True)
     assert "holds an earlier export" in one_line(again, 2)
+    script("plot.py", out, f"--out={tmp_path / 'loss.png'}")  # the log, read from gs://
+    assert (tmp_path / "loss.png").stat().st_size > 0
     # HellaSwag reads the run from gs:// too, and refuses its character-level vocabulary in one line
     refused = subprocess.run([sys.executable, "hellaswag.py", "--init_from=resume", f"--out_dir={out}",
                               "--path=tests/fixtures/hellaswag_small.jsonl"], cwd=REPO,
@@ -126,6 +131,20 @@ def test_the_lock_on_gs_refuses_a_live_run_and_takes_over_a_dead_ones(dataset, g
         runlog.ObjectLock(out)
     write_lock(out, host="another-host", pid=1, refreshed=time.time() - runlog.LOCK_STALE_S - 1)  # not refreshed
     runlog.ObjectLock(out).close()
+
+
+def test_start_over_on_gs_moves_the_previous_run_aside(gcs_dir, capsys):
+    out = f"{gcs_dir}/again"
+    for name in ("ckpt/4/meta", "log.jsonl", "keep.txt"):
+        storage.write_bytes(f"{out}/{name}", name.encode())
+    lock = runlog.claim_out_dir(out, move_aside=("ckpt", runlog.LOG_FILE))
+    lock.close()
+    aside = storage.glob(f"{out}/previous-*")
+    assert len(aside) == 1 and f"moved to {aside[0]}" in capsys.readouterr().out
+    assert storage.read_bytes(f"{aside[0]}/ckpt/4/meta") == b"ckpt/4/meta"
+    assert storage.read_bytes(f"{aside[0]}/log.jsonl") == b"log.jsonl"
+    assert not storage.exists(f"{out}/ckpt/4/meta") and not storage.exists(f"{out}/log.jsonl")
+    assert storage.read_bytes(f"{out}/keep.txt") == b"keep.txt"
 
 
 @pytest.mark.parametrize(("bucket", "message"), [
@@ -177,3 +196,50 @@ def test_hosts_that_share_no_disk_are_told_so(dataset, tmp_path):
         assert f"out_dir {out} is not shared by the run's hosts: process(es) 1 do not see" in line
         assert "gs://bucket/run" in line
     assert os.listdir(out) == []  # the mounts went with the processes: nothing on this disk
+
+
+@pytest.mark.slow
+def test_the_network_gone_mid_run_is_one_line_and_the_last_checkpoint_restores(dataset, tmp_path):
+    """An emulator of its own, kept on disk, stopped once the save of step 50 completed: the run stops at a later
+    save, after the clients' retries (about 100 s), in one line naming the last checkpoint that completed (not the
+    one that failed); restarted, the emulator serves that checkpoint, which restores. Slow: python -m pytest -m slow tests/test_gcs_run.py -k network"""
+    port, out = free_port(), "gs://nanogpt-test/network-gone"
+    env = {**{k: v for k, v in os.environ.items() if k not in client_env(0)}, **client_env(port)}
+
+    def emulator():
+        server = subprocess.Popen([sys.executable, "tests/gcs_emulator.py", str(port), str(tmp_path)], cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert server.stdout.readline().strip() == "ready"
+        return server
+
+    def steps():  # in a process of its own: this one's clients talk to the suite's emulator
+        code = f"import checkpoint; print(checkpoint.all_steps('{out}'))"
+        return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True).stdout
+
+    server = emulator()
+    run = subprocess.Popen([sys.executable, "train.py", *TINY, f"--dataset={dataset}", f"--out_dir={out}",
+                            "--max_iters=100000", "--checkpoint_interval=50"], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in run.stdout:
+            if line.startswith("iter 60:"):
+                break
+        while "50" not in steps():
+            time.sleep(0.2)
+        server.kill()
+        server.wait()
+        _, err = run.communicate(timeout=400)
+    finally:
+        run.kill()
+        server.kill()
+    line = one_line(subprocess.CompletedProcess(run.args, run.returncode, "", err), 1)
+    assert f"saving a checkpoint to {out}/ckpt failed" in line and "cannot connect" in line.lower(), line
+    server = emulator()
+    try:  # the last checkpoint that completed is the one the line names, and it restores
+        last = max(ast.literal_eval(steps()))
+        assert last >= 50 and f"Checkpoint {last} is intact: check the network and resume from it" in line, line
+        code = f"import checkpoint; print(checkpoint.restore('{out}')['meta']['iter_num'])"
+        restored = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+        assert restored.stdout.strip() == str(last), restored.stderr[-3000:]
+    finally:
+        server.kill()
