@@ -1,9 +1,9 @@
 """python -m pytest tests/test_gcs_run.py -q
 
 A run whose out_dir is on Cloud Storage (gs:// on the emulator of tests/gcs_emulator.py, on loopback): checkpoints,
-log and lock there, a kill -9 and a resume bit for bit, sample.py, export.py, plot.py and hellaswag.py reading the run; a second
-run refused by the lock; a bucket missing, refused or unreachable and no credentials, each one line before anything is
-written; and hosts that share no disk, told so. Two processes resuming on gs://: tests/test_sharding.py."""
+log and lock there, a kill -9 and a resume bit for bit, sample.py, export.py, plot.py and hellaswag.py reading the
+run; a second run refused by the lock; a bucket missing, refused or unreachable and no credentials, each one line
+before anything is written; and hosts that share no disk, told so. Two processes resuming on gs://: tests/test_sharding.py."""
 
 import ast
 import json
@@ -202,7 +202,8 @@ def test_hosts_that_share_no_disk_are_told_so(dataset, tmp_path):
 def test_the_network_gone_mid_run_is_one_line_and_the_last_checkpoint_restores(dataset, tmp_path):
     """An emulator of its own, kept on disk, stopped once the save of step 50 completed: the run stops at a later
     save, after the clients' retries (about 100 s), in one line naming the last checkpoint that completed (not the
-    one that failed); restarted, the emulator serves that checkpoint, which restores. Slow: python -m pytest -m slow tests/test_gcs_run.py -k network"""
+    one that failed); restarted, the emulator serves that checkpoint, which restores.
+    Slow: python -m pytest -m slow tests/test_gcs_run.py -k network"""
     port, out = free_port(), "gs://nanogpt-test/network-gone"
     env = {**{k: v for k, v in os.environ.items() if k not in client_env(0)}, **client_env(port)}
 
