@@ -3,7 +3,8 @@
 A run whose out_dir is on Cloud Storage (gs:// on the emulator of tests/gcs_emulator.py, on loopback): checkpoints,
 log and lock there, a kill -9 and a resume bit for bit, sample.py, export.py, plot.py and hellaswag.py reading the
 run; a second run refused by the lock; a bucket missing, refused or unreachable and no credentials, each one line
-before anything is written; and hosts that share no disk, told so. Two processes resuming on gs://: tests/test_sharding.py."""
+before anything is written; and hosts that share no disk, told so. Two processes resuming on gs://:
+tests/test_sharding.py."""
 
 import ast
 import json
