@@ -1,7 +1,7 @@
 """A Cloud Storage emulator on loopback for the tests (gcp-storage-emulator, from PyPI), with what it lacks and a run
 on gs:// relies on: the generation preconditions GCS defines (ifGenerationMatch on an upload and on a delete, so that
 a lock object is created only if absent), the generation in a read's headers (tensorstore's read-modify-write), a
-thread per request, and a bucket that refuses this account (FORBIDDEN, 403) as IAM would.
+thread per request, objects.move (gcsfs's mv), and a bucket that refuses this account (FORBIDDEN, 403) as IAM would.
 
     python tests/gcs_emulator.py PORT [DIR]     # in memory, or kept in DIR (a restart finds it again)
 
@@ -80,6 +80,23 @@ class _ConcurrentServer(ThreadingHTTPServer):
     daemon_threads = True
 
 
+def _move(request, response, storage, *args, **kwargs):
+    """GCS's objects.move (moveTo), which gcsfs's mv tries first: the emulator lacks it, and gcsfs would retry a 501
+    for half a minute an object before it copies and deletes instead."""
+    from gcp_storage_emulator.exceptions import NotFound
+
+    bucket, source, target = (request.params[k] for k in ("bucket_name", "object_id", "dest_object_id"))
+    try:
+        obj, data = storage.get_file_obj(bucket, source), storage.get_file(bucket, source)
+    except NotFound:
+        return _error(response, HTTPStatus.NOT_FOUND, f"No such object: {bucket}/{source}")
+    generation = str(time.time_ns())
+    moved = dict(obj, name=target, generation=generation, id=f"{bucket}/{target}/{generation}")
+    storage.create_file(bucket, target, data, moved)
+    storage.delete_file(bucket, source)
+    response.json(moved)
+
+
 def serve(port, directory=None):
     import http.server
 
@@ -91,8 +108,10 @@ def serve(port, directory=None):
                                     default_bucket=BUCKET)
     storage = emulator._storage
     # every route through the guard (the router calls handler(request, response, storage))
+    move = [(rf"^{prefix}/b/(?P<bucket_name>[-.\w]+)/o/(?P<object_id>.*[^/]+)/moveTo/o/(?P<dest_object_id>.*[^/]+)$",
+             {"POST": _move}) for prefix in ("/storage/v1", "")]
     server.HANDLERS = tuple((regex, {m: _guarded(h, storage) for m, h in routes.items()})
-                            for regex, routes in server.HANDLERS)
+                            for regex, routes in [*move, *server.HANDLERS])
     emulator.start()
     print("ready", flush=True)
     while True:
