@@ -1,13 +1,15 @@
 """A Cloud Storage emulator on loopback for the tests (gcp-storage-emulator, from PyPI), with what it lacks and a run
 on gs:// relies on: the generation preconditions GCS defines (ifGenerationMatch on an upload and on a delete, so that
-a lock object is created only if absent), the generation in a read's headers (tensorstore's read-modify-write), a
-thread per request, objects.move (gcsfs's mv), and a bucket that refuses this account (FORBIDDEN, 403) as IAM would.
+a lock object is created only if absent), the generation in a read's headers (tensorstore's read-modify-write),
+concurrent connections served one at a time, objects.move (gcsfs's mv), and a bucket that refuses this account
+(FORBIDDEN, 403) as IAM would.
 
     python tests/gcs_emulator.py PORT [DIR]     # in memory, or kept in DIR (a restart finds it again)
 
 prints `ready` once it serves. The real clients reach it by the environment of `client_env(port)`."""
 
 import sys
+import threading
 import time
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
@@ -45,19 +47,30 @@ def _precondition_failed(request, storage):
     return str(generation) != wanted[0]
 
 
+# the emulator's storage is not thread-safe (its resumable uploads raced): requests are accepted concurrently, then
+# served one at a time
+_SERVING = threading.Lock()
+
+
 def _guarded(handler, storage):
     def handle(request, response, *args, **kwargs):
-        if request.params.get("bucket_name") == FORBIDDEN:
-            return _error(response, HTTPStatus.FORBIDDEN,
-                          f"emulator@test does not have storage.objects access to the bucket {FORBIDDEN}.")
-        if request.method in ("POST", "PUT", "DELETE") and _precondition_failed(request, storage):
-            return _error(response, HTTPStatus.PRECONDITION_FAILED, "At least one of the pre-conditions you "
-                          "specified did not hold.")
-        result = handler(request, response, storage, *args, **kwargs)
-        if request.method == "GET" and request.params.get("object_id") and response.status.value < 300:
-            _generation_headers(request, response, storage)
-        return result
+        with _SERVING:
+            return _handle(handler, storage, request, response, *args, **kwargs)
     return handle
+
+
+def _handle(handler, storage, request, response, *args, **kwargs):
+    """One request, as GCS would answer it: FORBIDDEN refused, preconditions held, generations named."""
+    if request.params.get("bucket_name") == FORBIDDEN:
+        return _error(response, HTTPStatus.FORBIDDEN,
+                      f"emulator@test does not have storage.objects access to the bucket {FORBIDDEN}.")
+    if request.method in ("POST", "PUT", "DELETE") and _precondition_failed(request, storage):
+        return _error(response, HTTPStatus.PRECONDITION_FAILED, "At least one of the pre-conditions you "
+                      "specified did not hold.")
+    result = handler(request, response, storage, *args, **kwargs)
+    if request.method == "GET" and request.params.get("object_id") and response.status.value < 300:
+        _generation_headers(request, response, storage)
+    return result
 
 
 def _generation_headers(request, response, storage):
