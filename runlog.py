@@ -141,11 +141,8 @@ def check_results_file(path, flag):
 def write_results(path, text, flag):
     """`text` to `path` whole or not at all (a temporary file, then renamed over it). A write that fails all the
     same is one line; the caller has printed the results first, so nothing is lost."""
-    tmp = f"{path}.partial"
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        storage.write_bytes(path, text.encode())
     except OSError as e:
         raise UsageError(f"{flag}={path} could not be written ({e.strerror or e}); the results are printed "
                          "above") from None

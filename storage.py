@@ -50,29 +50,26 @@ def filesystem(url):
     return fsspec.core.url_to_fs(url)
 
 
-def exists(path):
+def _local_or_url(path, local, remote):
+    """local(path) for a local path, else remote(fs, its path) with a storage failure as one line."""
     if not is_url(path):
-        return os.path.exists(path)
+        return local(path)
     fs, p = filesystem(path)
     with errors(path):
-        return fs.exists(p)
+        return remote(fs, p)
+
+
+def exists(path):
+    return _local_or_url(path, os.path.exists, lambda fs, p: fs.exists(p))
 
 
 def isdir(path):
     """A local directory, or a URL prefix holding at least one object (object stores have no empty folders)."""
-    if not is_url(path):
-        return os.path.isdir(path)
-    fs, p = filesystem(path)
-    with errors(path):
-        return fs.isdir(p)
+    return _local_or_url(path, os.path.isdir, lambda fs, p: fs.isdir(p))
 
 
 def isfile(path):
-    if not is_url(path):
-        return os.path.isfile(path)
-    fs, p = filesystem(path)
-    with errors(path):
-        return fs.isfile(p)
+    return _local_or_url(path, os.path.isfile, lambda fs, p: fs.isfile(p))
 
 
 def glob(pattern):
@@ -87,11 +84,7 @@ def glob(pattern):
 
 
 def size(path):
-    if not is_url(path):
-        return os.path.getsize(path)
-    fs, p = filesystem(path)
-    with errors(path):
-        return fs.size(p)
+    return _local_or_url(path, os.path.getsize, lambda fs, p: fs.size(p))
 
 
 def read_bytes(path, start=None, end=None):
