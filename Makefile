@@ -1,35 +1,41 @@
-# `make test` is the one test command (README, .ci/run): it makes .venv, installs, runs pytest.
+# `make test` is the one test command (README, .ci/run): it makes .venv, installs, runs pytest. Every install takes
+# pyproject.toml's groups at constraints.txt's pins (docs/install.md); no pip cache: a CI disk holds two venvs of GBs.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+INSTALL = pip install -q --no-cache-dir -c constraints.txt
 
-.PHONY: venv test test-all test-gpu-compile shakespeare clean
+.PHONY: venv test test-all test-gpu-compile shakespeare lock clean
 
-$(BIN)/activate: requirements.txt
+$(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -r requirements.txt
-	touch $(BIN)/activate
 
-venv: $(BIN)/activate
-
-# the tests' requirements on top (libtpu: TPU programs compiled on the CPU); the stamp keeps a rerun from reinstalling
-$(VENV)/.test-requirements: $(BIN)/activate requirements-test.txt
-	$(BIN)/pip install -q -r requirements-test.txt
+# the core: what training and sampling need (no torch, transformers, lm-eval or datasets)
+$(VENV)/.core: pyproject.toml constraints.txt | $(BIN)/activate
+	$(BIN)/$(INSTALL) -e .
 	touch $@
 
-test: $(VENV)/.test-requirements
+venv: $(VENV)/.core
+
+# the test group on top: every optional group but cuda, pytest, and what the tests start (libtpu: TPU programs
+# compiled on the CPU; a Cloud Storage emulator); the stamp keeps a rerun from reinstalling
+$(VENV)/.test: pyproject.toml constraints.txt | $(BIN)/activate
+	$(BIN)/$(INSTALL) -e ".[test]"
+	touch $@
+
+test: $(VENV)/.test
 	$(BIN)/python -m pytest -q -n auto
 
 # the slow tests too (golden runs, benchmarks-as-tests)
-test-all: $(VENV)/.test-requirements
+test-all: $(VENV)/.test
 	$(BIN)/python -m pytest -q -n auto -m ""
 
-# NVIDIA GPU programs compiled without a GPU (tests/test_gpu.py, marked gpu_compile): JAX's CUDA plugin (6 GB) in a venv
-# of its own, since with the plugin installed every `import jax` of the default suite would look for a GPU
+# NVIDIA GPU programs compiled without a GPU (tests/test_gpu.py, marked gpu_compile): JAX's CUDA plugin in a venv of
+# its own, since with the plugin installed every `import jax` of the default suite would look for a GPU
 VENV_GPU := .venv-gpu
-$(VENV_GPU)/.requirements: requirements.txt requirements-test.txt requirements-gpu.txt
+$(VENV_GPU)/.requirements: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV_GPU)
-	$(VENV_GPU)/bin/pip install -q -r requirements-test.txt -r requirements-gpu.txt
+	$(VENV_GPU)/bin/$(INSTALL) -e ".[gpu-compile]"
 	touch $@
 
 test-gpu-compile: $(VENV_GPU)/.requirements
@@ -43,6 +49,22 @@ shakespeare: venv
 		--block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 \
 		--lr_decay_iters=2000 --dropout=0.0
 	$(BIN)/python sample.py --out_dir=out-shakespeare-char --num_samples=3 --max_new_tokens=300
+
+# constraints.txt anew: what clean installs of the test group and of the GPU's (gpu-compile, and cuda's libraries
+# for GPU machines) resolve to today, frozen whole (pip freeze names versions, never the index they came from).
+# torch's local label (+cpu) is dropped: the pin then takes PyPI's torch or the CPU index's. tests/test_install.py
+# checks the pins against pyproject.toml.
+LOCK := .venv-lock
+lock:
+	rm -rf $(LOCK) && $(PYTHON) -m venv $(LOCK)
+	$(LOCK)/bin/pip install -q --no-cache-dir -e ".[test]"
+	$(LOCK)/bin/pip freeze --exclude-editable > $(LOCK).test
+	rm -rf $(LOCK) && $(PYTHON) -m venv $(LOCK)
+	$(LOCK)/bin/pip install -q --no-cache-dir -e ".[gpu-compile,cuda]"
+	$(LOCK)/bin/pip freeze --exclude-editable > $(LOCK).gpu
+	(echo "# Every package that make test, make test-gpu-compile and the cuda group install, pinned (make lock)"; \
+	 sed -E 's/\+[a-z0-9.]+$$//' $(LOCK).test $(LOCK).gpu | sort -uf) > constraints.txt
+	rm -rf $(LOCK) $(LOCK).test $(LOCK).gpu
 
 clean:
 	rm -rf $(VENV) $(VENV_GPU) .pytest_cache

@@ -93,7 +93,7 @@ def main():
     if args.rounds < 1:
         raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
 
-    checkpoint.use_compilation_cache()
+    sharding.use_compilation_cache()
     sharding.start_backend()
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's note of a save that waited for the one before
     sharding.keep_freed_memory()  # as train.py: XLA:CPU's freed buffers stay in the process

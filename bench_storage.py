@@ -137,7 +137,7 @@ def measure_checkpoints(places, args):
     from configurator import configure
     from model import GPTConfig
 
-    checkpoint.use_compilation_cache()
+    sharding.use_compilation_cache()
     logging.getLogger("absl").setLevel(logging.ERROR)
     preset = PRESETS[args.preset]
     config = GPTConfig(**{k: preset[k] for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")})

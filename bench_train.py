@@ -6,7 +6,7 @@ process, so peak memory is that run's alone.
 
     python bench_train.py                      # nanoGPT's CPU baby config (block 64, batch 12, 4x4x128)
     python bench_train.py --preset gpt2 --dtype bfloat16 --frameworks jax   # 124M, B=16, T=1024 (GPU)
-    python bench_train.py --full-run           # the README's main training command vs nanoGPT's train.py loop, 3 pairs
+    python bench_train.py --full-run           # the main training command (make shakespeare) vs nanoGPT's train.py loop, 3 pairs
     python bench_train.py --memory --preset gpt2 --batch_size=64 --dtype=bfloat16   # config/train_gpt2.py's remat
     python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 --remat=none
     python bench_train.py --memory --topology=v5e:2x4 --preset gpt2 --batch_size=16 --dtype=bfloat16   # a v5e-8 VM
@@ -19,8 +19,8 @@ micro-batches). --full-run times whole runs instead, in pairs (--repeats): train
 then nanoGPT's training loop (nanogpt_run) on the same data: the wall time and final val loss of each, and the
 median ratio. --memory prints `memory per device: state, step peak` of one step on a mesh, as train.py does at
 start-up, compiled only (bench_memory). With --topology (v3:2x2, v5e:2x4, tpu7x:2x2x1...) libtpu's compiler
-(requirements-test.txt) compiles it here for that TPU, with --gpu (h100, a100-40...) and --gpus XLA:GPU
-(requirements-gpu.txt) for a node of those GPUs: its memory, compile time, and whether it fits.
+(the tpu extras) compiles it here for that TPU, with --gpu (h100, a100-40...) and --gpus XLA:GPU
+(the cuda extras) for a node of those GPUs: its memory, compile time, and whether it fits.
 """
 
 import argparse
@@ -301,7 +301,7 @@ def bench_torch(s):
             "device": name, "tokens": s["accum"] * s["batch_size"] * s["block_size"]}
 
 
-# the README's main command (Makefile: shakespeare), and nanoGPT's README command for the same run on CPU
+# the main command (Makefile: shakespeare), and nanoGPT's README command for the same run on CPU
 MAIN_RUN = dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128, max_iters=2000, lr_decay_iters=2000,
                 dropout=0.0, eval_iters=20, eval_interval=250, learning_rate=1e-3, min_lr=1e-4, warmup_iters=100,
                 decay_lr=True, beta1=0.9, beta2=0.99, weight_decay=0.1, grad_clip=1.0)

@@ -128,11 +128,22 @@ def _save_errors(mngr):
     try:
         yield
     except Exception as e:  # whatever the writer raised: ENOSPC, EDQUOT, a storage error
-        # orbax's record of the saves (no I/O), less those not seen to complete: the failed one among them
-        intact = max(set(mngr.all_steps()) - _unconfirmed(mngr), default=None)
+        intact = _intact(mngr)
         raise RunStopped(f"saving a checkpoint to {mngr.directory} failed ({_first_line(e)}); the run stopped. "
                          + (f"Checkpoint {intact} is intact: {_fix_for(e, str(mngr.directory))} and resume from it"
-                            if intact is not None else "No checkpoint was written"), writers_left=True) from e
+                            if intact is not None else "No checkpoint is left there"), writers_left=True) from e
+
+
+def _intact(mngr):
+    """The newest step seen saved whole whose folder is still there (out_dir's target may have been deleted):
+    orbax's record of the saves, less those not seen to complete, checked on the storage where it answers."""
+    for step in sorted(set(mngr.all_steps()) - _unconfirmed(mngr), reverse=True):
+        try:
+            if storage.isdir(storage.join(str(mngr.directory), str(step))):
+                return step
+        except Exception:  # noqa: BLE001 - a storage that cannot answer now (the network gone): the record stands
+            return step
+    return None
 
 
 def _fix_for(error, where):
@@ -405,18 +416,6 @@ def restore_state(out_dir, step, meta, config: GPTConfig, tx=None, mesh=None, mn
         relayout = jax.jit(lambda state: relayout_blocks(state, target), out_shardings=shardings(target))
         state = relayout(state) if mesh is not None else relayout_blocks(state, target)
     return state
-
-
-def use_compilation_cache():
-    """JAX's persistent compilation cache, on by default, so that a second run of a command compiles nothing:
-    in $JAX_COMPILATION_CACHE_DIR (JAX's own setting: set it to move the cache, set it empty to turn it off),
-    else in nanogpt-jax/jax under the user's cache directory ($XDG_CACHE_HOME or ~/.cache). Call it before
-    anything is compiled."""
-    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        jax.config.update("jax_compilation_cache_dir", os.path.join(cache, "nanogpt-jax", "jax"))
-    # every compilation, not only those over 1 s (JAX's default): start-up is many small ones
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def meta_for(model_config: GPTConfig, config: dict, iter_num, best_val_loss, loader_state):

@@ -14,6 +14,7 @@ which turns that (and only that) into one line and exit 2; any other exception k
 import atexit
 import contextlib
 import difflib
+import importlib.util
 import os
 import signal
 import sys
@@ -44,11 +45,55 @@ class RunStopped(RuntimeError):
         self.writers_left = writers_left
 
 
+# pyproject.toml's optional groups, by the modules scripts import from them (docs/install.md)
+EXTRAS = {"parity": ("torch", "transformers"), "eval": ("lm_eval", "torch", "transformers"), "data": ("datasets",),
+          "plot": ("matplotlib",), "gcs": ("gcsfs",)}
+
+
+class MissingExtras(UsageError):
+    """An optional group is not installed: one line naming the command that installs it."""
+
+    def __init__(self, group, module):
+        super().__init__(f"{os.path.basename(sys.argv[0])} needs the {group} extras (no module named {module!r}): "
+                         f"pip install -c constraints.txt -e '.[{group}]'")
+
+    @classmethod
+    def of(cls, error, group=None):
+        """The MissingExtras an ImportError stands for (a module of a group's, named by it or by its cause: fsspec
+        wraps gcsfs's), or None; `group`: the group to name, where the script's own group brings the module."""
+        while isinstance(error, ImportError):
+            module = (error.name or "").partition(".")[0]
+            owner = next((g for g, modules in EXTRAS.items() if module in modules), None)
+            if owner:
+                return cls(group or owner, module)
+            error = error.__cause__
+        return None
+
+
+def require_extras(group):
+    """Before a script's work: its optional group is installed, or one line says how to install it."""
+    for module in EXTRAS[group]:
+        if importlib.util.find_spec(module) is None:
+            raise MissingExtras(group, module)
+
+
+def exit_without_extras(error, group=None):
+    """At a script's top-level imports of an optional group's: one line and exit 2, or `error` raised again."""
+    missing = MissingExtras.of(error, group)
+    if missing is None:
+        raise error
+    print(f"error: {missing}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def exit_on_bad_input(main):
     """Run a CLI's main(): a UsageError becomes one line on stderr and exit 2, a RunStopped one line and exit 1;
-    anything else is a real error and keeps its traceback."""
+    an import of a module of an optional group that is not installed one line and exit 2; anything else is a real
+    error and keeps its traceback."""
     try:
         sys.exit(main())
+    except ImportError as e:
+        exit_without_extras(e)
     except (UsageError, RunStopped) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         # that line is the whole report: a failed orbax restore or save leaves threads and coroutines whose

@@ -294,16 +294,22 @@ def data_meta(data_dir):
 
 def data_dir_for(dataset):
     """A dataset's folder: a URL as it is (its bucket reachable); else data/<dataset> here, else the path `dataset`,
-    else data/<dataset> of the project (a run started from another directory); data/<dataset> here when none exists,
-    for the error that follows (a URL's: make_loader's, naming it)."""
+    else data/<dataset> of the project (a run started from another directory). None of them: one line naming where
+    it looked and the datasets the project prepares."""
     if storage.is_url(dataset):  # as it is: credentials, the bucket and access checked, each a line naming it
         storage.check_reachable(dataset, "dataset")
         return dataset
-    here = os.path.join("data", dataset)
-    for candidate in (here, dataset, os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", dataset)):
+    project_data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+    candidates = (os.path.join("data", dataset), dataset, os.path.join(project_data, dataset))
+    for candidate in candidates:
         if os.path.isdir(candidate):
             return candidate
-    return here
+    looked = ", ".join(dict.fromkeys(os.path.abspath(c) for c in candidates))
+    prepared = sorted(n for n in os.listdir(project_data)
+                      if os.path.isfile(os.path.join(project_data, n, "prepare.py")))
+    raise InputNotFound(f"no dataset {dataset!r}: no such folder ({looked}): give --dataset a folder of train.bin and "
+                        f"val.bin (or token shards), or one the project prepares ({', '.join(prepared)}: python "
+                        "data/NAME/prepare.py; edu_fineweb10B: python fineweb.py)")
 
 
 class Prefetcher:

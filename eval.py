@@ -21,24 +21,28 @@ import time
 
 import jax
 import jax.numpy as jnp
-import lm_eval
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
-from lm_eval.api.model import TemplateLM
-from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-from lm_eval.tasks import TaskManager
-from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window, make_table
 from tqdm import tqdm
 
 import sharding
-from checkpoint import load_bpe_model, use_compilation_cache
-from configurator import UsageError, configure, exit_on_bad_input
+from checkpoint import load_bpe_model
+from configurator import UsageError, configure, exit_on_bad_input, exit_without_extras
 from generate import generate_in_jit
 from model import resolve_dtype
 from runlog import check_results_file, write_results
 from tokenizer import EOT, GPT2_VOCAB, BPECodec
+
+try:  # without the eval extras, one line naming them
+    import lm_eval
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+    from lm_eval.tasks import TaskManager
+    from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window, make_table
+except ImportError as e:
+    exit_without_extras(e, group="eval")
 
 defaults = dict(
     init_from="gpt2",  # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory, a ckpt.pt
@@ -330,7 +334,7 @@ def main(argv=None):
     cfg = configure(defaults, sys.argv[1:] if argv is None else argv)
     check_settings(cfg)
     manager = task_manager(cfg["tasks"].split(","), cfg["include_path"])
-    use_compilation_cache()
+    sharding.use_compilation_cache()
     sharding.start_backend()
     cfg["dtype"] = resolve_dtype(cfg["dtype"], jax.default_backend())
     t0 = time.time()

@@ -26,7 +26,7 @@ import os
 import numpy as np
 from tqdm import tqdm
 
-from configurator import InputNotFound, UsageError, exit_on_bad_input
+from configurator import InputNotFound, UsageError, exit_on_bad_input, require_extras
 from tokenizer import EOT, get_encoding
 
 PROGRESS = "progress.json"
@@ -223,6 +223,7 @@ def main(argv=None):
     p.add_argument("--max_shards", type=int, default=None,
                    help="stop once this many shards exist (a rerun without it continues)")
     args = p.parse_args(argv)
+    require_extras("data")
     if args.shard_size < 1 or args.num_proc < 1 or (args.max_shards is not None and args.max_shards < 1):
         raise UsageError("--shard_size, --num_proc and --max_shards must be positive")
 

@@ -35,7 +35,7 @@ def filter_logits(logits, temperature=1.0, top_k=None, top_p=None):
     logits = logits.astype(jnp.float32) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         # the k-th largest as the min of the top k: slicing the last one out of top_k made XLA:CPU sort the
-        # whole vocabulary (README, Benchmarks)
+        # whole vocabulary (docs/benchmarks.md)
         kth = jnp.min(jax.lax.top_k(logits, top_k)[0], axis=-1, keepdims=True)  # (B, 1)
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if top_p is not None and top_p < 1.0:

@@ -7,7 +7,7 @@ its tokens given the context; acc takes the lowest summed loss, acc_norm the low
     python hellaswag.py --init_from=DIR --path tests/fixtures/hellaswag_small.jsonl --out preds.jsonl
 
 The PyTorch reference (transformers' GPT2LMHeadModel, build-nanogpt's loop) is parity/check_hellaswag.py.
-Reference numbers: README, "HellaSwag". (EleutherAI's harness scores multiple-choice style: other numbers.)
+Reference numbers: docs/evaluation.md. (EleutherAI's harness scores multiple-choice style: other numbers.)
 
 From train.py: examples = load_examples(path, max_len=block_size) once, then
 evaluate(model, examples, mesh) -> Score(acc, acc_norm, count, results) at each eval.
@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import sharding
-from checkpoint import load_bpe_model, use_compilation_cache
+from checkpoint import load_bpe_model
 from configurator import InputNotFound, UsageError, exit_on_bad_input
 from model import cross_entropy_terms
 from runlog import check_results_file, write_results
@@ -368,7 +368,7 @@ def main(argv=None):
         check_results_file(args.out, "--out")
     path, raw = cli_examples(args)
     t0 = time.time()
-    use_compilation_cache()
+    sharding.use_compilation_cache()
     sharding.start_backend()
     model = load_model(args.init_from, args.out_dir, args.dtype)
     block_size = model.config.block_size

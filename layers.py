@@ -33,7 +33,7 @@ def fusion_barrier_in_grad(x):
     """Identity whose backward passes the cotangent through a conditional, a fusion boundary XLA:CPU keeps,
     so that it is computed once, into a buffer. At each block's input that is the residual stream's gradient,
     the sum of every later block's contribution: left alone, XLA:CPU fuses that sum into each consumer and
-    recomputes it there, a cost quadratic in depth (README, Benchmarks)."""
+    recomputes it there, a cost quadratic in depth (docs/benchmarks.md)."""
     return x
 
 

@@ -207,7 +207,7 @@ class CausalSelfAttention(nnx.Module):
                    for a in self.qkv(x, pos, kv[0].shape[1]))
         k, v = (jax.lax.dynamic_update_slice_in_dim(c, a.astype(c.dtype), pos, axis=1) for c, a in zip(kv, (k, v)))
         # dot_product_attention's math, spelled out: with its (B, S, nh, hs) layout XLA:CPU copied the
-        # whole cache every step; in this layout the cache feeds the dots as it is (README, Benchmarks)
+        # whole cache every step; in this layout the cache feeds the dots as it is (docs/benchmarks.md)
         att = jnp.einsum("zqd,zkd->zqk", q, k, preferred_element_type=jnp.float32) * (1.0 / math.sqrt(hs))
         mask = jnp.arange(k.shape[1])[None, :] <= pos + jnp.arange(T)[:, None]  # (T, S): causal, absolute positions
         att = jax.nn.softmax(jnp.where(mask, att, -jnp.inf), axis=-1).astype(v.dtype)  # (B*nh, T, S), float32 softmax
@@ -227,7 +227,7 @@ class MLP(nnx.Module):
     def __call__(self, x, key=None):
         # GPT-2's gelu is the tanh approximation (HF "gelu_new"); nanoGPT's is the exact erf GELU (config.gelu)
         B, T, C = x.shape
-        # 2-D matmuls: XLA:CPU fuses the GELU into a (B, T, C) matmul badly (README, Benchmarks); free elsewhere
+        # 2-D matmuls: XLA:CPU fuses the GELU into a (B, T, C) matmul badly (docs/benchmarks.md); free elsewhere
         h = self.c_fc(x.reshape(B * T, C))  # (B*T, 4C)
         h = jnp.square(jax.nn.relu(h)) if self.relu2 else jax.nn.gelu(h, approximate=self.approximate_gelu)
         return dropout(self.c_proj(h), self.dropout, key).reshape(B, T, C)

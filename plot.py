@@ -18,7 +18,7 @@ import json
 import os
 
 import storage
-from configurator import InputNotFound, UsageError, exit_on_bad_input
+from configurator import InputNotFound, UsageError, exit_on_bad_input, require_extras
 
 
 # Reference lines, OpenAI's GPT-2 (124M) checkpoint evaluated on the same data as the run:
@@ -117,6 +117,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="PNG path (default: out_dir/loss.png; ./loss.png for a gs:// out_dir)")
     p.add_argument("--ymax", type=float, default=None, help="top of the loss axis (default: fit the data)")
     args = p.parse_args(argv)
+    require_extras("plot")
 
     series, dataset = read_log(storage.join(args.out_dir, "log.jsonl"))
     baseline = choose_baseline(series, dataset) if args.baseline == "auto" else args.baseline

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 import sharding
-from checkpoint import load_with_codec, use_compilation_cache
+from checkpoint import load_with_codec
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
 from generate import check_sampling
 from model import resolve_dtype
@@ -73,7 +73,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     cfg = configure(defaults, ["--stream=True" if a == "--stream" else a for a in argv], nullable=("top_k",))
     check_settings(cfg)
-    use_compilation_cache()
+    sharding.use_compilation_cache()
     sharding.start_backend()
     cfg["dtype"] = resolve_dtype(cfg["dtype"], jax.default_backend())
     start = read_start(cfg["start"])

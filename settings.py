@@ -164,7 +164,7 @@ def profile_range(profile):
 
 def resolve_scan_layers(scan_layers, platform):
     """'auto': the blocks under one scan on GPU/TPU, where it compiles one block instead of n_layer (gpt2-xl's step
-    for a TPU: README, Benchmarks); a Python loop on CPU, whose results it keeps bit for bit."""
+    for a TPU: docs/benchmarks.md); a Python loop on CPU, whose results it keeps bit for bit."""
     if scan_layers == "auto":
         return platform != "cpu"
     if not isinstance(scan_layers, bool):

@@ -264,7 +264,8 @@ def topology_devices(name):
         raise UsageError(f"unknown TPU topology {name!r}: give one of {TOPOLOGY_FORMS}")
     chips = (*(int(d) for d in m.group(2, 3, 4) if d), 1)[:3]  # (x, y, z)
     if get_tpu_library_path() is None:
-        raise UsageError(f"compiling for {name} needs libtpu: pip install -r requirements-test.txt")
+        raise UsageError(f"compiling for {name} needs libtpu, the tpu extras: pip install -c constraints.txt "
+                         "-e '.[tpu]'")
     bounds = tuple(min(c, h) for c, h in zip(chips, tpu.host_bounds))
     try:
         with libtpu_quiet():
@@ -291,7 +292,7 @@ def hbm_bytes(device):
 
 
 # GPU programs without a GPU: XLA compiles for an NVIDIA GPU from a description of it (a GpuTargetConfigProto, as
-# XLA's own tools do) through JAX's CUDA plugin (requirements-gpu.txt), on any machine; nothing runs.
+# XLA's own tools do) through JAX's CUDA plugin (the cuda extras), on any machine; nothing runs.
 @dataclasses.dataclass(frozen=True)
 class GPU:
     device_kind: str  # the name the GPU reports (jax's Device.device_kind)
@@ -346,7 +347,8 @@ def gpu_devices(name, n=1):
     if n < 1 or (n > 8 and n % 8):
         raise UsageError(f"--gpus={n}: give 1 to 8 (one node), or a multiple of 8 (nodes of 8)")
     if not cuda_plugin_installed():
-        raise UsageError(f'compiling for {name} needs JAX\'s CUDA plugin: pip install "jax[cuda12]=={jax.__version__}"')
+        raise UsageError(f"compiling for {name} needs JAX's CUDA plugin, the cuda extras: pip install -c "
+                         "constraints.txt -e '.[cuda]' (a venv of its own: make test-gpu-compile)")
     cuda_quiet()
     spec = GPU_SPEC.format(g=GPUS[name], optin=GPUS[name].shared_per_core - 1024)
     try:
@@ -392,11 +394,23 @@ def tpu_out_of_memory(error):
 def keep_freed_memory():
     """On a CPU, keep the memory XLA frees in the process. glibc hands a freed block of over 32 MB, and the top
     of its heap, back to the OS, so the step's scratch buffer came back as fresh pages every step, each faulted in
-    and zeroed by the kernel (README, Benchmarks). Linux/glibc only; elsewhere, and on GPU/TPU, nothing changes."""
+    and zeroed by the kernel (docs/benchmarks.md). Linux/glibc only; elsewhere, and on GPU/TPU, nothing changes."""
     if jax.default_backend() == "cpu" and platform.libc_ver()[0] == "glibc":
         libc = ctypes.CDLL(None)
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: trim the heap's top only past 1 GiB free
         libc.mallopt(-4, 0)  # M_MMAP_MAX: no block gets an mmap of its own (they are unmapped when freed)
+
+
+def use_compilation_cache():
+    """JAX's persistent compilation cache, on by default, so that a second run of a command compiles nothing:
+    in $JAX_COMPILATION_CACHE_DIR (JAX's own setting: set it to move the cache, set it empty to turn it off),
+    else in nanogpt-jax/jax under the user's cache directory ($XDG_CACHE_HOME or ~/.cache). Call it before
+    anything is compiled."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache, "nanogpt-jax", "jax"))
+    # every compilation, not only those over 1 s (JAX's default): start-up is many small ones
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def start_backend():

@@ -13,7 +13,7 @@ import logging
 import os
 from contextlib import contextmanager
 
-from configurator import RunStopped, UsageError
+from configurator import MissingExtras, RunStopped, UsageError
 
 
 def is_url(path):
@@ -47,7 +47,10 @@ def filesystem(url):
     # at each failed request: our one line says it
     for name in ("gcsfs", "fsspec.prefetcher"):  # the latter: gcsfs's read-ahead, a traceback per failed read
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    return fsspec.core.url_to_fs(url)
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:  # fsspec names the package its protocol needs: gcsfs is the gcs extras
+        raise MissingExtras.of(e) or e
 
 
 def _local_or_url(path, local, remote):
@@ -152,6 +155,7 @@ def check_reachable(url, what="out_dir"):
     """Before anything is written: credentials, the bucket, this account's access, the network, each failing in one
     line naming the bucket and what to do."""
     bucket = bucket_of(url)
+    fs, p = filesystem(url)  # first: without the gcs extras, the line that names them
     if url.startswith("gs://") and not os.environ.get("STORAGE_EMULATOR_HOST"):
         import google.auth
         from google.auth.exceptions import DefaultCredentialsError
@@ -162,7 +166,6 @@ def check_reachable(url, what="out_dir"):
             raise UsageError(f"{what} {url}: no Google Cloud credentials to reach {bucket} "
                              f"({str(e).splitlines()[0][:160]}): run `gcloud auth application-default login`, or on "
                              "a TPU VM give its service account access to the bucket") from None
-    fs, p = filesystem(url)
     with errors(url, what):
         try:
             fs.ls(p.split("/", 1)[0])  # the bucket listed: forbidden and unreachable say so here too

@@ -425,7 +425,7 @@ def main(argv=None):
     # orbax logs a failed background save as a traceback from each of its threads (24 for a full disk); the
     # run reports that failure itself, in one line (checkpoint.check_saved)
     logging.getLogger("absl").addFilter(lambda record: record.levelno < logging.ERROR)
-    checkpoint.use_compilation_cache()
+    sharding.use_compilation_cache()
     setup_distributed()
     sharding.start_backend()  # before anything starts it: libtpu's banner on a machine without a TPU is dropped
     sharding.keep_freed_memory()

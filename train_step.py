@@ -179,8 +179,8 @@ def muon(c, adam):
 def batch_loss(model, x, y, key=None):
     """The model's mean loss on a batch (B, T) (GPT.loss: the logits in chunks where loss_chunk says so). On a
     single CPU device the rows go through the model as two independent halves, which XLA:CPU's executor runs side
-    by side on two cores: faster than one batch whose every op splits its work over the threads (README,
-    Benchmarks). Same loss: one mean over both halves' targets; dropout draws a key per half."""
+    by side on two cores: faster than one batch whose every op splits its work over the threads
+    (docs/benchmarks.md). Same loss: one mean over both halves' targets; dropout draws a key per half."""
     if sharding.target_platform() != "cpu" or sharding.target_size() > 1 or x.shape[0] % 2:
         return model.loss(x, y, key=key)
     keys = jax.random.split(key) if key is not None else (None, None)
@@ -236,7 +236,7 @@ def schedule_count(opt_state):
 def on_leaves(step, params, opt_state, batch_sharding=None):
     """`step` jitted over flat lists of arrays: (param leaves, opt leaves, x, y, key) -> the same, and
     metrics. jit flattens nnx Variables in Python, slowly (CPU time a 2-core machine takes from the step
-    itself); lists of arrays cost a quarter of it (README, Benchmarks). The state's shardings (those of
+    itself); lists of arrays cost a quarter of it (docs/benchmarks.md). The state's shardings (those of
     `params` and `opt_state`) are pinned on input and output, so the step compiles once and nothing reshards."""
     param_def, opt_def = jax.tree.structure(params), jax.tree.structure(opt_state)
     shardings = None

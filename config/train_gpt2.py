@@ -1,7 +1,7 @@
 # GPT-2 (124M) on FineWeb-Edu 10B tokens, build-nanogpt's recipe: 1 epoch, beats OpenAI's GPT-2 124M
 # (val 3.2924 on the FineWeb-Edu val shard, HellaSwag acc_norm 0.2945).
 # data: python fineweb.py   (-> data/edu_fineweb10B, ~20 GB)
-# run:  python train.py config/train_gpt2.py   (on every host of a pod slice / cluster: README)
+# run:  python train.py config/train_gpt2.py   (on every host of a pod slice / cluster: docs/training.md)
 
 out_dir = "out-gpt2"
 dataset = "edu_fineweb10B"

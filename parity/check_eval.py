@@ -20,7 +20,7 @@ import tempfile
 
 import numpy as np
 
-from configurator import UsageError, exit_on_bad_input
+from configurator import UsageError, exit_on_bad_input, require_extras
 from parity.common import HF_SIZES, pin_numerics, print_table, save_random_hf_model, verdict
 
 LOGLIKELIHOOD_TOL = 1e-4  # absolute, per request
@@ -110,6 +110,7 @@ def main(argv=None):
     p.add_argument("--batch_size", type=int, default=8, help="requests per batch, both models")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="our compute dtype")
     args = p.parse_args(argv)
+    require_extras("eval")
     if (args.init_from is None) == (not args.random_init):
         raise UsageError("give one of --init_from=... or --random-init")
     if args.batch_size < 1:

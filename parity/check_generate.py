@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from configurator import exit_on_bad_input
+from configurator import exit_on_bad_input, require_extras
 from parity.common import max_abs, pin_numerics, print_table, random_hf_model, verdict
 
 # jax, and our modules on it, are imported in the functions that use them: bad arguments fail before jax loads
@@ -277,6 +277,7 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="also check an HF GPT-2 directory or gpt2* (2 x (8 + 64) tokens)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    require_extras("parity")
     import sharding  # here: jax is imported only once the arguments are good
 
     sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is

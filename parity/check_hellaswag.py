@@ -17,8 +17,7 @@ import numpy as np
 
 import hellaswag
 import sharding
-from checkpoint import use_compilation_cache
-from configurator import UsageError, exit_on_bad_input
+from configurator import UsageError, exit_on_bad_input, require_extras
 from parity.common import pin_numerics, print_table, verdict
 from pretrained import nanogpt_checkpoint
 from weights import load_hf_model
@@ -98,8 +97,9 @@ def load_models(init_from, out_dir="out"):
 
 def main(argv=None):
     args = hellaswag.cli_parser(__doc__).parse_args(argv)
+    require_extras("parity")
     path, raw = hellaswag.cli_examples(args)
-    use_compilation_cache()
+    sharding.use_compilation_cache()
     sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is
     pin_numerics()
 

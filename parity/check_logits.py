@@ -15,12 +15,12 @@ import tempfile
 
 import numpy as np
 
-from configurator import UsageError, exit_on_bad_input
+from configurator import UsageError, exit_on_bad_input, require_extras
 from parity.common import HF_SIZES, max_abs, pin_numerics, print_table, save_random_hf_model, verdict
 
 # jax, and our modules on it, are imported in the functions that use them: bad arguments fail before jax loads
 
-# Measured on gpt2-shaped random weights, T=1024, B=2, 2-core CPU (README, "Parity"); bars set just above.
+# Measured on gpt2-shaped random weights, T=1024, B=2, 2-core CPU (docs/parity.md); bars set just above.
 FP32_MAX_REL_TOL = 3e-6  # max |logit diff| / max |logit|; measured 1.42e-6
 FP32_LOSS_TOL = 1e-6  # |loss diff|; measured 4e-8
 # bf16: our error against the fp32 reference may be at most this factor times PyTorch autocast's
@@ -147,6 +147,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    require_extras("parity")
     import sharding  # here: jax is imported only once the arguments are good
 
     sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is

@@ -23,7 +23,7 @@ import tempfile
 
 import numpy as np
 
-from configurator import UsageError, exit_on_bad_input
+from configurator import UsageError, exit_on_bad_input, require_extras
 from parity.check_train import JaxTrainer, Run, check_rows, report, rerun_with_fake_devices, train_side
 from parity.common import add_step_args, pin_numerics, print_table
 
@@ -179,6 +179,7 @@ def parse_args(argv=None):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    require_extras("parity")
     import jax
 
     import sharding

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
+from configurator import InputNotFound, UsageError, configure, exit_on_bad_input, require_extras
 from dataloader import data_dir_for, data_meta, make_loader
 from parity.common import HF_SIZES, add_step_args, max_abs, pin_numerics, print_table, random_hf_model, verdict
 
@@ -38,7 +38,7 @@ from parity.common import HF_SIZES, add_step_args, max_abs, pin_numerics, print_
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# fp32 tolerances, judged at every step and, for the params, after the last (the README's Parity table has the
+# fp32 tolerances, judged at every step and, for the params, after the last (docs/parity.md's table has the
 # figures measured over seeds, accumulation and devices: each well inside its bar)
 LOSS_TOL = 1e-5  # |loss diff| / loss
 GRAD_NORM_TOL = 1e-4  # |pre-clip grad norm diff| / grad norm
@@ -425,6 +425,7 @@ def rerun_with_fake_devices(argv, devices, have, module="parity.check_train"):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    require_extras("parity")
     import jax
 
     import sharding

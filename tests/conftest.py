@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # the suite compiles little (the scripts turn it on themselves; here it stays out of the user's cache)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax"))
-# every compilation, as the scripts cache them (checkpoint.use_compilation_cache): the two pytest workers and the
+# every compilation, as the scripts cache them (sharding.use_compilation_cache): the two pytest workers and the
 # scripts the tests start compile many of the same small programs
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # XLA:CPU compiles the suite's programs in about half the time with LLVM at -O0 and its older fusion code generator:

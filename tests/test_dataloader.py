@@ -340,11 +340,15 @@ def test_train_py_stops_in_one_line_when_train_bin_is_truncated_mid_run(tmp_path
 
 def test_a_run_from_another_directory_finds_the_projects_data(tmp_path, monkeypatch):
     """train.py --dataset=shakespeare_char started from another directory reads the project's data/shakespeare_char
-    (it said to run prepare.py); a local data/<name> or a path still comes first, and a name found nowhere is
-    data/<name>, for the error's advice (issue 33)."""
+    (it said to run prepare.py); a local data/<name> or a path still comes first, and a name found nowhere is one
+    line naming where it looked and the datasets the project prepares (issue 33)."""
     project = os.path.join(REPO, "data", "shakespeare_char")
     monkeypatch.chdir(tmp_path)
     assert dataloader.data_dir_for("shakespeare_char") == project
-    assert dataloader.data_dir_for("nowhere") == os.path.join("data", "nowhere")
+    with pytest.raises(FileNotFoundError) as e:
+        dataloader.data_dir_for("nowhere")
+    looked = [str(tmp_path / "data" / "nowhere"), str(tmp_path / "nowhere"), os.path.join(REPO, "data", "nowhere")]
+    assert str(e.value).startswith(f"no dataset 'nowhere': no such folder ({', '.join(looked)}): give --dataset")
+    assert "(fineweb10B, shakespeare, shakespeare_char: python data/NAME/prepare.py;" in str(e.value)
     (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)
     assert dataloader.data_dir_for("shakespeare_char") == os.path.join("data", "shakespeare_char")

@@ -1,6 +1,6 @@
 """python -m pytest -m gpu_compile tests/test_gpu.py -q   (make test-gpu-compile: its own venv, .venv-gpu)
 
-NVIDIA GPU programs without a GPU: XLA:GPU, through JAX's CUDA plugin (requirements-gpu.txt), compiles the tiny
+NVIDIA GPU programs without a GPU: XLA:GPU, through JAX's CUDA plugin (the cuda extras), compiles the tiny
 model's train and eval steps and sample.py's generation here on the CPU for an H100 and an A100 described by their
 specs (sharding.GPUS, sharding.gpu_devices), as bench_train.py --memory --gpu does. The program is the GPU's: with
 attention='auto' in bf16 it holds cuDNN's fused attention, picked from the mesh's device and not the host's; a bad GPU

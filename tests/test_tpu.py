@@ -1,6 +1,6 @@
 """python -m pytest tests/test_tpu.py -q
 
-TPU programs without a TPU: libtpu's ahead-of-time compiler (requirements-test.txt) compiles the train step and
+TPU programs without a TPU: libtpu's ahead-of-time compiler (the tpu extras) compiles the train step and
 sample.py's generation for a v5e:2x2 topology here on the CPU (sharding.topology_devices), as bench_train.py
 --memory --topology does, and the train, eval and generate steps for one topology of every generation
 (sharding.TPUS: v2 and v3, the free Colab/Kaggle TPUs, to TPU7x). The compiled step holds on each chip what the
@@ -288,7 +288,7 @@ def test_libtpu_banner_stays_off_the_terminal(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     raw = run("-c", "import jax; jax.devices()", env=dict(env, ALLOW_MULTIPLE_LIBTPU_LOAD="1"))
     assert raw.returncode == 0, raw.stderr[-3000:]
-    assert raw.stderr.strip(), "libtpu printed nothing at start-up: is it installed (requirements-test.txt)?"
+    assert raw.stderr.strip(), "libtpu printed nothing at start-up: is it installed (the tpu extras)?"
     assert all(sharding.LIBTPU_BANNER.search(line) for line in raw.stderr.splitlines()), raw.stderr
     quiet = run("-c", "import jax, sharding; sharding.start_backend(); sharding.topology_devices('v5e:2x2'); "
                 "print(jax.devices()[0].platform)", env=env)
