@@ -50,14 +50,14 @@ shakespeare: venv
 		--lr_decay_iters=2000 --dropout=0.0
 	$(BIN)/python sample.py --out_dir=out-shakespeare-char --num_samples=3 --max_new_tokens=300
 
-# constraints.txt anew: what clean installs of the test group and of the GPU's (gpu-compile, and cuda's libraries
-# for GPU machines) resolve to today, frozen whole (pip freeze names versions, never the index they came from).
-# torch's local label (+cpu) is dropped: the pin then takes PyPI's torch or the CPU index's. tests/test_install.py
-# checks the pins against pyproject.toml.
+# constraints.txt anew: what clean installs of the test and mutants groups, and of the GPU's (gpu-compile, and cuda's
+# libraries for GPU machines), resolve to today, frozen whole (pip freeze names versions, never the index they came
+# from). torch's local label (+cpu) is dropped: the pin then takes PyPI's torch or the CPU index's.
+# tests/test_install.py checks the pins against pyproject.toml.
 LOCK := .venv-lock
 lock:
 	rm -rf $(LOCK) && $(PYTHON) -m venv $(LOCK)
-	$(LOCK)/bin/pip install -q --no-cache-dir -e ".[test]"
+	$(LOCK)/bin/pip install -q --no-cache-dir -e ".[test,mutants]"
 	$(LOCK)/bin/pip freeze --exclude-editable > $(LOCK).test
 	rm -rf $(LOCK) && $(PYTHON) -m venv $(LOCK)
 	$(LOCK)/bin/pip install -q --no-cache-dir -e ".[gpu-compile,cuda]"

@@ -13,7 +13,7 @@ import logging
 import os
 from contextlib import contextmanager
 
-from configurator import MissingExtras, RunStopped, UsageError
+from configurator import MissingExtras, RunStopped, UsageError, require_extras
 
 
 def is_url(path):
@@ -155,8 +155,8 @@ def check_reachable(url, what="out_dir"):
     """Before anything is written: credentials, the bucket, this account's access, the network, each failing in one
     line naming the bucket and what to do."""
     bucket = bucket_of(url)
-    fs, p = filesystem(url)  # first: without the gcs extras, the line that names them
     if url.startswith("gs://") and not os.environ.get("STORAGE_EMULATOR_HOST"):
+        require_extras("gcs")  # before google.auth, which comes with gcsfs
         import google.auth
         from google.auth.exceptions import DefaultCredentialsError
 
@@ -166,6 +166,7 @@ def check_reachable(url, what="out_dir"):
             raise UsageError(f"{what} {url}: no Google Cloud credentials to reach {bucket} "
                              f"({str(e).splitlines()[0][:160]}): run `gcloud auth application-default login`, or on "
                              "a TPU VM give its service account access to the bucket") from None
+    fs, p = filesystem(url)  # after the credentials: gcsfs, finding none, would wait on the metadata server
     with errors(url, what):
         try:
             fs.ls(p.split("/", 1)[0])  # the bucket listed: forbidden and unreachable say so here too

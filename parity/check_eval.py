@@ -6,8 +6,11 @@ lm-evaluation-harness parity: the same tasks through our JAX model (eval.py) and
     python -m parity.check_eval --init_from=DIR --tasks=hellaswag_local --limit=10
     python -m parity.check_eval --init_from=resume --out_dir=out --dtype=bfloat16
 
-init_from as eval.py's; anything but an HF directory is written to one first (GPT.save_pretrained). The tasks are
-eval_tasks/'s (offline) unless --include_path says otherwise; lm-eval's hub tasks need the network.
+init_from as eval.py's. Each side loads the weights by its own code: ours by eval.py's loader (what is checked);
+lm-eval's hf model by transformers' from_pretrained, and our checkpoint or a nanoGPT ckpt.pt through
+parity/torch_side.py (orbax's or torch's own reader, the name map written there), saved for it by transformers'
+save_pretrained. The tasks are eval_tasks/'s (offline) unless --include_path says otherwise; lm-eval's hub tasks
+need the network.
 fp32: every loglikelihood within 1e-4 absolute, the same is_greedy flags and accuracies; rolling loglikelihoods
 within 1e-4 relative; generated text the same. bf16 (ours; the reference stays fp32): our mean |loglikelihood
 error| at most BF16_FACTOR times that of transformers run in bf16, accuracies said.
@@ -15,12 +18,14 @@ Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input.
 """
 
 import argparse
+import functools
 import os
 import tempfile
 
 import numpy as np
 
 from configurator import UsageError, exit_on_bad_input, require_extras
+from parity import torch_side
 from parity.common import HF_SIZES, pin_numerics, print_table, save_random_hf_model, verdict
 
 LOGLIKELIHOOD_TOL = 1e-4  # absolute, per request
@@ -30,19 +35,37 @@ LOCAL_TASKS = "hellaswag_local,shakespeare_rolling,shakespeare_generate"
 EVAL_TASKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eval_tasks")
 
 
-def hf_lm(path, batch_size, dtype, scratch):
-    """lm-eval's own hf model on the HF directory `path`; where it lacks GPT-2's tokenizer files, they are made
-    offline in the directory `scratch`."""
-    from lm_eval.models.huggingface import HFLM
-
+@functools.cache
+def gpt2_tokenizer():
+    """GPT-2's tokenizer for transformers, made offline once per process (the conversion takes seconds)."""
     from tokenizer import save_hf_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return save_hf_tokenizer(tmp)
+
+
+def hf_lm(path, batch_size, dtype, scratch):
+    """lm-eval's own hf model on the HF directory `path`; where it lacks GPT-2's tokenizer files, they are written
+    offline to the directory `scratch`."""
+    from lm_eval.models.huggingface import HFLM
 
     tokenizer = path
     if not os.path.exists(os.path.join(path, "tokenizer.json")):
         tokenizer = os.path.join(scratch, "tokenizer")
         if not os.path.isdir(tokenizer):
-            save_hf_tokenizer(tokenizer)
+            gpt2_tokenizer().save_pretrained(tokenizer)
     return HFLM(pretrained=path, tokenizer=tokenizer, device="cpu", batch_size=batch_size, dtype=dtype)
+
+
+def reference_path(init_from, out_dir, scratch):
+    """What lm-eval's hf model loads for `init_from`: a hub name or an HF directory as it is (transformers'
+    from_pretrained reads it); our checkpoint (resume) or a nanoGPT ckpt.pt converted by parity/torch_side.py and
+    written to `scratch` by transformers' save_pretrained."""
+    if init_from != "resume" and torch_side.nanogpt_file(init_from) is None:
+        return init_from
+    path = os.path.join(scratch, "reference")
+    torch_side.load(init_from, out_dir).save_pretrained(path)
+    return path
 
 
 def responses(results):
@@ -121,22 +144,17 @@ def main(argv=None):
     import eval as ours
     import sharding
     from checkpoint import load_bpe_model
-    from model import load_pretrained
 
     tasks = args.tasks.split(",")
     manager = ours.task_manager(tasks, args.include_path)
     sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is
     pin_numerics()
     with tempfile.TemporaryDirectory() as tmp:
+        source = args.init_from
         if args.random_init:
-            path = save_random_hf_model(os.path.join(tmp, "model"), **HF_SIZES["gpt2"])
-        elif os.path.isfile(os.path.join(args.init_from, "config.json")):
-            path = args.init_from
-        else:  # our checkpoint, a nanoGPT one or a hub name: the same weights as an HF directory
-            model, _ = load_bpe_model(args.init_from, args.out_dir, "float32", ours.NOT_BPE)
-            path = os.path.join(tmp, "model")
-            model.save_pretrained(path)
-        model, _ = load_pretrained(path, dtype=args.dtype)
+            source = save_random_hf_model(os.path.join(tmp, "model"), **HF_SIZES["gpt2"])
+        model, _ = load_bpe_model(source, args.out_dir, args.dtype, ours.NOT_BPE)
+        path = reference_path(source, args.out_dir, tmp)
         cfg = dict(ours.defaults, tasks=args.tasks, limit=args.limit, num_fewshot=args.num_fewshot,
                    batch_size=args.batch_size, log_samples=True, bootstrap_iters=0)
         print(f"== ours (JAX {args.dtype}, {jax.device_count()} device(s))")

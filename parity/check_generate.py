@@ -1,6 +1,8 @@
 """
 Generation parity: our KV-cache decoding against full forwards, against transformers' greedy generate,
-and against our own no-cache path; the sampling filters against numpy and transformers' logits warpers.
+and against our own no-cache path; the sampling filters against numpy and transformers' logits warpers; the
+tokens generate samples against transformers' warpers and transformers' own generate(do_sample=True), by
+chi-square tests on many draws from one prompt (the torch side never runs our sampling code).
 
     python -m parity.check_generate                  # random HF checkpoints in several shapes, offline
     python -m parity.check_generate --model DIR      # and an HF GPT-2 directory (or gpt2*, online or HF cache)
@@ -51,6 +53,10 @@ CASES = [
 ]
 # (temperature, top_k, top_p) for the sampling checks
 SAMPLING = (0.8, 20, 0.9)
+# the distribution checks: draws from one prompt, and each test's false-failure rate (the probability that a
+# correct sampler fails it, over seeds; the keys are fixed, so a run is deterministic)
+DRAWS = 20000
+SAMPLE_ALPHA = 1e-6
 FILTER_SETTINGS = [(1.0, None, None), (0.7, 50, None), (1.3, None, 0.9), (0.8, 200, 0.95), (1.0, 1, None),
                    (1.0, None, 0.05), (2.0, 1000, 0.5), (0.5, 7, 0.999)]
 
@@ -187,7 +193,7 @@ def hf_probs(logits, temperature, top_k, top_p):
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
 
-    scores = torch.from_numpy(np.asarray(logits, np.float32))
+    scores = torch.from_numpy(np.array(logits, np.float32))  # a copy: torch takes no read-only array
     warpers = [TemperatureLogitsWarper(temperature)]
     if top_k is not None:
         warpers.append(TopKLogitsWarper(top_k))
@@ -232,18 +238,102 @@ def filters_ok(rows):
     return all(r[1] <= FILTER_PROB_TOL and r[2] and r[3] <= FILTER_PROB_TOL and r[4] for r in rows)
 
 
+def draw(model, prompt, rows, new_tokens, sampling, key):
+    """Tokens sampled by our generate: `rows` copies of `prompt` (T,), `new_tokens` steps each, counted per token
+    id -> (counts (V,), the raw logits of the first step (V,), of row 0). With logits that do not depend on the
+    tokens (tests' fixed-logits model), every step draws from the same distribution: rows x new_tokens draws."""
+    temperature, top_k, top_p = sampling
+    idx = np.repeat(np.asarray(prompt, np.int32)[None], rows, axis=0)
+    out, logits = model.generate(idx, new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, key=key,
+                                 return_logits=True)
+    V = model.config.vocab_size
+    return np.bincount(out[:, len(prompt):].ravel(), minlength=V), logits[0, 0]
+
+
+def hf_draw(hf_model, prompt, rows, sampling, seed):
+    """transformers' own sampling: generate(do_sample=True) with its temperature, top_k and top_p on `rows` copies
+    of `prompt`, one new token each -> (counts (V,), the warped probabilities it samples from (V,), float64)."""
+    import torch
+
+    temperature, top_k, top_p = sampling
+    x = torch.from_numpy(np.repeat(np.asarray(prompt, np.int64)[None], rows, axis=0))
+    hf_model.generation_config.eos_token_id = None
+    hf_model.generation_config.pad_token_id = 0
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=True, max_new_tokens=1,
+                                min_new_tokens=0, temperature=temperature, top_k=top_k or 0, top_p=top_p or 1.0)
+        logits = hf_model(x[:1]).logits[:, -1].numpy()  # (1, V)
+    V = hf_model.config.vocab_size
+    return np.bincount(out[:, -1].numpy(), minlength=V), hf_probs(logits, temperature, top_k, top_p)[0]
+
+
+def pooled(expected, *observed):
+    """Pearson's bins: tokens expected >= 5 times their own, the rest pooled into one (merged into the smallest
+    bin if it is expected < 5 times itself), for the chi-square approximation to hold."""
+    big = expected >= 5
+    bins = [np.append(x[big], x[~big].sum()) for x in (expected, *observed)]
+    if bins[0][-1] < 5 and len(bins[0]) > 1:
+        j = int(np.argmin(bins[0][:-1]))
+        bins = [np.append(np.delete(b[:-1], j), b[j] + b[-1]) for b in bins]
+    return bins
+
+
+def chi_square(counts, probs, alpha=SAMPLE_ALPHA):
+    """Goodness of fit of `counts` (V,) draws to `probs` (V,): no draw of a probability-0 token (`outside`), and
+    Pearson's statistic within chi2's 1 - alpha quantile. -> {stat, critical, df, outside, kept, ok}"""
+    from scipy.special import chdtri  # chi2's inverse survival function, without scipy.stats' import time
+
+    counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
+    n, kept = counts.sum(), probs > 0
+    expected, observed = pooled(n * probs[kept] / probs[kept].sum(), counts[kept])
+    stat, df = float(np.sum((observed - expected) ** 2 / expected)), len(expected) - 1
+    critical = float(chdtri(df, alpha)) if df > 0 else 0.0
+    outside = int(counts[~kept].sum())
+    return {"stat": stat, "critical": critical, "df": df, "outside": outside, "kept": int(kept.sum()),
+            "ok": outside == 0 and stat <= critical}
+
+
+def chi_square_two_sample(a, b, alpha=SAMPLE_ALPHA):
+    """Whether two samples of counts (V,) come from one distribution: Pearson's test of homogeneity on the 2 x
+    bins table, within chi2's 1 - alpha quantile. -> {stat, critical, df, ok}"""
+    from scipy.special import chdtri  # chi2's inverse survival function, without scipy.stats' import time
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    n_a, n_b = a.sum(), b.sum()
+    share = (a + b) / (n_a + n_b)  # the common distribution, as estimated from both
+    _, x, y, p = pooled(min(n_a, n_b) * share, a, b, share)
+    stat = float(np.sum((x - n_a * p) ** 2 / (n_a * p)) + np.sum((y - n_b * p) ** 2 / (n_b * p)))
+    df = len(p) - 1
+    critical = float(chdtri(df, alpha)) if df > 0 else 0.0
+    return {"stat": stat, "critical": critical, "df": df, "ok": stat <= critical}
+
+
+def check_distribution(model, hf_model, prompt, key, sampling=SAMPLING, draws=DRAWS, seed=0):
+    """`draws` tokens sampled by our generate after `prompt` against transformers: the warped probabilities of its
+    logits processors (goodness of fit) and `draws` tokens of its generate(do_sample=True) (homogeneity)."""
+    counts, _ = draw(model, prompt, draws, 1, sampling, key)
+    hf_counts, probs = hf_draw(hf_model, prompt, draws, sampling, seed)
+    return {"vs_warpers": chi_square(counts, probs), "vs_generate": chi_square_two_sample(counts, hf_counts),
+            "hf_vs_warpers": chi_square(hf_counts, probs)}
+
+
+def distribution_ok(f):
+    return all(r["ok"] for r in f.values())
+
+
 def make_prompt(batch, prompt_len, vocab_size, seed):
     return np.random.default_rng(seed).integers(0, vocab_size, (batch, prompt_len)).astype(np.int32)
 
 
 def run_cases(cases, seed=0, bf16_case=0):
     """Each case on a fresh random HF checkpoint saved to a tmp dir and loaded by both frameworks; one
-    of them in bf16 too."""
+    of them in bf16 too, and its sampling distribution against transformers'."""
     import jax
 
     from model import GPT
 
-    results, bf16 = [], None
+    results, bf16, dist = [], None, None
     with tempfile.TemporaryDirectory() as tmp:
         for i, case in enumerate(cases):
             path = os.path.join(tmp, f"case{i}")
@@ -255,7 +345,8 @@ def run_cases(cases, seed=0, bf16_case=0):
                                    **check_sampling(model, idx, case.new_tokens, jax.random.key(seed + i))}))
             if i == bf16_case:
                 bf16 = (case.name, check_bf16(path, idx, case.new_tokens))
-    return results, bf16
+                dist = (case.name, check_distribution(model, hf_model, idx[0], jax.random.key(seed), seed=seed))
+    return results, bf16, dist
 
 
 def print_cases(results):
@@ -285,11 +376,11 @@ def main(argv=None):
     import jax
 
     from model import GPT
-    from weights import load_hf_model
+    from parity.torch_side import from_hf
 
-    results, (bf16_name, bf16) = run_cases(CASES, args.seed)
+    results, (bf16_name, bf16), (dist_name, dist) = run_cases(CASES, args.seed)
     if args.model:
-        hf_model, model = load_hf_model(args.model), GPT.from_pretrained(args.model)
+        hf_model, model = from_hf(args.model), GPT.from_pretrained(args.model)
         c = hf_model.config
         idx = make_prompt(2, 8, c.vocab_size, args.seed)
         f = {**check_greedy(model, hf_model, idx, 64), **check_sampling(model, idx, 64, jax.random.key(args.seed))}
@@ -311,6 +402,15 @@ def main(argv=None):
     print_table([list(r[:2]) + [str(r[2]), r[3], str(r[4])] for r in rows],
                 ["filter", "max |p - numpy|", "support = numpy", "max |p - HF| (tie-free rows)", "support = HF"])
     ok = verdict(filters_ok(rows), f"sampling filters (probabilities within {FILTER_PROB_TOL:g}, same support)") and ok
+    print(f"\nsampled tokens, {DRAWS} draws each after one prompt ({dist_name}), T={SAMPLING[0]} top_k={SAMPLING[1]} "
+          f"top_p={SAMPLING[2]}: {dist['vs_warpers']['kept']} tokens kept by transformers' warpers")
+    print_table([[name, f["stat"], f["critical"], str(f["df"]), str(f.get("outside", "")), "yes" if f["ok"] else "NO"]
+                 for name, f in (("ours vs transformers' warpers", dist["vs_warpers"]),
+                                 ("ours vs transformers' generate", dist["vs_generate"]),
+                                 ("transformers' generate vs its warpers", dist["hf_vs_warpers"]))],
+                ["chi-square test", "statistic", f"critical (alpha {SAMPLE_ALPHA:g})", "df", "drawn outside", "ok"])
+    ok = verdict(distribution_ok(dist), "sampling distribution (chi-square within the critical value, nothing "
+                 "drawn outside the kept set)") and ok
     return 0 if ok else 1
 
 

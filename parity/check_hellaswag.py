@@ -6,11 +6,16 @@ examples: the reference) and by hellaswag.evaluate (our batched JAX scorer), the
     python -m parity.check_hellaswag --init_from=gpt2 --limit 500     # val, downloaded once to data/hellaswag/
     python -m parity.check_hellaswag --init_from=resume --out_dir=out --path FILE.jsonl   # our own checkpoint
 
+The reference shares no code with what it checks: it loads the weights by its own path (parity/torch_side.py), and
+reads the jsonl, tokenizes, renders, scores and counts by its own code below, as build-nanogpt's hellaswag.py.
 Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input.
 """
 
-import tempfile
+import base64
+import json
+import os
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -18,48 +23,99 @@ import numpy as np
 import hellaswag
 import sharding
 from configurator import UsageError, exit_on_bad_input, require_extras
+from parity import torch_side
 from parity.common import pin_numerics, print_table, verdict
-from pretrained import nanogpt_checkpoint
-from weights import load_hf_model
 
 LOSS_RTOL = 1e-5  # each ending's summed and mean loss, relative to the reference's; predictions must be identical
+BPE_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "gpt2.tiktoken")
+PAD = 0  # build-nanogpt's right padding; the mask keeps it out of every loss
 
 
-def render_rows(r: hellaswag.Rendered):
-    """build-nanogpt's (4, L) tokens and mask for one example: each row right-padded with hellaswag.PAD to the
-    longest of the 4; mask 1 on the ending's tokens."""
-    rows = [r.ctx + e for e in r.endings]
-    L = max(len(row) for row in rows)
-    tokens = np.full((4, L), hellaswag.PAD, np.int64)
+# ---------------------------------------------------------------------------------------------------
+# the reference: build-nanogpt's hellaswag.py on transformers' GPT-2
+
+
+def reference_encoding():
+    """GPT-2's BPE with tiktoken's own GPT-2 settings (its r50k split pattern and <|endoftext|>) on the shipped
+    ranks: tiktoken.get_encoding("gpt2") without the download, and none of tokenizer.py's code."""
+    import tiktoken
+    from tiktoken_ext import openai_public
+
+    with open(BPE_FILE, "rb") as f:
+        ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in f if line.strip())}
+    return tiktoken.Encoding("gpt2", pat_str=openai_public.r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 50256})
+
+
+def iterate_examples(path, limit=None):
+    """(1-based line, example dict) of each non-blank line of a HellaSwag jsonl, the first `limit`."""
+    with open(path, encoding="utf-8") as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    return [(n, json.loads(line)) for n, line in lines[:limit]]
+
+
+def render_example(example, enc, max_len):
+    """build-nanogpt's render_example: (tokens (4, L), mask (4, L), label); each row the context then one ending
+    (a space prefixed), right-padded to the longest row; mask 1 on the ending's tokens. A row longer than max_len
+    (the model's context) loses context tokens from the left: the ending is always scored whole."""
+    ctx = enc.encode_ordinary(example["ctx"])
+    endings = [enc.encode_ordinary(" " + end) for end in example["endings"]]
+    ctx = ctx[max(0, len(ctx) + max(map(len, endings)) - max_len):]
+    L = len(ctx) + max(map(len, endings))
+    tokens = np.full((4, L), PAD, np.int64)
     mask = np.zeros((4, L), np.int64)
-    for i, (row, e) in enumerate(zip(rows, r.endings)):
-        tokens[i, : len(row)] = row
-        mask[i, len(r.ctx): len(row)] = 1
-    return tokens, mask
+    for i, end in enumerate(endings):
+        tokens[i, : len(ctx) + len(end)] = ctx + end
+        mask[i, len(ctx): len(ctx) + len(end)] = 1
+    return tokens, mask, int(example["label"])
 
 
-def evaluate_torch(hf_model, examples, progress=False):
-    """Score rendered examples with a transformers GPT2LMHeadModel, one example (4 rows) at a time, the
-    losses computed as build-nanogpt computes them. Returns hellaswag.Score, as hellaswag.evaluate."""
+class RefResult(NamedTuple):  # one example's figures, under hellaswag.ExampleResult's names (compare reads both)
+    line: int
+    label: int
+    sum_losses: list
+    mean_losses: list
+    pred: int
+    pred_norm: int
+
+
+class RefScore(NamedTuple):  # under hellaswag.Score's names
+    acc: float
+    acc_norm: float
+    count: int
+    results: list
+
+
+def evaluate_torch(hf_model, path, limit=None, progress=False):
+    """Score the jsonl at `path` (its first `limit` examples) with a transformers GPT2LMHeadModel, one example
+    (4 rows) at a time, as build-nanogpt's hellaswag.py: summed and mean loss over each ending's tokens, the lowest
+    of each the prediction, the hits counted. Returns a RefScore."""
     import torch
     from torch.nn import functional as F
     from tqdm import tqdm
 
-    if not examples:
-        raise UsageError("no examples to score")
-    hellaswag.check_vocab(hf_model.config.vocab_size)
-    results = []
-    for r in tqdm(examples, unit="ex", desc="hellaswag (torch)", disable=not progress):
-        tokens, mask = (torch.from_numpy(a) for a in render_rows(r))  # (4, L) each
+    if hf_model.config.vocab_size < 50257:
+        raise UsageError(f"the model's vocab_size {hf_model.config.vocab_size} does not cover GPT-2's 50257 tokens")
+    enc = reference_encoding()
+    results, num_correct, num_correct_norm = [], 0, 0
+    for line, example in tqdm(iterate_examples(path, limit), unit="ex", desc="hellaswag (torch)",
+                              disable=not progress):
+        tokens, mask, label = render_example(example, enc, hf_model.config.n_positions)
+        tokens, mask = torch.from_numpy(tokens), torch.from_numpy(mask)  # (4, L) each
         with torch.no_grad():
             logits = hf_model(tokens).logits  # (4, L, vocab)
         # the logits at t predict token t + 1; the shifted mask picks the ending's tokens as targets
         losses = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
         shift_mask = mask[:, 1:]
         sum_loss = (losses.view(4, -1) * shift_mask).sum(dim=1)  # (4,)
-        mean_loss = sum_loss / shift_mask.sum(dim=1)
-        results.append(hellaswag.make_result(r, sum_loss.tolist(), mean_loss.tolist()))
-    return hellaswag.summarize(results)
+        avg_loss = sum_loss / shift_mask.sum(dim=1)
+        pred, pred_norm = int(sum_loss.argmin()), int(avg_loss.argmin())  # ties: the first, as build-nanogpt's
+        num_correct += pred == label
+        num_correct_norm += pred_norm == label
+        results.append(RefResult(line, label, sum_loss.tolist(), avg_loss.tolist(), pred, pred_norm))
+    if not results:
+        raise UsageError("no examples to score")
+    return RefScore(num_correct / len(results), num_correct_norm / len(results), len(results), results)
 
 
 def compare(ref, ours):
@@ -84,15 +140,9 @@ def agree(figures, count):
 
 
 def load_models(init_from, out_dir="out"):
-    """(our GPT, transformers' GPT2LMHeadModel) with the same float32 weights. A hub name or an HF directory loads
-    in each framework; our checkpoint (resume) or a nanoGPT ckpt.pt reaches torch through an HF export of ours to
-    a temporary directory."""
-    model = hellaswag.load_model(init_from, out_dir)
-    if init_from != "resume" and not nanogpt_checkpoint(init_from):
-        return model, load_hf_model(init_from)
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
-        return model, load_hf_model(tmp)
+    """(our GPT, transformers' GPT2LMHeadModel) of `init_from`, each loaded by its own code: ours by
+    hellaswag.load_model (what is checked), the reference by parity/torch_side.py."""
+    return hellaswag.load_model(init_from, out_dir), torch_side.load(init_from, out_dir)
 
 
 def main(argv=None):
@@ -110,7 +160,7 @@ def main(argv=None):
           f"{len(examples)} examples from {path}; torch float32 on cpu, jax float32 on {jax.device_count()} "
           f"{jax.devices()[0].platform} device(s)")
     t0 = time.time()
-    ref = evaluate_torch(hf_model, examples, progress=True)
+    ref = evaluate_torch(hf_model, path, args.limit, progress=True)
     t1 = time.time()
     ours = hellaswag.evaluate(model, examples, progress=True)
     print(f"scored in {t1 - t0:.1f}s (torch), {time.time() - t1:.1f}s (jax, with compilation)")

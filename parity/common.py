@@ -28,7 +28,6 @@ def pin_numerics():
 def random_hf_model(seed=0, **config_kwargs):
     """A transformers GPT2LMHeadModel with *every* tensor random. HF's own init leaves biases at 0 and
     LayerNorms at 1, which would hide a swapped or missing mapping."""
-    import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config_kwargs = {"vocab_size": 50257, "n_positions": 1024, **config_kwargs}
@@ -36,7 +35,14 @@ def random_hf_model(seed=0, **config_kwargs):
         config_kwargs.setdefault("bos_token_id", None)
         config_kwargs.setdefault("eos_token_id", None)
     config = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **config_kwargs)
-    model = GPT2LMHeadModel(config).eval()
+    return randomized(GPT2LMHeadModel(config).eval(), seed)
+
+
+def randomized(model, seed):
+    """`model` (HF's or nanoGPT's GPT-2: the same parameter names) with every parameter drawn anew: LayerNorms
+    1 + N(0, 0.1) and N(0, 0.1) (weight, bias), the rest N(0, 0.02)."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -50,6 +56,17 @@ def random_hf_model(seed=0, **config_kwargs):
 
 def save_random_hf_model(path, seed=0, **config_kwargs):
     random_hf_model(seed, **config_kwargs).save_pretrained(path)
+    return path
+
+
+def save_random_nanogpt_ckpt(path, seed=0, **config_kwargs):
+    """nanoGPT's ckpt.pt (parity/nanogpt_reference.py's GPT, nanoGPT's GPTConfig fields) with every tensor random,
+    its keys under torch.compile's prefix and with the causal-mask buffers (no flash attention), as nanoGPT's
+    train.py can leave them."""
+    from parity import nanogpt_reference as nanogpt
+
+    gpt = randomized(nanogpt.GPT(nanogpt.GPTConfig(**config_kwargs), flash=False).eval(), seed)
+    nanogpt.save_ckpt(gpt, path, compiled=True)
     return path
 
 

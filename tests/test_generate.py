@@ -1,9 +1,11 @@
 """python -m pytest tests/test_generate.py -q
 
 Generation: KV-cache logits against full forwards, greedy tokens against transformers' generate, sampling
-with and without the cache, the top-k/top-p/temperature filters, one compilation per shape, bad input."""
+with and without the cache, the top-k/top-p/temperature filters against numpy and transformers' warpers, the
+tokens generate samples against the filtered softmax (chi-square), one compilation per shape, bad input."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -11,8 +13,9 @@ from flax import nnx
 from helpers import tiny_config
 from model import GPT
 from parity.check_generate import (CACHE_LOGITS_TOL, FILTER_PROB_TOL, bf16_ok, check_bf16, check_filters,
-                                   check_greedy, check_sampling, make_prompt, varied_hf_model)
-from parity.common import pin_numerics
+                                   check_greedy, check_sampling, chi_square, draw, hf_probs, make_prompt,
+                                   reference_probs, varied_hf_model)
+from parity.common import max_abs, pin_numerics
 
 TINY = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=128)
 
@@ -82,6 +85,27 @@ def test_filters_match_numpy_and_transformers():
     logits = jax.random.normal(jax.random.key(0), (4, 100))
     kept = np.isfinite(np.asarray(filter_logits(logits, 0.7, top_k=1)))
     assert (kept.sum(-1) == 1).all() and (kept.argmax(-1) == np.asarray(logits).argmax(-1)).all()
+
+
+def test_generate_draws_from_the_filtered_softmax():
+    """20,000 tokens through generate (2,000 rows x 10 steps) from one fixed logit vector, against the filtered
+    softmax of that vector in float64 numpy (parity.check_generate.reference_probs, written from the definitions;
+    transformers' warpers give the same): nothing drawn outside the kept set, and Pearson's chi-square within its
+    1 - 1e-6 quantile, so a correct sampler fails with probability 1e-6 over keys (the key is fixed: the test is
+    deterministic). At T=0.8, top_k=20, top_p=0.9 each filter changes the kept set (15 tokens; 16 without the
+    temperature, 20 without top_p, 56 without top_k, 128 from the raw logits), so ignoring any one fails."""
+    model = GPT(tiny_config(), nnx.Rngs(0))
+    # ln_f's scale 0 makes every final hidden state ln_f's bias b, whatever the tokens: the logits are wte @ b at
+    # every step, of std ~1.1 at this scale
+    model.ln_f.scale.set_value(jnp.zeros(64))
+    model.ln_f.bias.set_value(6 * jax.random.normal(jax.random.key(1), (64,)))
+    sampling = (0.8, 20, 0.9)
+    counts, logits = draw(model, [0], 2000, 10, sampling, jax.random.key(0))
+    probs = reference_probs(logits[None], *sampling)[0]
+    assert max_abs(probs, hf_probs(logits[None], *sampling)[0]) <= FILTER_PROB_TOL
+    f = chi_square(counts, probs, alpha=1e-6)
+    assert counts.sum() == 20000 and f["kept"] == 15, f
+    assert f["ok"], f
 
 
 def test_compiles_once_per_batch_size_and_total_length(monkeypatch):

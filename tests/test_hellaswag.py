@@ -2,8 +2,9 @@
 
 HellaSwag: the jsonl reader and its errors, build-nanogpt's rendering, accuracies worked by hand, the batched
 JAX scorer against a numpy computation from full logits and against the torch reference (transformers'
-GPT2LMHeadModel, parity/check_hellaswag.py) on a random HF checkpoint, 8 fake devices against 1, and both
-command lines (hellaswag.py, python -m parity.check_hellaswag) end to end, in process.
+GPT2LMHeadModel, parity/check_hellaswag.py) on a random HF checkpoint, 8 fake devices against 1, both
+command lines (hellaswag.py, python -m parity.check_hellaswag) end to end, in process, and a bug planted in our
+loaders caught by the parity check.
 """
 
 import json
@@ -48,6 +49,14 @@ def examples():
 
 
 @pytest.fixture(scope="module")
+def reference_rows():
+    """build-nanogpt's (tokens, mask, label) of each fixture example, by the reference's own code."""
+    enc = check_hellaswag.reference_encoding()
+    return [check_hellaswag.render_example(ex, enc, TINY["n_positions"])
+            for _, ex in check_hellaswag.iterate_examples(str(FIXTURE))]
+
+
+@pytest.fixture(scope="module")
 def jax_score(model, examples):
     # 3 batches of 8, 8 and 4 examples: the scorer's batching, bucketing and reordering all take part
     return hellaswag.evaluate(model, examples, batch_size=8)
@@ -75,17 +84,18 @@ def test_fixture_is_the_real_format():
     assert len(hellaswag.read_examples(str(FIXTURE), limit=5)) == 5
 
 
-def test_rendering_matches_build_nanogpt(examples):
+def test_rendering_matches_build_nanogpt(examples, reference_rows):
+    """Our rendering against the reference's (its own tokenizer settings, rows and mask, as build-nanogpt's)."""
     from tokenizer import get_encoding
 
     enc = get_encoding()
     raw = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
-    for ex, r in zip(raw, examples):
+    for ex, r, (tokens, mask, label) in zip(raw, examples, reference_rows):
         assert r.ctx == enc.encode(ex["ctx"]) and r.truncated == 0
         assert r.endings == [enc.encode(" " + e) for e in ex["endings"]]
         # the space belongs to the ending's first token, punctuation included
         assert all(enc.decode(e[:1])[0] == " " for e in r.endings)
-        tokens, mask = check_hellaswag.render_rows(r)
+        assert label == r.label
         assert tokens.shape == mask.shape == (4, len(r.ctx) + max(len(e) for e in r.endings))
         for i, e in enumerate(r.endings):
             n = len(r.ctx) + len(e)
@@ -104,6 +114,9 @@ def test_long_context_is_cut_from_the_left():
     assert cut.endings == full.endings  # endings are scored whole
     assert cut.truncated == len(full.ctx) + longest - 64 > 0
     assert cut.ctx == full.ctx[cut.truncated:] and len(cut.ctx) + longest == 64
+    tokens, mask, _ = check_hellaswag.render_example(ex, check_hellaswag.reference_encoding(), 64)  # the same cut
+    assert tokens.shape == (4, 64) and [row[m == 1].tolist() for row, m in zip(tokens, mask)] == cut.endings
+    assert (tokens[:, : len(cut.ctx)] == cut.ctx).all()
     with pytest.raises(ValueError, match="no room for context"):
         hellaswag.render_example(ex, max_len=longest)
 
@@ -151,7 +164,7 @@ def test_padding_never_changes_a_loss(model, examples):
 # the scorer
 
 
-def test_scorer_matches_numpy_from_full_logits(model, examples, jax_score):
+def test_scorer_matches_numpy_from_full_logits(model, examples, reference_rows, jax_score):
     """Full logits (B, T, vocab) from the model's plain forward, then build-nanogpt's masked cross-entropy in
     float64 numpy over each row's real tokens."""
     import jax.numpy as jnp
@@ -159,8 +172,7 @@ def test_scorer_matches_numpy_from_full_logits(model, examples, jax_score):
 
     forward = nnx.jit(lambda model, idx: model(idx)[0])  # one shape for all: rows right-padded to block_size
     assert jax_score.count == len(examples) == 20
-    for r, res in zip(examples, jax_score.results):
-        tokens, mask = check_hellaswag.render_rows(r)
+    for r, res, (tokens, mask, _) in zip(examples, jax_score.results, reference_rows):
         padded = np.zeros((4, TINY["n_positions"]), np.int32)
         padded[:, : tokens.shape[1]] = tokens
         logits = np.asarray(forward(model, jnp.asarray(padded)), np.float64)  # (4, 128, vocab)
@@ -198,9 +210,10 @@ def test_accuracies_worked_by_hand():
 
 
 def test_jax_matches_torch_reference(hf_dir, examples, jax_score):
-    from weights import load_hf_model
+    from parity import torch_side
 
-    ref = check_hellaswag.evaluate_torch(load_hf_model(hf_dir), examples)
+    ref = check_hellaswag.evaluate_torch(torch_side.from_hf(hf_dir), str(FIXTURE))
+    assert [x.line for x in ref.results] == [x.line for x in jax_score.results]
     assert [(x.pred, x.pred_norm) for x in jax_score.results] == [(x.pred, x.pred_norm) for x in ref.results]
     assert (jax_score.acc, jax_score.acc_norm, jax_score.count) == (ref.acc, ref.acc_norm, ref.count)
     assert_close(losses(jax_score), losses(ref), rtol=LOSS_RTOL, what="jax vs torch losses")
@@ -353,7 +366,7 @@ def resume_dir(model, tmp_path_factory):
 @pytest.mark.parametrize("source", ["hf_dir", "resume"])
 def test_cli_and_parity_cli(source, hf_dir, resume_dir, jax_score, tmp_path, capsys):
     """hellaswag.py writes the scorer's predictions and prints its accuracies; parity.check_hellaswag finds the
-    torch reference in agreement (with resume: through an HF export of the checkpoint)."""
+    torch reference in agreement (with resume: the reference reads the checkpoint with orbax itself)."""
     init = [f"--init_from={hf_dir}"] if source == "hf_dir" else ["--init_from=resume", f"--out_dir={resume_dir}"]
     out = tmp_path / "preds.jsonl"
     assert hellaswag.main(["--path", str(FIXTURE), *init, "--out", str(out)]) == 0
@@ -378,8 +391,8 @@ def test_parity_cli_exits_1_on_a_mismatch(hf_dir, monkeypatch, capsys):
     """One ending's loss of the reference moved by 2e-5 relative: beyond the tolerance, same predictions."""
     evaluate_torch = check_hellaswag.evaluate_torch
 
-    def nudged(hf_model, examples, progress=False):
-        score = evaluate_torch(hf_model, examples, progress)
+    def nudged(hf_model, path, limit=None, progress=False):
+        score = evaluate_torch(hf_model, path, limit, progress)
         r = score.results[3]
         sums = [s * (1 + 2e-5) if j == r.pred_norm else s for j, s in enumerate(r.sum_losses)]
         means = [s * (1 + 2e-5) if j == r.pred_norm else s for j, s in enumerate(r.mean_losses)]
@@ -405,3 +418,33 @@ def test_parity_figures():
         assert check_hellaswag.agree(figures, 1) == ok, (sums, means, figures)
     assert figures["mean"]["max_abs"] == 3.5 and figures["mean"]["same_preds"] == 0
     assert (figures["mean"]["acc_ref"], figures["mean"]["acc"]) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("source", ["nanogpt", "resume"])
+def test_parity_cli_catches_a_bug_in_our_loader(source, resume_dir, tmp_path, monkeypatch, capsys):
+    """A square weight (layer 0's attn.c_proj) left in nanoGPT's (out, in) layout by pretrained.read_nanogpt, or
+    transposed by checkpoint.load_checkpoint_model: the reference loads the file by its own path
+    (parity/torch_side.py), so the check fails; with the loaders as they are, it passes."""
+    import checkpoint
+    import pretrained
+    from parity.common import save_random_nanogpt_ckpt
+
+    if source == "nanogpt":
+        ckpt = save_random_nanogpt_ckpt(tmp_path / "ckpt.pt", vocab_size=50257, block_size=128, n_layer=2, n_head=2,
+                                        n_embd=64)
+        init = [f"--init_from={ckpt}", "--limit=4"]  # 4 examples: one batch shape to compile, and enough
+        assert check_hellaswag.main(["--path", str(FIXTURE), *init]) == 0  # resume's is test_cli_and_parity_cli's
+        names = pretrained.linear_names
+        monkeypatch.setattr(pretrained, "linear_names", lambda *a: names(*a) - {"transformer.h.0.attn.c_proj.weight"})
+    else:
+        init = ["--init_from=resume", f"--out_dir={resume_dir}", "--limit=4"]
+        load = checkpoint.load_checkpoint_model
+
+        def transposed(*args, **kwargs):
+            model, meta = load(*args, **kwargs)
+            model.h[0].attn.c_proj.kernel.set_value(model.h[0].attn.c_proj.kernel[...].T)
+            return model, meta
+        monkeypatch.setattr(checkpoint, "load_checkpoint_model", transposed)
+    capsys.readouterr()
+    assert check_hellaswag.main(["--path", str(FIXTURE), *init]) == 1
+    assert capsys.readouterr().out.strip().endswith(": NOT OK")

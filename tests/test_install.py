@@ -48,7 +48,7 @@ def declared():
 
 def test_every_declared_dependency_has_a_pin_that_satisfies_it():
     pinned, groups = pins(), declared()
-    assert set(groups) == {"core", *EXTRAS, "tpu", "cuda", "test", "gpu-compile"}
+    assert set(groups) == {"core", *EXTRAS, "tpu", "cuda", "test", "gpu-compile", "mutants"}
     for group, reqs in groups.items():
         for req in reqs:
             name = canonicalize_name(req.name)
@@ -59,7 +59,8 @@ def test_every_declared_dependency_has_a_pin_that_satisfies_it():
             assert req.specifier.contains(Version(pinned[name]), prereleases=True), \
                 f"{group}: {req} is not satisfied by constraints.txt's {name}=={pinned[name]} (make lock)"
     # the suite's venv has every group but cuda; the GPU's has what jax[cuda12] installs, less some libraries
-    assert {e for r in groups["test"] for e in r.extras} == set(groups) - {"core", "cuda", "test", "gpu-compile"}
+    assert {e for r in groups["test"] for e in r.extras} == set(groups) - {"core", "cuda", "test", "gpu-compile",
+                                                                            "mutants"}
 
 
 def test_every_installed_package_is_pinned_at_its_version():

@@ -40,17 +40,23 @@ def lose_one_of_two(dataset, tmp_path, lost, signum):
             if p.returncode is None:
                 p.kill()
                 p.communicate()
-    print(f"process {1 - lost} stopped {took:.1f} s after {signal.Signals(signum).name} to process {lost}")
+    print(f"process {1 - lost} stopped {took:.3f} s after {signal.Signals(signum).name} to process {lost}")
     assert survivor.returncode == 1, err[-3000:]
     assert err.strip().splitlines()[-1] == watchdog.LOST.format(lost, 2), err[-3000:]
     assert err.count("error:") == 1 and not any(text in err for text in ABORT_TEXT), err[-3000:]
     return took
 
 
+# A killed process's peers stop at once: the kernel closes its connections. Measured 0.03-0.10 s, 0.12-0.17 s with
+# both cores of the machine busy besides (docs/reliability.md); the bound leaves a loaded CI machine 10x that, and is
+# one heartbeat (HEARTBEAT_S), so that a watchdog that noticed only silence (SILENT_S) or a late heartbeat fails it.
+KILLED_STOPS_WITHIN_S = 2.0
+
+
 @pytest.mark.parametrize("lost", [1, 0])
 def test_a_killed_process_stops_the_other_within_seconds_in_one_line(dataset, tmp_path, lost):
-    # within seconds (0.1 s here), not after SILENT_S: the kernel closes a killed process's connections at once
-    assert lose_one_of_two(dataset, tmp_path, lost, signal.SIGKILL) < watchdog.SILENT_S
+    assert KILLED_STOPS_WITHIN_S <= watchdog.HEARTBEAT_S
+    assert lose_one_of_two(dataset, tmp_path, lost, signal.SIGKILL) < KILLED_STOPS_WITHIN_S
 
 
 @pytest.mark.slow

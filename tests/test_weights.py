@@ -1,8 +1,9 @@
 """python -m pytest tests/test_weights.py -q
 
 Interop (weights.py, export.py): HF directories load without torch, bit for bit as transformers reads them;
-the exact-GELU setting; nanoGPT's ckpt.pt in (against a faithful torch nanoGPT, parity/nanogpt_reference.py)
-and out; export.py to HF (bias and no bias) and back; export.py's bad input."""
+sharded and pytorch_model.bin-only ones to the saved model's logits; the exact-GELU setting; nanoGPT's ckpt.pt in
+(against a faithful torch nanoGPT, parity/nanogpt_reference.py) and out; export.py to HF (bias and no bias) and back;
+export.py's bad input."""
 
 import dataclasses
 import os
@@ -18,7 +19,7 @@ from flax import nnx
 import checkpoint
 import export
 import sample
-from helpers import tiny_config
+from helpers import random_nanogpt, tiny_config
 from model import GPT, model_from
 from parity import nanogpt_reference as nanogpt
 from parity.check_logits import FP32_MAX_REL_TOL as FP32_LOGITS_TOL  # max |Δlogit| / max |logit|
@@ -76,17 +77,24 @@ def test_exact_gelu_logits_match_transformers(tmp_path):
     assert rel_diff(tanh(tokens)[0], exact(tokens)[0]) > 10 * FP32_LOGITS_TOL
 
 
-def random_nanogpt(seed=0, bias=True, flash=True, **kw):
-    """nanoGPT's GPT with every tensor random (its init leaves biases 0 and LayerNorms 1)."""
-    torch.manual_seed(seed)
-    config = nanogpt.GPTConfig(**{"block_size": 32, "vocab_size": 65, "n_layer": 2, "n_head": 2, "n_embd": 48,
-                                  "bias": bias, **kw})
-    model = nanogpt.GPT(config, flash=flash).eval()
+def test_sharded_and_bin_only_hf_directories_give_transformers_logits(tmp_path):
+    """HF directories without model.safetensors (docs/interop.md): a sharded model.safetensors.index.json
+    (save_pretrained with a small max_shard_size), and pytorch_model.bin alone, as transformers 4 wrote it with
+    safe_serialization=False (5 writes safetensors only: torch.save of the state dict), also with GPT2Model's names
+    and no lm_head, as the hub's older GPT-2 repositories hold it. Each loads to the logits of the model saved."""
+    hf_model = random_hf_model(seed=9, **TINY_HF)
+    hf_model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    files = os.listdir(tmp_path / "sharded")
+    assert "model.safetensors.index.json" in files and "model.safetensors" not in files
+    assert sum(f.endswith(".safetensors") for f in files) > 1
+    for name, state in [("bin", hf_model.state_dict()), ("bin_no_prefix", hf_model.transformer.state_dict())]:
+        hf_model.config.save_pretrained(tmp_path / name)
+        torch.save(state, tmp_path / name / "pytorch_model.bin")
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 16))
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            base = 1.0 if ("ln_" in name and name.endswith(".weight")) else 0.0
-            p.copy_(base + (0.1 if "ln_" in name else 0.02) * torch.randn(p.shape))
-    return model
+        expected = hf_model(torch.from_numpy(tokens)).logits.numpy()
+    for name in ("sharded", "bin", "bin_no_prefix"):
+        assert rel_diff(GPT.from_pretrained(str(tmp_path / name))(tokens)[0], expected) < FP32_LOGITS_TOL, name
 
 
 def nanogpt_logits(model, tokens):

@@ -1,0 +1,135 @@
+"""python -m pytest tests/test_numerics.py -q
+
+bf16 numerics that cannot drift silently (docs/model.md: "keeps LayerNorm, softmax, the residual stream and the loss
+in float32"): the dtypes of train.py's jitted step in bf16, read off its jaxpr, forward and backward; and bf16 training
+within 2x of torch autocast's error against the fp32 reference (docs/parity.md), as a test."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.extend.core import jaxprs_in_params
+
+import model as model_lib
+import train_step
+from helpers import tiny_config
+from model import GPT
+from parity import check_train
+from settings import DEFAULTS
+
+# what each claim is, found by the source of the equation (every equation of a jaxpr, the backward pass's too, keeps
+# the traceback of the Python line that made it): LayerNorm is flax's, softmax jax.nn's (attention's), the loss ours
+LAYER_NORM = ("flax/nnx/nn/normalization.py", "LayerNorm.__call__")
+SOFTMAX = ("jax/_src/nn/functions.py", "softmax")
+OURS = os.path.dirname(os.path.abspath(model_lib.__file__))  # the repository's modules: model.py, layers.py, ...
+LOSS = (os.path.join(OURS, "layers.py"), "cross_entropy_terms")
+BLOCK = (model_lib.__file__, "Block.__call__")  # the residual adds: `x = x + branch(...)`
+
+
+def equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside it (jit, scan, cond, custom_vjp, remat)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from equations(sub)
+
+
+def frames(eqn):
+    tb = eqn.source_info.traceback
+    return [] if tb is None else [(f.file_name, f.function_name, f.line_num) for f in tb.frames]
+
+
+def made_in(eqn, where):
+    """The equation comes from a call of `where` (file suffix, function), at any depth."""
+    return any(file.endswith(where[0]) and fn == where[1] for file, fn, _ in frames(eqn))
+
+
+def our_frame(eqn):
+    """The innermost frame in one of the repository's modules (not jax's, flax's): (file, function, line)."""
+    return next((f for f in frames(eqn) if os.path.dirname(f[0]) == OURS), ("?", "", 0))
+
+
+def made_directly_in(eqn, where):
+    """The equation's innermost frame of ours is `where`: the line itself, not a function it calls."""
+    file, fn, _ = our_frame(eqn)
+    return file.endswith(where[0]) and fn == where[1]
+
+
+def float_dtypes(eqn):
+    return {str(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars)
+            if hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.floating)}
+
+
+def line(eqn):
+    file, _, num = our_frame(eqn)
+    return f"{os.path.basename(file)}:{num}"
+
+
+def not_float32(eqns):
+    return [f"{e.primitive.name} {sorted(float_dtypes(e))} at {line(e)}" for e in eqns if float_dtypes(e) - {"float32"}]
+
+
+def bf16_step_jaxpr(**settings):
+    """The jaxpr of train.py's step (train_step.on_leaves of make_train_step: what it compiles) for a tiny bf16 GPT,
+    2 micro-batches of 2 rows."""
+    graphdef, params = nnx.split(GPT(tiny_config(dtype="bfloat16", **settings), nnx.Rngs(0)))
+    tx = train_step.make_optimizer(dict(DEFAULTS))
+    opt_state = tx.init(params)
+    step = train_step.on_leaves(train_step.make_train_step(graphdef, tx, 1.0), params, opt_state)
+    x = jnp.zeros((2, 2, 16), jnp.int32)
+    args = jax.tree.leaves(params), jax.tree.leaves(opt_state), x, x, jax.random.key(0)
+    return list(equations(jax.make_jaxpr(step)(*args).jaxpr))
+
+
+# the paths a step takes: a loop of blocks, one scan (train.py's default on GPU/TPU) with the chunked loss, remat.
+# (Under scan with remat the traceback of a block's equations stops at the scan: the counts below would say so.)
+@pytest.mark.parametrize("settings", [{}, dict(scan_layers=True, loss_chunk=8), dict(remat="dots")],
+                         ids=["loop", "scan_layers, loss_chunk", "remat dots"])
+def test_bf16_step_keeps_layernorm_softmax_residual_and_loss_in_float32(settings):
+    """Each claim's equations, forward and backward, have only float32 operands and results; the matmuls do run in
+    bf16 (else the test would prove nothing). Planted in model.py, LayerNorm(dtype=bf16) (its input rounded to bf16)
+    and a residual stream held in bf16 each fail it (tests/plant_bugs.py)."""
+    eqns = bf16_step_jaxpr(**settings)
+    bf16_dots = [e for e in eqns if e.primitive.name == "dot_general" and "bfloat16" in float_dtypes(e)]
+    assert len(bf16_dots) >= 4, "the step runs no matmul in bf16: not a bf16 step"
+
+    claims = {"LayerNorm": [e for e in eqns if made_in(e, LAYER_NORM)],
+              "attention's softmax": [e for e in eqns if made_in(e, SOFTMAX)],
+              "the loss": [e for e in eqns if made_in(e, LOSS)],
+              "the residual adds": [e for e in eqns if e.primitive.name == "add" and made_directly_in(e, BLOCK)]}
+    # each claim's equations found, so that a renamed function cannot make the test vacuous: ln_1, ln_2 and ln_f
+    # (one rsqrt each; a scanned block is traced once), a softmax, logsumexp, attention's and the MLP's adds
+    assert sum(e.primitive.name == "rsqrt" for e in claims["LayerNorm"]) >= 3
+    assert sum(e.primitive.name == "exp" for e in claims["attention's softmax"]) >= 1
+    assert {"log", "exp", "reduce_max"} <= {e.primitive.name for e in claims["the loss"]}
+    assert len(claims["the residual adds"]) >= 2
+    broken = {claim: bad[:3] for claim, found in claims.items() if (bad := not_float32(found))}
+    assert not broken, f"not in float32 (the first 3 equations of each): {broken}"
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Torch's OpenMP threads spin at barriers: on 2 shared cores they slow the tiny model 10x (test_check_train.py)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bf16_training_is_within_2x_of_torch_autocast(tmp_path, one_torch_thread, capsys):
+    """docs/parity.md's bf16 training row, on the tiny random GPT-2 for 10 steps: ours in bf16 and torch autocast-bf16,
+    each against torch fp32 from the same weights on the same batches; our mean |Δloss|/loss, mean |Δgnorm|/gnorm and
+    worst ||Δparam||/||param|| at most check_train.BF16_FACTOR (2) times autocast's."""
+    check_train.pin_numerics()
+    run = check_train.make_run(check_train.parse_args(["--steps", "10", "--batch-size", "16"]), str(tmp_path))
+    ok, figures = check_train.check(run, "bfloat16")
+    assert ok and "bf16 training parity" in capsys.readouterr().out
+    ours, autocast = figures["jax bf16"], figures["torch autocast-bf16"]
+    assert check_train.BF16_FACTOR == 2.0  # the documented bar
+    for k in check_train.BF16_JUDGED:
+        assert 0 < ours[k] <= 2.0 * autocast[k], (k, ours[k], autocast[k])  # > 0: it really ran in bf16
+    assert ours["lr_rel"] <= check_train.LR_TOL
