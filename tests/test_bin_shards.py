@@ -4,7 +4,9 @@ llm.c / modded-nanogpt `.bin` shards (a 256-int32 header, then uint16 tokens): B
 record's DistributedDataLoader.next_batch for W processes (re-implemented here from its semantics) across shard
 ends and the wrap-around, per process and per micro-batch; its position resumes exactly; validation reads from the
 start for val_tokens; every bad shard is one line naming the file; make_loader picks the loader by the file names;
-data/fineweb10B/prepare.py links shards from --local and says what to do offline."""
+data/fineweb10B/prepare.py links shards from --local and says what to do offline. And token_files at its edges, for
+every format: .npy headers of any length, and a file at a URL (fsspec's memory:// store here; test_gcs_data.py has
+Cloud Storage's) giving the local file's tokens by ranged reads of its windows only."""
 
 import importlib.util
 import os
@@ -12,9 +14,12 @@ import os
 import numpy as np
 import pytest
 
+import storage
+import token_files
 from configurator import InputNotFound, RunStopped, UsageError, exit_on_bad_input
 from dataloader import BinLoader, BinShardLoader, Prefetcher, ShardLoader, make_loader, val_batches_for
 from parity.check_speedrun import write_datafile
+from token_files import token_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = "the run stopped; restore the file and resume with --init_from=resume"
@@ -141,6 +146,31 @@ def test_position_resumes_exactly_and_the_prefetcher_carries_it(data):
                               f"{folder} at 6 rows x 8: resume on the data and batch size it was saved with")
 
 
+def test_the_tail_rule_and_a_resumed_position_at_their_bounds(tmp_path):
+    """One process, the record exactly: a shard of 2 batches + 1 token gives both, one token fewer gives one; a saved
+    position is good up to the last batch that fits, in a shard there is; a process reads one run of rows."""
+    train = write_shards(tmp_path, [97, 96, 145])  # 2, 1 and 3 batches of 48 tokens (+1)
+    ours, record = make_loader(str(tmp_path), "train", T, W * B, seed=0), RecordLoader(train, W * B, T, 0, 1)
+    for _ in range(12):  # twice around
+        x, y = ours.next(1)
+        want_x, want_y = record.next_batch()
+        np.testing.assert_array_equal(x[0], want_x)
+        np.testing.assert_array_equal(y[0], want_y)
+    ours.load_state_dict({"shard": 0, "offset": 48})
+    np.testing.assert_array_equal(ours.next(1)[1][0].reshape(-1), train[0][49:97])  # to the shard's last token
+    for shard, offset in ((0, 49), (1, 48), (3, 0)):
+        with pytest.raises(UsageError, match=rf"position \(shard {shard}, offset {offset}\) is past the end of the 3"):
+            ours.load_state_dict({"shard": shard, "offset": offset})
+    one = tmp_path / "one"
+    one.mkdir()
+    write_shards(one, [97])
+    with pytest.raises(UsageError, match=f"past the end of the 1 shards in {one} at 6 rows x 8: resume"):
+        make_loader(str(one), "train", T, W * B, seed=0).load_state_dict({"shard": 0, "offset": 49})
+    for rows in (slice(0, 6, 2), slice(3, 3)):  # every other row, or none
+        with pytest.raises(AssertionError, match="a process reads one contiguous range of rows"):
+            make_loader(str(tmp_path), "train", T, W * B, seed=0, row_slice=rows)
+
+
 def test_val_reads_val_tokens_from_the_start_every_time(data):
     folder, _, val = data
     n = val_batches_for(4 * W * B * T, W * B, T)
@@ -162,6 +192,8 @@ def test_val_reads_val_tokens_from_the_start_every_time(data):
         val_batches_for(10_485_760, 6 * 64, 1024)
     assert str(bad.value) == ("val_tokens=10485760 is not a multiple of one eval batch, 384 rows x 1024 = 393216 "
                               "tokens: set --val_tokens=10616832, or 0 to evaluate eval_iters batches")
+    with pytest.raises(UsageError, match=r"set --val_tokens=48, or 0"):  # fewer than one batch: one batch
+        val_batches_for(20, W * B, T)
 
 
 # --- bad input: one line each, naming the file ----------------------------------------------------------------
@@ -232,6 +264,10 @@ def test_a_shard_changed_after_the_listing_stops_the_run_when_reached(data):
     with pytest.raises(RunStopped) as stop:
         loader.next(1)
     assert str(stop.value) == f"{second} is gone (deleted after the run listed the shards): {FIX}"
+    write_datafile(second, train[1], magic=7)  # back, of the length listed, with a foreign header
+    with pytest.raises(RunStopped) as stop:
+        loader.next(1)
+    assert str(stop.value) == f"{second} has magic number 7, not llm.c's 20240520: not an llm.c token shard: {FIX}"
     val = folder / "fineweb_val_000000.bin"
     loader = make_loader(str(folder), "val", T, W * B, seed=0)
     loader.next(1)
@@ -334,3 +370,70 @@ def test_prepare_downloads_the_records_files_and_says_what_to_do_offline(prepare
     assert (code, line) == (2, "error: could not download fineweb_train_000002.bin from the HF hub dataset "
                                "kjj0/fineweb10B-gpt2 (LocalEntryNotFoundError); offline? link the shards from a local "
                                "directory with --local DIR")
+
+
+# --- token_files at its edges: .npy headers of any length, a URL's file read as the local one ---------------------
+
+def test_npy_headers_longer_than_the_first_read_are_read_whole_and_format_3_is_refused(tmp_path):
+    tokens = np.arange(100, dtype=np.uint16)
+    # 4614 bytes of header: past NPY_PEEK, and its length read big-endian (0x0612) would not be
+    text = "{'descr': '<u2', 'fortran_order': False, 'shape': (100,), }".ljust(4613) + "\n"
+    for version, width in ((1, 2), (2, 4)):  # the header's length in 2 bytes (format 1.0) or 4 (2.0)
+        path = tmp_path / f"long_{version}.npy"
+        path.write_bytes(b"\x93NUMPY" + bytes([version, 0]) + len(text).to_bytes(width, "little") + text.encode()
+                         + tokens.tobytes())
+        np.testing.assert_array_equal(np.load(path), tokens)  # a good file, as numpy reads it
+        np.testing.assert_array_equal(token_file(str(path), "npy").read([0, 90], 10), [tokens[:10], tokens[90:]])
+    with open(tmp_path / "v3.npy", "wb") as f:
+        np.lib.format.write_array(f, tokens, version=(3, 0))
+    with pytest.raises(RunStopped, match=r"has a bad .npy header \(unsupported .npy format version \(3, 0\)\)"):
+        token_file(str(tmp_path / "v3.npy"), "npy")
+    np.save(tmp_path / "bytes.npy", tokens.astype(np.uint8))  # 1-byte tokens, cut to the bare header under the run
+    loader = ShardLoader([str(tmp_path / "bytes.npy")], block_size=10, rows=1, seed=0)
+    loader.next(1)
+    os.truncate(tmp_path / "bytes.npy", 128)  # np.save's header of a 1-D array
+    with pytest.raises(RunStopped, match=r"changed while the run read it \(now 0 tokens, was 100\)"):
+        loader.next(1)
+
+
+@pytest.fixture
+def at_url(tmp_path):
+    """A folder at a memory:// URL: fsspec's store in this process, read by the URL reader's code."""
+    url = f"memory://nanogpt-tests/{tmp_path.name}"
+    yield url
+    storage.remove(url, recursive=True)
+
+
+def test_a_url_file_reads_the_local_files_tokens_by_ranges_of_its_windows_only(tmp_path, at_url, monkeypatch):
+    tokens = np.random.default_rng(0).integers(0, 2**16, 300_000, dtype=np.uint16)  # 600 KB: > 2 x MERGE_GAP
+    np.save(tmp_path / "a.npy", tokens)
+    write_datafile(tmp_path / "a_llmc.bin", tokens)
+    tokens.tofile(tmp_path / "a.bin")
+    reads, ranges, whole_below = [], [], token_files.WHOLE_BELOW  # what the URL reader asks the store for
+    read_bytes, read_ranges = storage.read_bytes, storage.read_ranges
+    monkeypatch.setattr(storage, "read_bytes", lambda p, *a: reads.append(a) or read_bytes(p, *a))
+    monkeypatch.setattr(storage, "read_ranges", lambda p, s, e: ranges.append([b - a for a, b in zip(s, e)])
+                        or read_ranges(p, s, e))
+    n, starts = 16, [0, 5, 150_000, 300_000 - 16]  # two windows together, two far apart, the last at the very end
+    headers = {"raw": [], "npy": [(0, token_files.NPY_PEEK)], "llmc": [(0, token_files.LLMC_HEADER)]}
+    for name, layout, whole in [("a.bin", "raw", True), ("a.bin", "raw", False), ("a.npy", "npy", False),
+                                ("a_llmc.bin", "llmc", False)]:
+        storage.write_bytes(f"{at_url}/{name}", (tmp_path / name).read_bytes())
+        monkeypatch.setattr(token_files, "WHOLE_BELOW", whole_below if whole else 0)
+        reads.clear(), ranges.clear()
+        url, local = token_file(f"{at_url}/{name}", layout), token_file(str(tmp_path / name), layout)
+        assert reads == ([()] if whole else headers[layout])  # the whole small file, or a header: no more
+        np.testing.assert_array_equal(url.read(starts, n), local.read(starts, n))
+        assert url.read([], n).shape == (0, n) and url.read(starts, 0).shape == (4, 0)
+        assert ranges == ([] if whole else [[42, 32, 32]])  # windows closer than MERGE_GAP: one range
+    monkeypatch.setattr(token_files, "WHOLE_BELOW", whole_below)
+    with pytest.raises(RunStopped) as stop:  # held whole: a window past its end
+        token_file(f"{at_url}/a.bin").read([300_000 - 15], 16)
+    assert str(stop.value) == f"{at_url}/a.bin has no 16 tokens from token 299985: {FIX}"
+    monkeypatch.setattr(storage, "read_ranges", lambda p, s, e: [b"" for _ in s])  # the store answers short
+    with pytest.raises(RunStopped) as stop:
+        token_file(f"{at_url}/a.npy", "npy").read([0], 4)
+    assert str(stop.value) == f"{at_url}/a.npy came back short from the store, though unchanged: {FIX}"
+    storage.write_bytes(f"{at_url}/empty.npy", b"")
+    with pytest.raises(RunStopped, match=r"bad .npy header \(EOF: reading magic string, expected 8 bytes got 0\)"):
+        token_file(f"{at_url}/empty.npy", "npy")

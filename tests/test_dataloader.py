@@ -5,6 +5,7 @@ shards, exact resume position, the missing-data errors, and the prefetching thre
 the same tokens as the memory-mapped reference, and a data file that changes under a run (truncated, rewritten,
 a shard deleted or broken) stops it with one line, where a mapped file killed it with SIGBUS."""
 
+import gc
 import os
 import pathlib
 import pickle
@@ -19,6 +20,7 @@ import dataloader
 from configurator import RunStopped, UsageError
 from dataloader import BinLoader, Prefetcher, ShardLoader, make_loader
 from helpers import REPO, TINY, run, snapshot
+from token_files import prepare_hint, token_file
 
 FIX = "the run stopped; restore the file and resume with --init_from=resume"
 NPY_HEADER = 128  # bytes before the tokens of a 1-D array np.save writes (format 1.0)
@@ -130,12 +132,32 @@ def test_val_batches_restart_from_the_beginning(shards):
     assert first[0][0, 0] == 1000
 
 
+def test_shard_eval_batches_are_epoch_0s_first_and_ids_are_checked(shards):
+    tmp, paths = shards
+    loader = ShardLoader(paths, block_size=10, rows=3, seed=1, shuffle_shards=True)  # seed 1: epoch 1 starts elsewhere
+    first = ShardLoader(paths, block_size=10, rows=3, seed=1, shuffle_shards=True).next(4)
+    for _ in range(12):  # into epoch 1
+        loader.next(1)
+    got = list(loader.eval_batches(4))
+    np.testing.assert_array_equal([x for x, _ in got], first[0])
+    np.testing.assert_array_equal([y for _, y in got], first[1])
+    assert loader.state_dict() == {"epoch": 1, "shard": 0, "offset": 60}
+    with pytest.raises(UsageError) as bad:
+        ShardLoader(paths, block_size=10, rows=3, seed=0, vocab_size=20).next(1)  # ids 0..30
+    assert str(bad.value) == (f"{tmp} holds token id 30, outside the model's vocabulary (vocab_size 20): set "
+                              "--vocab_size, or prepare the data with the model's tokenizer")
+
+
 def test_missing_data_names_the_command(tmp_path):
     (tmp_path / "edu_fineweb10B").mkdir()
     with pytest.raises(FileNotFoundError, match="run `python fineweb.py` first"):
         make_loader(str(tmp_path / "edu_fineweb10B"), "train", 8, 2, 0)
     with pytest.raises(FileNotFoundError, match=r"no train.bin .* run `python data/nope/prepare.py` first"):
         make_loader("data/nope", "train", 8, 2, 0)
+    # a URL folder has no prepare.py to ask: the hint is by its name
+    assert prepare_hint("gs://bucket/runs/shakespeare_char/") == "python data/shakespeare_char/prepare.py"
+    assert prepare_hint("gs://bucket/edu_fineweb10B") == "python fineweb.py"
+    assert prepare_hint("gs://bucket/shakespeare_char", bin_shards=True) == "python data/fineweb10B/prepare.py"
 
 
 def test_prefetcher_gives_the_loaders_batches_and_the_position_after_the_last_taken(shards):
@@ -143,6 +165,7 @@ def test_prefetcher_gives_the_loaders_batches_and_the_position_after_the_last_ta
     direct = ShardLoader(paths, block_size=4, rows=2, seed=0)
     ahead = Prefetcher(ShardLoader(paths, block_size=4, rows=2, seed=0), accum=3, put=np.copy, depth=2)
     try:
+        assert ahead.state == direct.state_dict()  # before the first batch: the loader's (a checkpoint at step 0)
         for _ in range(5):  # wraps around the shards
             x, y = ahead.next()
             want = direct.next(3)
@@ -154,12 +177,31 @@ def test_prefetcher_gives_the_loaders_batches_and_the_position_after_the_last_ta
 
 
 def test_prefetcher_raises_a_read_error_at_the_batch_that_hit_it(tmp_path):
-    np.full(200, 70, np.uint16).tofile(tmp_path / "train.bin")
-    loader = BinLoader(str(tmp_path / "train.bin"), block_size=4, rows=2, seed=0, vocab_size=64)  # every id is 70
+    np.full(200, 64, np.uint16).tofile(tmp_path / "train.bin")
+    loader = BinLoader(str(tmp_path / "train.bin"), block_size=4, rows=2, seed=0, vocab_size=64)  # every id is 64
     ahead = Prefetcher(loader, accum=1, put=np.copy)
-    with pytest.raises(UsageError, match="outside the model's vocabulary"):
+    with pytest.raises(UsageError) as bad:
         ahead.next()
+    assert str(bad.value).startswith(f"{tmp_path / 'train.bin'} holds token id 64, outside the model's vocabulary")
     assert not ahead._thread.is_alive()
+
+
+def test_a_run_that_dies_without_closing_its_prefetcher_still_exits(bin_file):
+    """The thread is a daemon: an error in the training loop ends the process, where it would wait on the thread."""
+    script = ("import sys, numpy as np; from dataloader import BinLoader, Prefetcher; "
+              "Prefetcher(BinLoader(sys.argv[1], 8, 4, seed=0), accum=1, put=np.copy).next(); sys.exit(3)")
+    r = subprocess.run([sys.executable, "-c", script, bin_file], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, r.stderr[-2000:]
+
+
+def test_make_loader_hands_each_loader_its_settings(shards):
+    tmp, _ = shards
+    for split, shuffled in (("train", True), ("val", False)):  # shuffle_shards: the train split's only
+        got = make_loader(str(tmp), split, 10, 4, seed=1, row_slice=slice(1, 3), shuffle_shards=True, vocab_size=2000)
+        assert (got.seed, got.row_slice, got.shuffle_shards, got.vocab_size) == (1, slice(1, 3), shuffled, 2000)
+    np.arange(100, dtype=np.uint16).tofile(tmp / "train.bin")
+    got = make_loader(str(tmp), "train", 10, 4, seed=1, row_slice=slice(1, 3), vocab_size=2000)
+    assert (type(got), got.seed, got.row_slice, got.vocab_size) == (BinLoader, 1, slice(1, 3), 2000)
 
 
 # --- no memory map: the same tokens, and one line when the data changes under the run ----------------------
@@ -210,6 +252,26 @@ def test_bin_of_odd_size_is_a_usage_error(tmp_path):
     (tmp_path / "train.bin").write_bytes(bytes(2001))
     with pytest.raises(UsageError, match=r"train.bin holds 2001 bytes, not whole uint16 tokens: rerun `python"):
         BinLoader(str(tmp_path / "train.bin"), block_size=8, rows=2, seed=0)
+
+
+def test_a_bin_empty_or_too_short_for_one_window_is_one_line(tmp_path):
+    path = tmp_path / "train.bin"
+    for n, what in ((0, "is empty: rerun `python"), (9, "holds 9 tokens: too few for block_size 8")):  # 9 = T + 1
+        np.arange(n, dtype=np.uint16).tofile(path)
+        with pytest.raises(UsageError) as bad:
+            BinLoader(str(path), block_size=8, rows=2, seed=0)
+        assert str(bad.value).startswith(f"{path} {what}")
+    np.arange(10, dtype=np.uint16).tofile(path)  # T + 2 tokens: one window, from token 0
+    np.testing.assert_array_equal(BinLoader(str(path), 8, rows=2, seed=0).next(1)[1], [[np.arange(1, 9)] * 2])
+
+
+def test_a_token_file_closes_its_descriptor_when_dropped(bin_file):
+    """A long run opens each shard again every epoch: the files it is done with hold no descriptor."""
+    before = len(os.listdir("/dev/fd"))
+    for _ in range(20):
+        token_file(bin_file).read([0], 4)
+    gc.collect()
+    assert len(os.listdir("/dev/fd")) < before + 10  # not one per file (other threads may hold a few meanwhile)
 
 
 TRUNCATE_BETWEEN_BATCHES = """if True:
@@ -352,3 +414,5 @@ def test_a_run_from_another_directory_finds_the_projects_data(tmp_path, monkeypa
     assert "(fineweb10B, shakespeare, shakespeare_char: python data/NAME/prepare.py;" in str(e.value)
     (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)
     assert dataloader.data_dir_for("shakespeare_char") == os.path.join("data", "shakespeare_char")
+
+
