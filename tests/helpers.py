@@ -109,3 +109,17 @@ def popen_train(args, process_id, port, devices=2):
            "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(process_id)}
     return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+def transpose_c_proj_on_restore(monkeypatch):
+    """A bug planted in our checkpoint loader: layer 0's square attn.c_proj comes back transposed (a parity check
+    whose reference reads the checkpoint by its own path must catch it)."""
+    import checkpoint
+
+    load = checkpoint.load_checkpoint_model
+
+    def transposed(*args, **kwargs):
+        model, meta = load(*args, **kwargs)
+        model.h[0].attn.c_proj.kernel.set_value(model.h[0].attn.c_proj.kernel[...].T)
+        return model, meta
+    monkeypatch.setattr(checkpoint, "load_checkpoint_model", transposed)

@@ -18,7 +18,7 @@ from configurator import UsageError
 from parity import check_eval
 from parity import nanogpt_reference as nanogpt
 from parity.common import save_random_hf_model
-from helpers import REPO, fake_devices, one_line_error, run
+from helpers import REPO, fake_devices, one_line_error, run, transpose_c_proj_on_restore
 from tokenizer import get_encoding, save_hf_tokenizer
 
 TASKS = os.path.join(REPO, "eval_tasks")
@@ -118,18 +118,10 @@ def test_eval_on_a_train_py_checkpoint_and_its_exports(bpe_run, tmp_path, capsys
 def test_parity_reads_our_checkpoint_by_its_own_path(bpe_run, monkeypatch, capsys):
     """check_eval on train.py's checkpoint: lm-eval's hf model gets the weights through parity/torch_side.py
     (orbax's own reader), so a matrix that our loader transposes (layer 0's square attn.c_proj) is a mismatch."""
-    import checkpoint
-
     argv = ["--init_from=resume", f"--out_dir={bpe_run}", "--tasks=hellaswag_local", f"--include_path={TASKS}",
             "--limit=1"]
     assert check_eval.main(argv) == 0
-    load = checkpoint.load_checkpoint_model
-
-    def transposed(*args, **kwargs):
-        model, meta = load(*args, **kwargs)
-        model.h[0].attn.c_proj.kernel.set_value(model.h[0].attn.c_proj.kernel[...].T)
-        return model, meta
-    monkeypatch.setattr(checkpoint, "load_checkpoint_model", transposed)
+    transpose_c_proj_on_restore(monkeypatch)
     capsys.readouterr()
     assert check_eval.main(argv) == 1
     assert "fp32 parity (loglikelihoods, is_greedy, rolling, texts, accuracies): NOT OK" in capsys.readouterr().out

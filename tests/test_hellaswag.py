@@ -20,7 +20,7 @@ import pytest
 import hellaswag
 import sharding
 from configurator import exit_on_bad_input
-from helpers import assert_close, fake_devices
+from helpers import assert_close, fake_devices, transpose_c_proj_on_restore
 from parity import check_hellaswag
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -425,7 +425,6 @@ def test_parity_cli_catches_a_bug_in_our_loader(source, resume_dir, tmp_path, mo
     """A square weight (layer 0's attn.c_proj) left in nanoGPT's (out, in) layout by pretrained.read_nanogpt, or
     transposed by checkpoint.load_checkpoint_model: the reference loads the file by its own path
     (parity/torch_side.py), so the check fails; with the loaders as they are, it passes."""
-    import checkpoint
     import pretrained
     from parity.common import save_random_nanogpt_ckpt
 
@@ -438,13 +437,7 @@ def test_parity_cli_catches_a_bug_in_our_loader(source, resume_dir, tmp_path, mo
         monkeypatch.setattr(pretrained, "linear_names", lambda *a: names(*a) - {"transformer.h.0.attn.c_proj.weight"})
     else:
         init = ["--init_from=resume", f"--out_dir={resume_dir}", "--limit=4"]
-        load = checkpoint.load_checkpoint_model
-
-        def transposed(*args, **kwargs):
-            model, meta = load(*args, **kwargs)
-            model.h[0].attn.c_proj.kernel.set_value(model.h[0].attn.c_proj.kernel[...].T)
-            return model, meta
-        monkeypatch.setattr(checkpoint, "load_checkpoint_model", transposed)
+        transpose_c_proj_on_restore(monkeypatch)
     capsys.readouterr()
     assert check_hellaswag.main(["--path", str(FIXTURE), *init]) == 1
     assert capsys.readouterr().out.strip().endswith(": NOT OK")
