@@ -434,6 +434,11 @@ def test_a_url_file_reads_the_local_files_tokens_by_ranges_of_its_windows_only(t
     with pytest.raises(RunStopped) as stop:
         token_file(f"{at_url}/a.npy", "npy").read([0], 4)
     assert str(stop.value) == f"{at_url}/a.npy came back short from the store, though unchanged: {FIX}"
+    reads.clear()
+    storage.write_bytes(f"{at_url}/not.npy", b"tokens, not a .npy" + bytes(5000))
+    with pytest.raises(RunStopped, match="the magic string is not correct"):
+        token_file(f"{at_url}/not.npy", "npy")
+    assert reads == [(0, token_files.NPY_PEEK)]  # no header length read from a file that is no .npy
     storage.write_bytes(f"{at_url}/empty.npy", b"")
     with pytest.raises(RunStopped, match=r"bad .npy header \(EOF: reading magic string, expected 8 bytes got 0\)"):
         token_file(f"{at_url}/empty.npy", "npy")

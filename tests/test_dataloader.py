@@ -192,6 +192,10 @@ def test_a_run_that_dies_without_closing_its_prefetcher_still_exits(bin_file):
               "Prefetcher(BinLoader(sys.argv[1], 8, 4, seed=0), accum=1, put=np.copy).next(); sys.exit(3)")
     r = subprocess.run([sys.executable, "-c", script, bin_file], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 3, r.stderr[-2000:]
+    # in this process too: mutmut runs a test against a mutant only where the test calls its function in-process
+    ahead = Prefetcher(BinLoader(bin_file, 8, 4, seed=0), accum=1, put=np.copy)
+    ahead.close()
+    assert ahead._thread.daemon
 
 
 def test_make_loader_hands_each_loader_its_settings(shards):

@@ -2,18 +2,20 @@
 
 A run whose out_dir is on Cloud Storage (gs:// on the emulator of tests/gcs_emulator.py, on loopback): checkpoints,
 log and lock there, a kill -9 and a resume bit for bit, sample.py, export.py, plot.py and hellaswag.py reading the
-run; a second run refused by the lock; a bucket missing, refused or unreachable and no credentials, each one line
-before anything is written; and hosts that share no disk, told so. Two processes resuming on gs://:
-tests/test_sharding.py."""
+run; rotation keeping the best and checksums refusing other arrays; a second run refused by the lock; a bucket
+missing, refused or unreachable and no credentials, each one line before anything is written; and hosts that share
+no disk, told so. Two processes resuming on gs://: tests/test_sharding.py."""
 
 import ast
 import json
+import math
 import os
 import socket
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import checkpoint
@@ -22,7 +24,7 @@ import storage
 import train
 from configurator import UsageError
 from gcs_emulator import FORBIDDEN, client_env
-from helpers import REPO, TINY, fake_devices, free_port, one_line_error, settings, train_cli
+from helpers import REPO, TINY, fake_devices, free_port, one_line_error, settings, tiny_config, train_cli
 
 STEPS = ["--max_iters=8", "--checkpoint_interval=2"]
 
@@ -146,6 +148,32 @@ def test_start_over_on_gs_moves_the_previous_run_aside(gcs_dir, capsys):
     assert storage.read_bytes(f"{aside[0]}/log.jsonl") == b"log.jsonl"
     assert not storage.exists(f"{out}/ckpt/4/meta") and not storage.exists(f"{out}/log.jsonl")
     assert storage.read_bytes(f"{out}/keep.txt") == b"keep.txt"
+
+
+def test_on_gs_rotation_keeps_the_best_and_arrays_not_saved_with_a_step_never_restore(gcs_dir):
+    """Local disk's guarantees on gs://: rotation keeps the latest and the best (keep 2), across a reopening; a step
+    whose array objects are another step's (same shapes, other values) is refused by the checksums in its meta."""
+    out = f"{gcs_dir}/rotation"
+    mngr = checkpoint.manager(out, keep=2)
+
+    def save(step, val_loss=None):
+        meta = checkpoint.meta_for(tiny_config(), {}, step, math.inf, {})
+        checkpoint.save(mngr, step, {"w": np.full(8, step, np.float32)}, {"n": np.zeros((), np.int32)}, meta, val_loss)
+        checkpoint.wait_saved(mngr)
+        return mngr.all_steps()
+
+    assert [save(1, 3.0), save(2), save(3, 1.0), save(4), save(5)] == [[1], [1, 2], [2, 3], [3, 4], [3, 4, 5]]
+    mngr.close()
+    assert checkpoint.all_steps(out) == [3, 4, 5]
+    template = {"w": np.zeros(8, np.float32)}
+    assert checkpoint.restore(out, params=template)["params"]["w"].tolist() == [5.0] * 8
+    storage.remove(f"{out}/ckpt/5/params", recursive=True)
+    for path in storage.glob(f"{out}/ckpt/4/params/**"):
+        if storage.isfile(path):
+            storage.write_bytes(path.replace("/ckpt/4/", "/ckpt/5/"), storage.read_bytes(path))
+    with pytest.raises(checkpoint.CheckpointError, match=r"ckpt/5 did not restore \(params/w differs from the checksum "
+                       r"saved with it: the checkpoint is corrupt\); move it away to resume from step 4$"):
+        checkpoint.restore(out, params=template)
 
 
 @pytest.mark.parametrize(("bucket", "message"), [
