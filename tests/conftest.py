@@ -30,7 +30,7 @@ os.environ["XLA_FLAGS"] = " ".join([XLA_FLAGS_OUTSIDE, *QUICK_COMPILE]).strip()
 
 # Modules whose tests share a module-scoped fixture that takes long to make: pytest-xdist runs each on one worker.
 ONE_WORKER = {"test_sharding.py", "test_check_train.py", "test_compute_settings.py", "test_hellaswag.py",
-              "test_sample.py", "test_fineweb.py", "test_eval.py"}
+              "test_sample.py", "test_fineweb.py", "test_eval.py", "test_gcs_run.py"}
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -14,11 +14,11 @@ import pytest
 import eval as lm_eval_py
 import export
 import runlog
-from configurator import UsageError
+from configurator import UsageError, exit_on_bad_input
 from parity import check_eval
 from parity import nanogpt_reference as nanogpt
 from parity.common import save_random_hf_model
-from helpers import REPO, fake_devices, one_line_error, run, transpose_c_proj_on_restore
+from helpers import REPO, fake_devices, run, transpose_c_proj_on_restore
 from tokenizer import get_encoding, save_hf_tokenizer
 
 TASKS = os.path.join(REPO, "eval_tasks")
@@ -127,7 +127,7 @@ def test_parity_reads_our_checkpoint_by_its_own_path(bpe_run, monkeypatch, capsy
     assert "fp32 parity (loglikelihoods, is_greedy, rolling, texts, accuracies): NOT OK" in capsys.readouterr().out
 
 
-def test_bad_input_is_one_line(tiny_hf, tmp_path):
+def test_bad_input_is_one_line(tiny_hf, tmp_path, capsys):
     def fails(match, *argv):
         with pytest.raises(UsageError, match=match):
             lm_eval_py.main(list(argv))
@@ -156,9 +156,11 @@ def test_bad_input_is_one_line(tiny_hf, tmp_path):
     nanogpt.save_ckpt(nanogpt.GPT(config), tmp_path / "ckpt.pt", config={"dataset": str(tmp_path)})
     fails("character-level model", f"--init_from={tmp_path / 'ckpt.pt'}", "--tasks=hellaswag_local",
           f"--include_path={TASKS}")
-    result = subprocess.run([sys.executable, "eval.py", "--tasks=hellaswag_local", "--batch_size=0"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
-    assert "batch_size" in one_line_error(result, 2)
+    capsys.readouterr()  # the command: one line, exit 2 (exit_on_bad_input, as `python eval.py` runs main)
+    with pytest.raises(SystemExit) as e:
+        exit_on_bad_input(lambda: lm_eval_py.main(["--tasks=hellaswag_local", "--batch_size=0"]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and "batch_size" in err and err.count("\n") == 1, err
 
 
 MESH_SCRIPT = """

@@ -19,7 +19,11 @@ import numpy as np
 import pytest
 
 import checkpoint
+import export
+import hellaswag
+import plot
 import runlog
+import sample
 import storage
 import train
 from configurator import UsageError
@@ -80,7 +84,8 @@ def test_a_run_on_gs_killed_mid_run_resumes_bit_for_bit(killed_and_resumed, stra
     assert not storage.exists(storage.join(out, runlog.LOCK_FILE))  # released at the end
 
 
-def test_sample_export_plot_and_hellaswag_read_a_run_on_gs(killed_and_resumed, straight, gcs_dir, tmp_path):
+def test_sample_export_plot_and_hellaswag_read_a_run_on_gs(killed_and_resumed, straight, gcs_dir, tmp_path, capsys):
+    """The scripts' commands on the run on gs://; the local run's side, and what is one line, in this process."""
     out, _ = killed_and_resumed
 
     def script(*args):
@@ -88,23 +93,22 @@ def test_sample_export_plot_and_hellaswag_read_a_run_on_gs(killed_and_resumed, s
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout
 
-    sample = ["sample.py", "--start='0'", "--num_samples=2", "--max_new_tokens=12", "--seed=3"]
-    assert script(*sample, f"--out_dir={out}").split("\n", 1)[1] == \
-        script(*sample, f"--out_dir={straight}").split("\n", 1)[1]  # the same text (after the line naming the model)
+    sample_args = ["--start='0'", "--num_samples=2", "--max_new_tokens=12", "--seed=3"]
+    on_gs = script("sample.py", *sample_args, f"--out_dir={out}")
+    capsys.readouterr()
+    sample.main([*sample_args, f"--out_dir={straight}"])
+    assert on_gs.split("\n", 1)[1] == capsys.readouterr().out.split("\n", 1)[1]  # the text after the model's line
     script("export.py", f"--out_dir={out}", "--format=hf", f"--to={gcs_dir}/hf")
-    script("export.py", f"--out_dir={straight}", "--format=hf", f"--to={tmp_path / 'hf'}")
+    export.main([f"--out_dir={straight}", "--format=hf", f"--to={tmp_path / 'hf'}"])
     for name in ("config.json", "model.safetensors", "meta.json"):
         assert storage.read_bytes(f"{gcs_dir}/hf/{name}") == (tmp_path / "hf" / name).read_bytes(), name
-    again = subprocess.run([sys.executable, "export.py", f"--out_dir={out}", "--format=hf", f"--to={gcs_dir}/hf"],
-                           cwd=REPO, capture_output=True, text=True)
-    assert "holds an earlier export" in one_line(again, 2)
-    script("plot.py", out, f"--out={tmp_path / 'loss.png'}")  # the log, read from gs://
+    with pytest.raises(UsageError, match="holds an earlier export"):
+        export.main([f"--out_dir={out}", "--format=hf", f"--to={gcs_dir}/hf"])
+    plot.main([out, f"--out={tmp_path / 'loss.png'}"])  # the log, read from gs://
     assert (tmp_path / "loss.png").stat().st_size > 0
-    # HellaSwag reads the run from gs:// too, and refuses its character-level vocabulary in one line
-    refused = subprocess.run([sys.executable, "hellaswag.py", "--init_from=resume", f"--out_dir={out}",
-                              "--path=tests/fixtures/hellaswag_small.jsonl"], cwd=REPO,
-                             capture_output=True, text=True)
-    assert "killed-and-resumed is a character-level model" in one_line(refused, 2)
+    # HellaSwag reads the run from gs:// too, and refuses its character-level vocabulary
+    with pytest.raises(UsageError, match="killed-and-resumed is a character-level model"):
+        hellaswag.main(["--init_from=resume", f"--out_dir={out}", "--path=tests/fixtures/hellaswag_small.jsonl"])
 
 
 def write_lock(out, **holder):
@@ -120,8 +124,9 @@ def test_the_lock_on_gs_refuses_a_live_run_and_takes_over_a_dead_ones(dataset, g
     assert json.loads(storage.read_bytes(storage.join(out, runlog.LOCK_FILE)))["refreshed"] > held["refreshed"]
     with pytest.raises(UsageError, match=r"locked is in use by another run \(pid \d+ on .*, lock refreshed 0 s ago"):
         runlog.ObjectLock(out)
-    err = one_line_error(train_cli([*TINY, f"--dataset={dataset}", f"--out_dir={out}"]), 2)
-    assert "is in use by another run" in err and not storage.exists(storage.join(out, runlog.LOG_FILE))
+    with pytest.raises(UsageError, match="is in use by another run"):
+        train.Trainer(settings(dataset, out))
+    assert not storage.exists(storage.join(out, runlog.LOG_FILE))
     first.close()
     assert not storage.exists(storage.join(out, runlog.LOCK_FILE))
 
@@ -162,17 +167,17 @@ def test_on_gs_rotation_keeps_the_best_and_arrays_not_saved_with_a_step_never_re
         checkpoint.wait_saved(mngr)
         return mngr.all_steps()
 
-    assert [save(1, 3.0), save(2), save(3, 1.0), save(4), save(5)] == [[1], [1, 2], [2, 3], [3, 4], [3, 4, 5]]
+    assert [save(1, 1.0), save(2), save(3), save(4)] == [[1], [1, 2], [1, 2, 3], [1, 3, 4]]  # 1: the best
     mngr.close()
-    assert checkpoint.all_steps(out) == [3, 4, 5]
+    assert checkpoint.all_steps(out) == [1, 3, 4]
     template = {"w": np.zeros(8, np.float32)}
-    assert checkpoint.restore(out, params=template)["params"]["w"].tolist() == [5.0] * 8
-    storage.remove(f"{out}/ckpt/5/params", recursive=True)
-    for path in storage.glob(f"{out}/ckpt/4/params/**"):
+    assert checkpoint.restore(out, params=template)["params"]["w"].tolist() == [4.0] * 8
+    storage.remove(f"{out}/ckpt/4/params", recursive=True)
+    for path in storage.glob(f"{out}/ckpt/3/params/**"):
         if storage.isfile(path):
-            storage.write_bytes(path.replace("/ckpt/4/", "/ckpt/5/"), storage.read_bytes(path))
-    with pytest.raises(checkpoint.CheckpointError, match=r"ckpt/5 did not restore \(params/w differs from the checksum "
-                       r"saved with it: the checkpoint is corrupt\); move it away to resume from step 4$"):
+            storage.write_bytes(path.replace("/ckpt/3/", "/ckpt/4/"), storage.read_bytes(path))
+    with pytest.raises(checkpoint.CheckpointError, match=r"ckpt/4 did not restore \(params/w differs from the checksum "
+                       r"saved with it: the checkpoint is corrupt\); move it away to resume from step 3$"):
         checkpoint.restore(out, params=template)
 
 
