@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALL = pip install -q --no-cache-dir -c constraints.txt
 
-.PHONY: venv test test-all test-gpu-compile shakespeare lock clean
+.PHONY: venv test test-all test-gpu-compile mutants shakespeare lock clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,17 @@ $(VENV_GPU)/.requirements: pyproject.toml constraints.txt
 test-gpu-compile: $(VENV_GPU)/.requirements
 	$(VENV_GPU)/bin/python -m pytest -q -n auto -m gpu_compile tests/test_gpu.py
 
+# mutation testing (docs/mutation.md): mutmut mutates the core modules ([tool.mutmut] in pyproject.toml) and reruns
+# the tests that reach each change; hours on 2 cores, so neither make test nor CI runs it. One module's mutants:
+# make mutants MUTANTS='generate.*'. Then the score of each module.
+$(VENV)/.mutants: pyproject.toml constraints.txt | $(BIN)/activate
+	$(BIN)/$(INSTALL) -e ".[test,mutants]"
+	touch $@
+
+mutants: $(VENV)/.mutants
+	$(BIN)/mutmut run $(MUTANTS)
+	$(BIN)/python tests/mutation_report.py
+
 # the bundled default: nanoGPT's CPU Shakespeare run (char-level baby GPT, 2000 iters), then samples. Each time it
 # starts over: the last run's checkpoints and log are moved to out-shakespeare-char/previous-<time>/ (--start_over)
 shakespeare: venv
@@ -67,4 +78,4 @@ lock:
 	rm -rf $(LOCK) $(LOCK).test $(LOCK).gpu
 
 clean:
-	rm -rf $(VENV) $(VENV_GPU) .pytest_cache
+	rm -rf $(VENV) $(VENV_GPU) .pytest_cache mutants

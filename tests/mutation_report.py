@@ -1,0 +1,48 @@
+"""python tests/mutation_report.py [--survivors]   (after mutmut run: make mutants)
+
+The mutation score of each mutated module, from mutmut's records (mutants/<module>.py.meta): how many of its
+mutants the tests killed (a test failed, or hung past mutmut's timeout), how many survived (every test passed) and
+how many no test reached. Score: killed (timeouts included) over the mutants checked. --survivors lists the
+survivors by name (`mutmut show NAME` prints the change)."""
+
+import glob
+import json
+import os
+import sys
+from collections import Counter
+
+from mutmut.stats import status_by_exit_code
+
+KILLED = ("killed", "timeout", "caught by type check")
+
+
+def statuses(meta_file):
+    with open(meta_file) as f:
+        return {name: status_by_exit_code[code] for name, code in json.load(f)["exit_code_by_key"].items()}
+
+
+def main(argv):
+    files = sorted(glob.glob(os.path.join("mutants", "**", "*.py.meta"), recursive=True))
+    if not files:
+        print("no mutmut records in mutants/: run make mutants first", file=sys.stderr)
+        return 2
+    print("| module | mutants | killed | timeout | survived | no test | not run | score |")
+    print("|---|---|---|---|---|---|---|---|")
+    survivors = []
+    for meta in files:
+        status = statuses(meta)
+        n = Counter(status.values())
+        checked = sum(v for k, v in n.items() if k != "not checked")
+        killed = sum(n[k] for k in KILLED)
+        score = f"{100 * killed / checked:.1f}%" if checked else "-"
+        module = os.path.relpath(meta, "mutants").removesuffix(".meta")
+        print(f"| {module} | {len(status)} | {n['killed']} | {n['timeout']} | {n['survived']} | {n['no tests']} | "
+              f"{n['not checked']} | {score} |")
+        survivors += [name for name, s in status.items() if s == "survived"]
+    if "--survivors" in argv:
+        print("\n".join(["", "survived:", *survivors]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
