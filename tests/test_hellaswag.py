@@ -1,14 +1,14 @@
 """python -m pytest tests/test_hellaswag.py -q
 
-HellaSwag: the jsonl reader and its errors, build-nanogpt's rendering, accuracies worked by hand, the batched
-JAX scorer against a numpy computation from full logits and against the torch reference (transformers'
-GPT2LMHeadModel, parity/check_hellaswag.py) on a random HF checkpoint, 8 fake devices against 1, both
+HellaSwag: build-nanogpt's rendering (from a file too, as train.py and hellaswag.py read it), accuracies worked by
+hand, the batched JAX scorer against a numpy computation from full logits and against the torch reference
+(transformers' GPT2LMHeadModel, parity/check_hellaswag.py) on a random HF checkpoint, 8 fake devices against 1, both
 command lines (hellaswag.py, python -m parity.check_hellaswag) end to end, in process, and a bug planted in our
-loaders caught by the parity check.
+loaders caught by the parity check. Bad input and the download: tests/test_hellaswag_input.py.
 """
 
 import json
-import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,7 +19,6 @@ import pytest
 
 import hellaswag
 import sharding
-from configurator import exit_on_bad_input
 from helpers import assert_close, fake_devices, transpose_c_proj_on_restore
 from parity import check_hellaswag
 
@@ -119,6 +118,13 @@ def test_long_context_is_cut_from_the_left():
     assert (tokens[:, : len(cut.ctx)] == cut.ctx).all()
     with pytest.raises(ValueError, match="no room for context"):
         hellaswag.render_example(ex, max_len=longest)
+    # from the file, as train.py (load_examples) and hellaswag.py (render_all) read it: the same cut, `limit` examples,
+    # and an error naming the file and line
+    loaded = hellaswag.load_examples(str(FIXTURE), max_len=64, limit=11)
+    assert len(loaded) == 11 and loaded[10] == cut
+    assert hellaswag.render_all(hellaswag.read_examples(str(FIXTURE), 11), 64, str(FIXTURE)) == loaded
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(FIXTURE))}:\d+: an ending of \d+ tokens leaves no room"):
+        hellaswag.load_examples(str(FIXTURE), max_len=longest)
 
 
 def test_batches_score_only_ending_tokens(examples):
@@ -269,77 +275,6 @@ def test_eight_devices_give_the_same_losses(model, jax_score, tmp_path):
     assert info == {"devices": 8, "rows": 32, "rows_per_shard": 4, "shards": 8}
     # the same 8-example batches as jax_score (batch_size 8 on 1 device), now split over 8 devices
     assert_close(np.load(tmp_path / "out.npy"), losses(jax_score), rtol=1e-6, what="8 devices vs 1")
-
-
-# ---------------------------------------------------------------------------------------------------
-# bad input: one clear error naming the place
-
-
-def write_lines(tmp_path, lines):
-    path = tmp_path / "bad.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
-
-
-GOOD = FIXTURE.read_text().splitlines()[0]
-
-
-@pytest.mark.parametrize("line, message", [
-    ('{"ctx": "A man", "endings": [', r"bad\.jsonl:3: not valid JSON \(Expecting value: column 1\)$"),
-    ('{"ctx": "A man', r"bad\.jsonl:3: not valid JSON \(Invalid control character at: column 15\)$"),  # one "at"
-    (json.dumps(json.loads(GOOD) | {"endings": ["a", "b", "c"]}), r"bad\.jsonl:3: expected 4 endings, got 3"),
-    (json.dumps(json.loads(GOOD) | {"label": 4}), r"bad\.jsonl:3: label must be 0, 1, 2 or 3 .* got 4"),
-    (json.dumps(json.loads(GOOD) | {"label": "-1"}), r"bad\.jsonl:3: label must be 0, 1, 2 or 3 .* got '-1'"),
-    (json.dumps({k: v for k, v in json.loads(GOOD).items() if k != "label"}), r"bad\.jsonl:3: no label"),
-    (json.dumps(json.loads(GOOD) | {"endings": "one ending"}), r"bad\.jsonl:3: 'endings' must be a list"),
-])
-def test_bad_lines_name_their_line(tmp_path, line, message):
-    path = write_lines(tmp_path, [GOOD, GOOD, line, GOOD])
-    with pytest.raises(ValueError, match=message):
-        hellaswag.read_examples(path)
-
-
-def test_missing_file():
-    with pytest.raises(FileNotFoundError, match="no such HellaSwag file: nowhere.jsonl"):
-        hellaswag.read_examples("nowhere.jsonl")
-
-
-def bad_input(capsys, main, args):
-    """What `python SCRIPT ARGS` does with bad input, in process: (exit code, stderr)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        exit_on_bad_input(lambda: main(args))
-    return e.value.code, capsys.readouterr().err
-
-
-@pytest.mark.parametrize("main", [hellaswag.main, check_hellaswag.main], ids=["hellaswag", "check_hellaswag"])
-def test_cli_bad_input_is_one_line_and_exit_code_2(main, tmp_path, capsys):
-    bad = write_lines(tmp_path, [GOOD, '{"ctx": "A man", "endings": ['])
-    for args, message in [(["--path", bad], f"error: {bad}:2: not valid JSON"),
-                          (["--path", str(tmp_path / "missing.jsonl")], "error: no such HellaSwag file"),
-                          (["--path", str(FIXTURE), "--limit", "0"], "error: --limit must be >= 1")]:
-        code, err = bad_input(capsys, main, args)
-        assert code == 2, err
-        assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
-
-
-def test_out_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    """hellaswag.py --out into a directory that does not exist: one line before any model is loaded (issue 33)."""
-    monkeypatch.setattr(hellaswag, "load_model", lambda *a: pytest.fail("the model was loaded"))
-    code, err = bad_input(capsys, hellaswag.main, ["--path", str(FIXTURE), "--out", str(tmp_path / "no" / "p.jsonl")])
-    assert code == 2 and err.startswith(f"error: --out={tmp_path / 'no' / 'p.jsonl'}: its directory "), err
-
-
-def test_download_caches_and_fails_clearly_offline(tmp_path, monkeypatch):
-    monkeypatch.setattr(hellaswag, "URL", FIXTURE.as_uri() + "#{split}")  # urllib drops the #fragment
-    path = hellaswag.download("val", str(tmp_path / "cache"))
-    assert path == str(tmp_path / "cache" / "hellaswag_val.jsonl")
-    assert Path(path).read_bytes() == FIXTURE.read_bytes() and os.listdir(tmp_path / "cache") == ["hellaswag_val.jsonl"]
-    monkeypatch.setattr(hellaswag, "URL", "http://127.0.0.1:9/hellaswag_{split}.jsonl")  # nothing listens there
-    assert hellaswag.download("val", str(tmp_path / "cache")) == path  # cached: no network needed
-    with pytest.raises(OSError, match=r"could not download http://127\.0\.0\.1:9/hellaswag_train\.jsonl .*--path"):
-        hellaswag.download("train", str(tmp_path / "cache"))
-    assert os.listdir(tmp_path / "cache") == ["hellaswag_val.jsonl"]  # no partial file left behind
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 Interop (weights.py, export.py): HF directories load without torch, bit for bit as transformers reads them;
 sharded and pytorch_model.bin-only ones to the saved model's logits; the exact-GELU setting; nanoGPT's ckpt.pt in
 (against a faithful torch nanoGPT, parity/nanogpt_reference.py) and out; export.py to HF (bias and no bias) and back;
-export.py's bad input."""
+export.py's bad input; the exported config.json as transformers reads it."""
 
 import dataclasses
+import json
 import os
 import pickle
 import subprocess
@@ -27,7 +28,7 @@ from parity.check_logits import check
 from configurator import UsageError, exit_on_bad_input
 from parity.common import random_hf_model, save_random_hf_model
 from tokenizer import save_vocab
-from weights import MASK_BUFFERS, TIED_KEY, load_hf_model, read_hf_weights, state_dict
+from weights import MASK_BUFFERS, TIED_KEY, hf_config_for, load_hf_model, read_hf_weights, state_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_HF = dict(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
@@ -210,3 +211,23 @@ def test_export_cli_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, ca
     cli = subprocess.run([sys.executable, "export.py", f"--out_dir={tmp_path / 'nothing'}", "--to=x"], cwd=REPO,
                          capture_output=True, text=True)
     assert cli.returncode == 2 and cli.stderr.startswith("error: no checkpoint in") and cli.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("vocab_size, eot", [(50257, 50256), (50304, 50256), (50256, None), (65, None)])
+def test_the_exported_config_is_the_model_as_transformers_reads_it(tmp_path, vocab_size, eot):
+    """config.json (weights.hf_config_for) read by transformers: each setting ours computes with, where transformers'
+    default is another (its dropouts are 0.1; ours 0.0) or could be; GPT-2's <|endoftext|> (50256) as bos and eos only
+    where the vocabulary holds it."""
+    from transformers import GPT2Config
+
+    for gelu, activation in (("tanh", "gelu_new"), ("exact", "gelu")):
+        config = tiny_config(vocab_size=vocab_size, gelu=gelu, dropout=0.0)
+        (tmp_path / "config.json").write_text(json.dumps(hf_config_for(config)))
+        hf = GPT2Config.from_pretrained(tmp_path)
+        assert hf.architectures == ["GPT2LMHeadModel"] and hf.model_type == "gpt2"
+        assert (hf.n_positions, hf.vocab_size, hf.n_layer, hf.n_head, hf.n_embd) == (
+            config.block_size, vocab_size, config.n_layer, config.n_head, config.n_embd)
+        assert hf.activation_function == activation and hf.layer_norm_epsilon == 1e-5
+        assert hf.resid_pdrop == hf.embd_pdrop == hf.attn_pdrop == 0.0
+        assert hf.tie_word_embeddings is True and hf.bos_token_id == hf.eos_token_id == eot
+        assert hf.dtype in (torch.float32, "float32")

@@ -1,0 +1,108 @@
+"""python -m pytest tests/test_hellaswag_input.py -q
+
+HellaSwag's input (hellaswag.py, parity/check_hellaswag.py): a bad line, a missing file, an --out that cannot be
+written, each one clear error naming the place; the download cached, and failing (offline, or cut off midway) in
+one line with its cause and the fix, nothing partial left."""
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import hellaswag
+from configurator import exit_on_bad_input
+from parity import check_hellaswag
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hellaswag_small.jsonl"
+
+
+
+def write_lines(tmp_path, lines):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+GOOD = FIXTURE.read_text().splitlines()[0]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"ctx": "A man", "endings": [', r"bad\.jsonl:3: not valid JSON \(Expecting value: column 1\)$"),
+    ('{"ctx": "A man', r"bad\.jsonl:3: not valid JSON \(Invalid control character at: column 15\)$"),  # one "at"
+    (json.dumps(json.loads(GOOD) | {"endings": ["a", "b", "c"]}), r"bad\.jsonl:3: expected 4 endings, got 3"),
+    (json.dumps(json.loads(GOOD) | {"label": 4}), r"bad\.jsonl:3: label must be 0, 1, 2 or 3 .* got 4"),
+    (json.dumps(json.loads(GOOD) | {"label": "-1"}), r"bad\.jsonl:3: label must be 0, 1, 2 or 3 .* got '-1'"),
+    (json.dumps({k: v for k, v in json.loads(GOOD).items() if k != "label"}), r"bad\.jsonl:3: no label"),
+    (json.dumps(json.loads(GOOD) | {"endings": "one ending"}), r"bad\.jsonl:3: 'endings' must be a list"),
+])
+def test_bad_lines_name_their_line(tmp_path, line, message):
+    path = write_lines(tmp_path, [GOOD, GOOD, line, GOOD])
+    with pytest.raises(ValueError, match=message):
+        hellaswag.read_examples(path)
+
+
+def test_missing_file():
+    with pytest.raises(FileNotFoundError, match="no such HellaSwag file: nowhere.jsonl"):
+        hellaswag.read_examples("nowhere.jsonl")
+
+
+def bad_input(capsys, main, args):
+    """What `python SCRIPT ARGS` does with bad input, in process: (exit code, stderr)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        exit_on_bad_input(lambda: main(args))
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("main", [hellaswag.main, check_hellaswag.main], ids=["hellaswag", "check_hellaswag"])
+def test_cli_bad_input_is_one_line_and_exit_code_2(main, tmp_path, capsys):
+    bad = write_lines(tmp_path, [GOOD, '{"ctx": "A man", "endings": ['])
+    for args, message in [(["--path", bad], f"error: {bad}:2: not valid JSON"),
+                          (["--path", str(tmp_path / "missing.jsonl")], "error: no such HellaSwag file"),
+                          (["--path", str(FIXTURE), "--limit", "0"], "error: --limit must be >= 1")]:
+        code, err = bad_input(capsys, main, args)
+        assert code == 2, err
+        assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+def test_out_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """hellaswag.py --out into a directory that does not exist: one line before any model is loaded (issue 33)."""
+    monkeypatch.setattr(hellaswag, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    code, err = bad_input(capsys, hellaswag.main, ["--path", str(FIXTURE), "--out", str(tmp_path / "no" / "p.jsonl")])
+    assert code == 2 and err.startswith(f"error: --out={tmp_path / 'no' / 'p.jsonl'}: its directory "), err
+
+
+def test_download_caches_and_fails_clearly_offline(tmp_path, monkeypatch):
+    monkeypatch.setattr(hellaswag, "URL", FIXTURE.as_uri() + "#{split}")  # urllib drops the #fragment
+    path = hellaswag.download("val", str(tmp_path / "cache"))
+    assert path == str(tmp_path / "cache" / "hellaswag_val.jsonl")
+    assert Path(path).read_bytes() == FIXTURE.read_bytes() and os.listdir(tmp_path / "cache") == ["hellaswag_val.jsonl"]
+    monkeypatch.setattr(hellaswag, "URL", "http://127.0.0.1:9/hellaswag_{split}.jsonl")  # nothing listens there
+    assert hellaswag.download("val", str(tmp_path / "cache")) == path  # cached: no network needed
+    offline = (r"^could not download http://127\.0\.0\.1:9/hellaswag_train\.jsonl \(\[Errno \d+\] [^<]*\); "
+               r"offline\? pass a local copy with --path FILE\.jsonl$")  # the reason, not urllib's wrapper
+    with pytest.raises(OSError, match=offline):
+        hellaswag.download("train", str(tmp_path / "cache"))
+    assert os.listdir(tmp_path / "cache") == ["hellaswag_val.jsonl"]  # no partial file left behind
+
+    # the connection lost mid-download: the same line with its cause, the part written removed; and never a read
+    # without a timeout (a network gone silent would hang the command)
+    timeouts = []
+
+    class Dropped(io.BytesIO):  # 10 bytes, then the connection is gone
+        headers = {"content-length": "100"}
+
+        def read(self, n=-1):
+            if self.tell():
+                raise ConnectionResetError("connection reset by peer")
+            return super().read(10)
+
+    monkeypatch.setattr(hellaswag.urllib.request, "urlopen", lambda url, timeout=None: timeouts.append(timeout)
+                        or Dropped(b"{" * 100))
+    with pytest.raises(OSError) as e:
+        hellaswag.download("test", str(tmp_path / "cache"))
+    assert str(e.value) == ("could not download http://127.0.0.1:9/hellaswag_test.jsonl (connection reset by peer); "
+                            "offline? pass a local copy with --path FILE.jsonl")
+    assert os.listdir(tmp_path / "cache") == ["hellaswag_val.jsonl"] and 0 < timeouts[0] <= 300
