@@ -5,6 +5,7 @@ mutants the tests killed (a test failed, or hung past mutmut's timeout), how man
 how many no test reached. Score: killed (timeouts included) over the mutants checked. --survivors lists the
 survivors by name (`mutmut show NAME` prints the change)."""
 
+import argparse
 import glob
 import json
 import os
@@ -21,7 +22,10 @@ def statuses(meta_file):
         return {name: status_by_exit_code[code] for name, code in json.load(f)["exit_code_by_key"].items()}
 
 
-def main(argv):
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    p.add_argument("--survivors", action="store_true", help="list the survivors by name")
+    args = p.parse_args(argv)
     files = sorted(glob.glob(os.path.join("mutants", "**", "*.py.meta"), recursive=True))
     if not files:
         print("no mutmut records in mutants/: run make mutants first", file=sys.stderr)
@@ -39,10 +43,10 @@ def main(argv):
         print(f"| {module} | {len(status)} | {n['killed']} | {n['timeout']} | {n['survived']} | {n['no tests']} | "
               f"{n['not checked']} | {score} |")
         survivors += [name for name, s in status.items() if s == "survived"]
-    if "--survivors" in argv:
+    if args.survivors:
         print("\n".join(["", "survived:", *survivors]))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
