@@ -85,6 +85,9 @@ def test_filters_match_numpy_and_transformers():
     logits = jax.random.normal(jax.random.key(0), (4, 100))
     kept = np.isfinite(np.asarray(filter_logits(logits, 0.7, top_k=1)))
     assert (kept.sum(-1) == 1).all() and (kept.argmax(-1) == np.asarray(logits).argmax(-1)).all()
+    # and with no setting, nothing changes: the logits in float32 (bf16 ones too: the filters work in float32)
+    x = logits.astype(jnp.bfloat16)
+    assert filter_logits(x).dtype == jnp.float32 and np.array_equal(filter_logits(x), x.astype(jnp.float32))
 
 
 def test_generate_draws_from_the_filtered_softmax():
@@ -156,3 +159,39 @@ def test_bad_generate_arguments_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError, match=message) as e:
         model.generate(**args)
     assert "\n" not in str(e.value)
+
+
+def test_generate_hands_on_its_settings_and_takes_each_one_at_its_bounds(monkeypatch):
+    """What generate() passes to the compiled loop (caught before it compiles): nanoGPT's default temperature 1, the
+    least max_new_tokens, top_k and vocab_limit it takes and the whole vocabulary; past those bounds, one line."""
+    import generate as gen
+
+    class Compiling(Exception):
+        pass
+
+    passed = []
+
+    def loop(*args, sampling, **kwargs):
+        passed.append(sampling)
+        raise Compiling
+
+    monkeypatch.setattr(gen, "generate_in_jit", loop)
+    model, idx, key = GPT(tiny_config(), nnx.Rngs(0)), [[1, 2]], jax.random.key(3)
+
+    def sampling(*args, **kwargs):
+        with pytest.raises(Compiling):
+            gen.generate(model, idx, *args, **kwargs)
+        return passed[-1]
+
+    assert sampling(1, key=key) == (1.0, None, None, None)
+    assert sampling(2, top_k=1, top_p=1.0, vocab_limit=1, key=key) == (1.0, 1, None, 1)
+    assert sampling(2, temperature=0, vocab_limit=128) == (0.0, None, None, 128)  # greedy: no key needed
+    for kwargs, message in [({"vocab_limit": 0}, r"vocab_limit must be in \[1, 128\], got 0$"),
+                            ({"vocab_limit": 129}, r"vocab_limit must be in \[1, 128\], got 129$"),
+                            ({"top_k": 0}, r"top_k must be a positive integer"),
+                            ({"temperature": 0.5, "key": None},
+                             r"^sampling \(temperature > 0\) needs a PRNG key: key=jax\.random\.key\(seed\)$")]:
+        with pytest.raises(ValueError, match=message):
+            gen.generate(model, idx, 2, **{"temperature": 0, **kwargs})
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer, got 0"):
+        gen.generate(model, idx, 0, temperature=0)

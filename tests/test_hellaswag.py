@@ -125,6 +125,10 @@ def test_long_context_is_cut_from_the_left():
     assert hellaswag.render_all(hellaswag.read_examples(str(FIXTURE), 11), 64, str(FIXTURE)) == loaded
     with pytest.raises(ValueError, match=rf"^{re.escape(str(FIXTURE))}:\d+: an ending of \d+ tokens leaves no room"):
         hellaswag.load_examples(str(FIXTURE), max_len=longest)
+    with pytest.raises(ValueError, match=r"^f\.jsonl:11: an ending of \d+ tokens leaves no room"):
+        hellaswag.render_all([ex], longest, "f.jsonl")
+    with pytest.raises(ValueError, match=r"^f\.jsonl:11: empty context: the first ending token would have nothing"):
+        hellaswag.render_all([dict(ex, ctx="")], 64, "f.jsonl")
 
 
 def test_batches_score_only_ending_tokens(examples):
