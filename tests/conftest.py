@@ -10,7 +10,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # torch (and numpy's BLAS) start a thread per core in every process: with two pytest workers and the commands they
-# start on 2 cores, those threads only contend (the suite ran 12 s faster with one each, 28 s less CPU)
+# start on 2 cores, those threads only contend (docs/benchmarks.md#the-test-suite)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # JAX's persistent compilation cache, for this process and the scripts the tests start: a second run of
 # the suite compiles little (the scripts turn it on themselves; here it stays out of the user's cache)
