@@ -13,6 +13,7 @@ import sys
 from dataclasses import asdict
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -175,11 +176,11 @@ def test_stacked_kernels_step_as_each_layer():
         assert_close(a, b, rtol=1e-6, atol=1e-7, what=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("warmup", [0, 3])
-def test_trapezoid_equals_the_records_schedule_at_every_step(warmup):
+@pytest.mark.parametrize("warmup, warmdown", [(0, 7), (3, 7), (1, 1)])  # 1: a step of each, at their bounds
+def test_trapezoid_equals_the_records_schedule_at_every_step(warmup, warmdown):
     from parity.speedrun_reference import get_lr
 
-    c = dict(SETTINGS, max_iters=20, warmup_iters=warmup, warmdown_iters=7)
+    c = dict(SETTINGS, max_iters=20, warmup_iters=warmup, warmdown_iters=warmdown)
     for it in range(c["max_iters"] + 1):
         multiplier = get_lr(it, c["max_iters"], warmup, c["warmdown_iters"])
         assert_close(train_step.get_lr(it, c), c["learning_rate"] * multiplier, rtol=1e-6, what=f"Adam's lr at {it}")
@@ -303,3 +304,30 @@ def test_checkpoint_fixes_arch():
     older = {k: v for k, v in asdict(GPTConfig()).items() if k != "arch"}  # a checkpoint from before arch
     c = dict(DEFAULTS, arch="speedrun")
     assert fixed_by_checkpoint(c, older)["arch"] == "speedrun" and c["arch"] == "gpt2"
+
+
+def test_bfloat16_newton_schulz_rounds_where_the_record_does():
+    """Read off the jaxpr of a tall G (transposed: the matmuls on the small side): G and its norm rounded to bf16
+    first; each matmul bf16 in and out at HIGHEST precision (a TPU's default would drop the float32 accumulation the
+    record's torch matmuls keep); every elementwise sum, product and the norm's reduction in float32; the result bf16.
+    The accuracy test above is one-sided (no further from float32 than the record): this pins where ours rounds."""
+    jaxpr = jax.make_jaxpr(lambda g: train_step.newton_schulz(g, jnp.bfloat16))(jnp.ones((32, 16))).jaxpr
+    eqns, bf16 = jaxpr.eqns, jnp.dtype(jnp.bfloat16)
+    names = [e.primitive.name for e in eqns]
+    assert names[0] == "convert_element_type" and eqns[0].params["new_dtype"] == bf16
+    assert eqns[names.index("sqrt") + 1].params.get("new_dtype") == bf16
+    dots = [e for e in eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 15 and dots[0].outvars[0].aval.shape == (16, 16)
+    for e in dots:
+        assert [v.aval.dtype for v in e.invars] == [bf16, bf16] and e.outvars[0].aval.dtype == bf16
+        assert e.params["precision"] == (jax.lax.Precision.HIGHEST,) * 2
+    for e in eqns:
+        if e.primitive.name in ("add", "sub", "mul", "div", "square", "sqrt", "reduce_sum"):
+            assert all(v.aval.dtype == jnp.float32 for v in e.invars if hasattr(v, "aval")), e
+    assert jaxpr.outvars[0].aval.dtype == bf16 and jaxpr.outvars[0].aval.shape == (32, 16)
+    # and Muon's update (muon_ns_dtype='bfloat16') asks for it in bf16, then scales it in float32
+    params = {"h": {"0": {"mlp": {"c_fc": {"kernel": jnp.ones((16, 32))}}}}}
+    tx = train_step.orthogonalize("bfloat16")
+    update = jax.make_jaxpr(lambda g: tx.update(g, tx.init(params), params)[0])(params).jaxpr
+    assert {e.invars[0].aval.dtype for e in update.eqns if e.primitive.name == "dot_general"} == {bf16}
+    assert update.outvars[0].aval.dtype == jnp.float32
