@@ -5,7 +5,7 @@ record 5 in PyTorch (parity/speedrun_reference.py): a few steps of Muon on the b
 layout (c_fc's (C, 4C), c_proj's (4C, C), attn.c_proj's (C, C), the fused QKV (C, 3C) against the record's three
 (C, C)) and of Adam on the embedding, in float32 Newton-Schulz and in the record's bfloat16; the schedule at every
 step; the stacked kernels of scan_layers; a mesh of fsdp x tensor (8 fake CPU devices, one subprocess); the settings'
-one-line errors."""
+one-line errors; where bf16 Newton-Schulz rounds, read off its jaxpr."""
 
 import json
 import subprocess
