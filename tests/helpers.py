@@ -26,21 +26,14 @@ def assert_close(actual, expected, rtol=0.0, atol=0.0, what=""):
 
 
 def random_nanogpt(seed=0, bias=True, flash=True, **kw):
-    """nanoGPT's GPT (parity/nanogpt_reference.py, torch) with every tensor random (its init leaves biases 0 and
-    LayerNorms 1, which would hide a swapped or missing mapping)."""
-    import torch
-
+    """nanoGPT's GPT (parity/nanogpt_reference.py, torch) with every tensor random (parity.common.randomized: its
+    init leaves biases 0 and LayerNorms 1, which would hide a swapped or missing mapping)."""
     from parity import nanogpt_reference as nanogpt
+    from parity.common import randomized
 
-    torch.manual_seed(seed)
     config = nanogpt.GPTConfig(**{"block_size": 32, "vocab_size": 65, "n_layer": 2, "n_head": 2, "n_embd": 48,
                                   "bias": bias, **kw})
-    model = nanogpt.GPT(config, flash=flash).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            base = 1.0 if ("ln_" in name and name.endswith(".weight")) else 0.0
-            p.copy_(base + (0.1 if "ln_" in name else 0.02) * torch.randn(p.shape))
-    return model
+    return randomized(nanogpt.GPT(config, flash=flash).eval(), seed)
 
 
 def tiny_config(**kw):
