@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import attention
 import sharding
 from attention import causal_attention, check_setting, choose
-from helpers import assert_close, fake_devices
+from helpers import assert_close, fake_devices, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,6 +60,7 @@ def test_choose_and_check_setting():
     assert pick("auto") == "splash" and pick("auto", T=128) == "splash" and pick("auto", dtype="float32") == "splash"
     assert pick("auto", T=32) == "xla" and pick("auto", T=1) == "xla"  # short sequences, decoding
     assert pick("auto", hs=attention.SPLASH_MAX_HEAD_SIZE * 2) == "xla"
+    assert pick("auto", hs=attention.SPLASH_MAX_HEAD_SIZE) == "splash"  # the largest head size it takes
     assert pick("auto", platform="cpu") == "xla" and pick("xla") == "xla"
     assert pick("auto", platform="gpu", capability=(9, 0)) == "cudnn"
     assert pick("auto", platform="gpu", capability=(9, 0), dtype="float32") == "xla"
@@ -95,6 +96,9 @@ def test_choose_and_check_setting():
          "'bfloat16'; use attention='auto' or 'xla', or dtype='float32'$"),
         (lambda: pick("splash", T=32, device_kind="TPU v2"), "TPU v2's kernel compiler takes it in float32 only"),
         (lambda: pick("cudnn", platform="gpu", capability=(8, 0), hs=160), "must be a multiple of 8 and <= 128"),
+        # a run's config on this process's device (train.py's check before anything is written): its head size
+        (lambda: attention.check_run(tiny_config(attention="splash", block_size=128, n_embd=1024), jax.devices()[0]),
+         r"^attention='splash' cannot run here: the head size \(n_embd / n_head\) must be <= 256, got 512" + fix),
     ]
     for call, match in bad:
         with pytest.raises(ValueError, match=match) as e:

@@ -72,6 +72,43 @@ def test_padded_lengths_are_few_and_pad_least():
         assert sum(got) == best
 
 
+def test_continuation_scores_in_chunks_equal_the_logits_at_once():
+    """Past SCORE_CHUNK positions the log-probabilities are summed chunk by chunk: equal to those of all the logits
+    at once, padding (-1) left out; greedy where every target is the argmax (row 1's are, row 0's are not)."""
+    import jax
+    from flax import nnx
+    from model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(block_size=320, vocab_size=96, n_layer=1, n_head=2, n_embd=32), nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    R, L, E = 2, 300, 2 * lm_eval_py.SCORE_CHUNK
+    tokens = rng.integers(0, 96, (R, L))
+    pos = rng.integers(0, L, (R, E))
+    logits = np.asarray(model(jax.numpy.asarray(tokens))[0], np.float64)[np.arange(R)[:, None], pos]  # (R, E, V)
+    targets = rng.integers(0, 96, (R, E))
+    targets[1] = logits[1].argmax(-1)
+    targets[:, -40:] = -1
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    want = np.take_along_axis(logp, np.maximum(targets, 0)[..., None], -1)[..., 0]
+    sums, greedy = lm_eval_py.continuation_scores(model, *(jax.numpy.asarray(a) for a in (tokens, pos, targets)))
+    np.testing.assert_allclose(sums, np.where(targets >= 0, want, 0).sum(-1), rtol=1e-5)
+    assert greedy.tolist() == [False, True]
+
+
+def test_a_request_one_token_too_long_is_cut_by_one_from_the_left(tiny_hf, capsys):
+    """block_size + 1 tokens fit (the last is only a target); one more and the context's first token goes, as
+    lm-eval's hf model cuts it, and the cut is said."""
+    import sharding
+    from model import load_pretrained
+
+    lm = lm_eval_py.JaxLM(load_pretrained(tiny_hf)[0], sharding.make_mesh(), batch_size=3, progress=False)
+    context, continuation = list(range(100, 161)), [7, 8, 9, 10, 11]  # 61 + 5 = block_size 64 + 2
+    scores = lm._loglikelihood_tokens([(None, context[1:], continuation), (None, context, continuation),
+                                       (None, context[2:], continuation)])
+    assert scores[1] == scores[0] != scores[2]
+    assert "1 of 3 requests longer than block_size 64: context cut from the left" in capsys.readouterr().err
+
+
 def test_parity_with_lm_eval_hf_model_on_each_output_type(tiny_hf, capsys):
     """multiple choice, rolling loglikelihood and generate_until: every request as lm-eval's hf model (fp32)."""
     assert check_eval.main([f"--init_from={tiny_hf}", "--limit=4"]) == 0
@@ -93,11 +130,11 @@ def test_eval_on_a_train_py_checkpoint_and_its_exports(bpe_run, tmp_path, capsys
     out = tmp_path / "results.json"
     assert lm_eval_py.main([f"--out_dir={bpe_run}", "--init_from=resume", "--tasks=hellaswag_local",
                             f"--include_path={TASKS}", "--limit=3", "--num_fewshot=1", "--log_samples=True",
-                            f"--output={out}"]) == 0
+                            "--bootstrap_iters=0", f"--output={out}"]) == 0
     printed = capsys.readouterr()
     assert "hellaswag_local" in printed.out and "acc_norm" in printed.out  # lm-eval's table
     results = json.loads(out.read_text())
-    assert results["config"]["model_args"]["step"] == 2
+    assert results["config"]["model_args"]["step"] == 2 and results["config"]["bootstrap_iters"] == 0
     assert results["config"]["model_args"]["model_config"]["n_embd"] == 32
     assert results["n-shot"]["hellaswag_local"] == 1 and results["n-samples"]["hellaswag_local"]["effective"] == 3
     sample = results["samples"]["hellaswag_local"][0]
@@ -105,12 +142,18 @@ def test_eval_on_a_train_py_checkpoint_and_its_exports(bpe_run, tmp_path, capsys
     context = sample["arguments"][0][0]
     assert context.count("\n\n") == 1  # one example before the question
     assert printed.err.count("cut from the left") <= 1  # said once per call, if at all
+    # what was loaded and how long it took: the model's size in millions, the mesh, then the evaluation's time
+    n_params = lm_eval_py.load_bpe_model("resume", bpe_run, "float32", lm_eval_py.NOT_BPE)[0].num_params()
+    assert f"(step 2): {n_params / 1e6:.2f}M params, block_size 64, loaded in " in printed.err, printed.err
+    assert "mesh {'data': 1, 'fsdp': 1, 'tensor': 1}" in printed.err
+    assert "compiled shapes so far: " in printed.err
+    assert re.search(r"\nevaluated in \d+\.\ds, [1-9]\d* compiled shapes\n", printed.err), printed.err
 
     export.main([f"--out_dir={bpe_run}", "--format=nanogpt", f"--to={tmp_path / 'nano'}"])
     export.main([f"--out_dir={bpe_run}", f"--to={tmp_path / 'hf'}"])
     for exported in (tmp_path / "nano" / "ckpt.pt", tmp_path / "hf"):  # nanoGPT's ckpt.pt, an HF directory
         assert lm_eval_py.main([f"--init_from={exported}", "--tasks=hellaswag_local", f"--include_path={TASKS}",
-                                "--limit=3", "--num_fewshot=1", f"--output={out}"]) == 0
+                                "--limit=3", "--num_fewshot=1", "--bootstrap_iters=0", f"--output={out}"]) == 0
         again = json.loads(out.read_text())
         assert again["results"]["hellaswag_local"] == results["results"]["hellaswag_local"], exported
 
@@ -137,6 +180,13 @@ def test_bad_input_is_one_line(tiny_hf, tmp_path, capsys):
     fails("batch_size must be an integer >= 1", "--tasks=hellaswag_local", "--batch_size=0")
     fails("--tasks is required", f"--init_from={tiny_hf}")
     fails("limit", "--tasks=x", "--limit=0")
+    fails(r"fraction in \(0, 1\), got 1\.0$", "--tasks=x", "--limit=1.0")  # a float is a fraction: 1.0 is none
+    lm_eval_py.check_settings({**lm_eval_py.defaults, "tasks": "x", "limit": 0.5})  # half of each task: taken
+    fails(rf"^--include_path {re.escape(str(tmp_path / 'none'))} is not a directory of task YAMLs$", "--tasks=x",
+          f"--include_path={tmp_path / 'none'}")
+    # more ways than this process's one device, each setting named as given
+    fails(r"^fsdp=1 x tensor_parallel=2 must be positive and divide the 1 device", f"--init_from={tiny_hf}",
+          "--tasks=hellaswag_local", f"--include_path={TASKS}", "--tensor_parallel=2")
     # a results file that could not be written is refused before anything is loaded or evaluated (issue 33)
     fails(r"^--output=.*/no/such/r\.json: its directory .*/no/such does not exist: create it, or give another path$",
           f"--init_from={tiny_hf}", "--tasks=hellaswag_local", f"--include_path={TASKS}",

@@ -127,6 +127,15 @@ def test_compiles_once_per_batch_size_and_total_length(monkeypatch):
     assert len(traces) == 1
 
 
+def test_the_kv_cache_is_held_in_the_compute_dtype():
+    """bf16 compute, a bf16 cache (half float32's memory), in both layouts: one (k, v) per layer, or one stacked."""
+    for scan in (False, True):
+        config = tiny_config(dtype="bfloat16", scan_layers=scan)
+        cache = nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))).init_cache(3, 16)
+        shape = (3 * 2, 16, 32) if not scan else (2, 3 * 2, 16, 32)
+        assert [(x.dtype, x.shape) for x in jax.tree.leaves(cache)] == [(jnp.bfloat16, shape)] * (4 if not scan else 2)
+
+
 def test_streamed_tokens_and_vocab_limit():
     model = GPT(tiny_config(), nnx.Rngs(1))
     idx = np.random.default_rng(1).integers(0, 128, (2, 3))

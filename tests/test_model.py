@@ -202,7 +202,7 @@ def test_num_params_and_crop():
     assert model.num_params(non_embedding=False) == 128 * 64 + 32 * 64 + 2 * 64 + 2 * block == 110_336
     assert model.num_params() == 110_336 - 32 * 64
     model.crop_block_size(16)
-    assert model.config.block_size == 16 and model.wpe.embedding.shape == (16, 64)
+    assert model.config.block_size == 16 and model.wpe.embedding.shape == (16, 64) and model.wpe.num_embeddings == 16
     idx = jnp.zeros((1, 16), jnp.int32)
     assert model(idx)[0].shape == (1, 16, 128)
     with pytest.raises(ValueError, match="block_size"):
