@@ -14,9 +14,9 @@ import pytest
 import torch
 from flax import nnx
 
-from configurator import exit_on_bad_input
+from configurator import UsageError, exit_on_bad_input
 from helpers import assert_close, tiny_config
-from model import GPT, GPTConfig, cross_entropy
+from model import GPT, GPTConfig, cross_entropy, resolve_dtype
 from parity import check_logits
 from parity.check_logits import check
 from parity.common import save_random_hf_model
@@ -189,6 +189,18 @@ def test_dropout_uses_the_key_and_eval_is_deterministic():
     np.testing.assert_array_equal(k1, k2)
     assert np.abs(np.asarray(k1) - np.asarray(a)).max() > 1e-3
     assert np.abs(np.asarray(model(idx, key=jax.random.key(2))[0]) - np.asarray(k1)).max() > 1e-3
+    # training's path (the loss without the logits) drops the same units for the same key
+    targets = jnp.roll(idx, -1, axis=1)
+    trained, evaluated = model.loss(idx, targets, key=jax.random.key(1)), model.loss(idx, targets)
+    np.testing.assert_allclose(trained, model(idx, targets, key=jax.random.key(1))[1], rtol=1e-6)
+    np.testing.assert_allclose(evaluated, model(idx, targets)[1], rtol=1e-6)
+    assert abs(float(trained) - float(evaluated)) > 1e-4
+
+
+def test_a_dtype_setting_names_the_choices():
+    assert [resolve_dtype("auto", p) for p in ("cpu", "gpu", "tpu")] == ["float32", "bfloat16", "bfloat16"]
+    with pytest.raises(UsageError, match=r"^dtype must be 'auto', 'float32' or 'bfloat16', got 'float16'$"):
+        resolve_dtype("float16", "cpu")
 
 
 def test_num_params_and_crop():

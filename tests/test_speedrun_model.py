@@ -267,6 +267,7 @@ def test_a_record_file_loads_for_the_scripts_with_the_records_logits(tmp_path, c
     # the heads come from the file's code; without one, from n_head (the record's 6 by default)
     save_record_file(ref.state_dict(), tmp_path / "no_code.pt", code="")
     assert read_pretrained(str(tmp_path / "no_code.pt"), n_head=2)[0]["n_head"] == 2
+    assert GPT.from_pretrained(str(tmp_path / "no_code.pt"), n_head=2).config.n_head == 2
     with pytest.raises(UsageError, match="n_head=6 does not split n_embd=64"):
         read_pretrained(str(tmp_path / "no_code.pt"))
     # sample.py greedy, with a character vocabulary beside the file: the record's own greedy continuation
