@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,10 @@ def test_choose_and_check_setting():
         assert pick("auto", device_kind=kind) == "xla" and pick("auto", device_kind=kind, dtype="float32") == "splash"
     assert pick("auto", device_kind="TPU7x") == "splash" and pick("auto", device_kind="TPU v4") == "splash"
     assert attention.cuda_capability(jax.devices()[0]) is None
+    for platform, capability, want in [("gpu", "9.0", (9, 0)), ("cuda", "12.1", (12, 1)), ("gpu", "gfx90a", None),
+                                       ("tpu", "9.0", None)]:  # NVIDIA's; ROCm's names its chip; no TPU has one
+        device = types.SimpleNamespace(platform=platform, compute_capability=capability)
+        assert attention.cuda_capability(device) == want, (platform, capability)
 
     ok = dict(platform="tpu", dtype="bfloat16", head_size=64, block_size=1024, dropout=0.0)
     for setting in ("auto", "xla", "splash"):
