@@ -195,6 +195,13 @@ def test_dropout_uses_the_key_and_eval_is_deterministic():
     np.testing.assert_allclose(trained, model(idx, targets, key=jax.random.key(1))[1], rtol=1e-6)
     np.testing.assert_allclose(evaluated, model(idx, targets)[1], rtol=1e-6)
     assert abs(float(trained) - float(evaluated)) > 1e-4
+    # each branch drops units with its own key: with the attention's output projection zeroed, the key still
+    # changes a block's output, through the MLP's dropout
+    block = model.h[0]
+    for p in (block.attn.c_proj.kernel, block.attn.c_proj.bias):
+        p.set_value(jnp.zeros_like(p[...]))
+    x = jax.random.normal(jax.random.key(3), (2, 16, 64))
+    assert np.abs(np.asarray(block(x, jax.random.key(1)) - block(x))).max() > 1e-3
 
 
 def test_a_dtype_setting_names_the_choices():
