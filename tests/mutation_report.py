@@ -32,6 +32,8 @@ def main(argv=None):
                    help="print K names drawn at random from MODULE's mutants not checked yet (e.g. 50 model.py)")
     p.add_argument("--seed", type=int, default=34, help="the draw's seed (default 34)")
     args = p.parse_args(argv)
+    if args.sample and not args.sample[0].isdigit():
+        p.error(f"--sample K MODULE: K is how many mutants to draw, a whole number, got {args.sample[0]!r}")
     files = sorted(glob.glob(os.path.join("mutants", "**", "*.py.meta"), recursive=True))
     if not files:
         print("no mutmut records in mutants/: run make mutants first", file=sys.stderr)

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import attention
+import layers
 import model as model_lib
 import sharding
 from helpers import assert_close, tiny_config
@@ -121,6 +122,19 @@ def test_remat_block_cuts_the_step_peak_3x():
             for remat in ("none", "block", "dots")}
     assert peak["none"] >= 3 * peak["block"], peak
     assert peak["block"] < peak["dots"] < peak["none"], peak
+
+
+def test_remat_qkv_proj_keeps_what_it_names_and_block_nothing(capsys):
+    """Besides a block's params and input, remat='qkv_proj' keeps for the backward exactly q, k, v (B, T, 3C) and
+    the attention's output projection (B, T, C), by the names the model gives them; 'block' keeps nothing more."""
+    graphdef, state = nnx.split(GPT(tiny_config(), nnx.Rngs(0)).h[0])
+    for remat, want in [("qkv_proj", ["f32[2,16,192] named 'qkv'", "f32[2,16,64] named 'attn_proj'"]),
+                        ("block", [])]:
+        block = jax.checkpoint(lambda state, x: nnx.merge(graphdef, state)(x), policy=layers.REMAT[remat])
+        jax.ad_checkpoint.print_saved_residuals(block, state, jnp.ones((2, 16, 64)))
+        saved = [line.split(" from ")[0] for line in capsys.readouterr().out.splitlines()
+                 if " from the argument " not in line]
+        assert saved == want, (remat, saved)
 
 
 def test_chunked_loss_holds_no_whole_batch_logits():

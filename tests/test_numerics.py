@@ -109,6 +109,18 @@ def test_bf16_step_keeps_layernorm_softmax_residual_and_loss_in_float32(settings
     assert not broken, f"not in float32 (the first 3 equations of each): {broken}"
 
 
+def test_bf16_linear_layers_give_bf16_with_the_bias_added_in_float32():
+    """As torch autocast's: a Linear's output is in the compute dtype; its bias is added in float32 first (a
+    bias of 1 + 2^-9, which bf16 cannot hold: the sum is rounded once, not twice)."""
+    layer = GPT(tiny_config(dtype="bfloat16"), nnx.Rngs(0)).h[0].mlp.c_fc
+    layer.kernel.set_value(jnp.zeros_like(layer.kernel[...]).at[0, 0].set(1.0))
+    layer.bias.set_value(jnp.full_like(layer.bias[...], 1 + 2**-9))
+    y = layer(jnp.zeros((1, 64)).at[0, 0].set(2**-8))
+    assert y.dtype == jnp.bfloat16
+    # 2^-8 + 1 + 2^-9 in float32 rounds once to bf16's 1 + 2^-7; twice (the bias to 1, then 1 + 2^-8, a tie, to 1): 1
+    assert float(y[0, 0]) == 1 + 2**-7
+
+
 @pytest.fixture
 def one_torch_thread():
     """Torch's OpenMP threads spin at barriers: on 2 shared cores they slow the tiny model 10x (test_check_train.py)."""
