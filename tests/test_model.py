@@ -16,6 +16,7 @@ from flax import nnx
 
 from configurator import UsageError, exit_on_bad_input
 from helpers import assert_close, tiny_config
+from layers import dropout
 from model import GPT, GPTConfig, cross_entropy, resolve_dtype
 from parity import check_logits
 from parity.check_logits import check
@@ -202,6 +203,16 @@ def test_dropout_uses_the_key_and_eval_is_deterministic():
         p.set_value(jnp.zeros_like(p[...]))
     x = jax.random.normal(jax.random.key(3), (2, 16, 64))
     assert np.abs(np.asarray(block(x, jax.random.key(1)) - block(x))).max() > 1e-3
+
+
+def test_dropout_is_inverted_dropout_in_the_inputs_dtype():
+    """torch's F.dropout: each unit zeroed with probability rate, the kept ones scaled by 1 / (1 - rate), so that the
+    mean is unchanged; in x's dtype."""
+    x = jnp.ones((100, 1000), jnp.bfloat16)
+    y = np.asarray(dropout(x, 0.25, jax.random.key(0)), np.float32)
+    assert dropout(x, 0.25, jax.random.key(0)).dtype == jnp.bfloat16
+    assert set(np.unique(y)) == {0.0, float(jnp.bfloat16(4 / 3))}
+    assert abs((y == 0).mean() - 0.25) < 0.005  # 100,000 draws: 4 standard deviations (0.0014 each)
 
 
 def test_a_dtype_setting_names_the_choices():
