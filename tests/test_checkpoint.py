@@ -183,6 +183,7 @@ def test_a_bad_meta_is_one_line_in_train_sample_and_export(dataset, tmp_path, ca
     run(dataset, out, "--max_iters=4", "--eval_interval=2")
     meta_file = out / "ckpt" / "4" / "meta" / "metadata"
     good = json.loads(meta_file.read_text())
+    assert checkpoint.load_model("resume", out, dropout=0.1)[0].config.dropout == 0.1  # the caller's, not the run's
 
     # a checkpoint saved before the checksums: it loads, and one line says it is unverified
     meta_file.write_text(json.dumps({k: v for k, v in good.items() if k != "digests"}))
@@ -338,3 +339,19 @@ def test_a_failed_save_names_as_intact_only_a_checkpoint_still_there(tmp_path):
     shutil.rmtree(tmp_path / "ckpt")
     assert failed_save().endswith("the run stopped. No checkpoint is left there")
     mngr.close()
+
+
+def test_a_failed_saves_fix_is_named_by_the_first_cause_that_says():
+    def raised(cause):  # orbax's error, raised from the storage's
+        try:
+            raise RuntimeError("save failed") from cause
+        except RuntimeError as e:
+            return e
+
+    for cause, where, fix in [(OSError(errno.ENOSPC, "No space left"), "out/ckpt", "free space"),
+                              (OSError(errno.EROFS, "Read-only file system"), "out/ckpt", "make out/ckpt writable"),
+                              (PermissionError("403 Forbidden"), "gs://b/run/ckpt", "fix the bucket's access"),
+                              (ConnectionError("reset by peer"), "gs://b/run/ckpt", "check the network"),
+                              (ConnectionError("reset by peer"), "out/ckpt", "fix the cause above"),
+                              (ValueError("not a storage failure"), "gs://b/run/ckpt", "fix the cause above")]:
+        assert checkpoint._fix_for(raised(cause), where) == fix, (cause, where)
