@@ -35,6 +35,7 @@ GOOD = FIXTURE.read_text().splitlines()[0]
     (json.dumps(json.loads(GOOD) | {"label": 4}), r"bad\.jsonl:3: label must be 0, 1, 2 or 3 .* got 4"),
     (json.dumps(json.loads(GOOD) | {"label": "-1"}), r"bad\.jsonl:3: label must be 0, 1, 2 or 3 .* got '-1'"),
     (json.dumps({k: v for k, v in json.loads(GOOD).items() if k != "label"}), r"bad\.jsonl:3: no label"),
+    (json.dumps(json.loads(GOOD) | {"label": ""}), r"bad\.jsonl:3: no label \(HellaSwag's test split is unlabeled\)$"),
     (json.dumps(json.loads(GOOD) | {"endings": "one ending"}), r"bad\.jsonl:3: 'endings' must be a list"),
 ])
 def test_bad_lines_name_their_line(tmp_path, line, message):
@@ -65,6 +66,11 @@ def test_cli_bad_input_is_one_line_and_exit_code_2(main, tmp_path, capsys):
         code, err = bad_input(capsys, main, args)
         assert code == 2, err
         assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+def test_with_no_options_the_scripts_score_gpt2_on_the_validation_split():
+    args = hellaswag.cli_parser(hellaswag.__doc__).parse_args([])
+    assert (args.init_from, args.out_dir, args.split, args.path, args.limit) == ("gpt2", "out", "val", None, None)
 
 
 def test_out_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
