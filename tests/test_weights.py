@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -28,7 +29,8 @@ from parity.check_logits import check
 from configurator import UsageError, exit_on_bad_input
 from parity.common import random_hf_model, save_random_hf_model
 from tokenizer import save_vocab
-from weights import MASK_BUFFERS, TIED_KEY, hf_config_for, load_hf_model, read_hf_weights, state_dict
+from weights import (MASK_BUFFERS, TIED_KEY, config_from_hf, hf_config_for, load_hf_model, read_hf_weights,
+                     state_dict)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_HF = dict(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
@@ -231,3 +233,16 @@ def test_the_exported_config_is_the_model_as_transformers_reads_it(tmp_path, voc
         assert hf.resid_pdrop == hf.embd_pdrop == hf.attn_pdrop == 0.0
         assert hf.tie_word_embeddings is True and hf.bos_token_id == hf.eos_token_id == eot
         assert hf.dtype in (torch.float32, "float32")
+
+
+def test_hf_variants_our_model_does_not_compute_are_refused_in_one_line():
+    """GPT-2's architecture as transformers' GPT2Config can vary it: each variant our model would compute otherwise,
+    named with its value; GPT-2's own values (n_inner 4 * n_embd written out) taken."""
+    ok = {"n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 32, "vocab_size": 128}
+    assert config_from_hf({**ok, "n_inner": 256, "activation_function": "gelu"})["gelu"] == "exact"
+    for key, value in [("activation_function", "relu"), ("layer_norm_epsilon", 1e-6), ("n_inner", 128),
+                       ("scale_attn_weights", False), ("scale_attn_by_inverse_layer_idx", True),
+                       ("tie_word_embeddings", False)]:
+        with pytest.raises(UsageError, match=rf"^not a GPT-2 architecture this model computes: "
+                                             rf"\{{'{key}': {re.escape(repr(value))}\}}$"):
+            config_from_hf({**ok, key: value})
