@@ -21,6 +21,7 @@ from flax import nnx
 import checkpoint
 import export
 import sample
+import weights
 from helpers import random_nanogpt, tiny_config
 from model import GPT, model_from
 from parity import nanogpt_reference as nanogpt
@@ -238,6 +239,8 @@ def test_the_exported_config_is_the_model_as_transformers_reads_it(tmp_path, voc
 def test_hf_variants_our_model_does_not_compute_are_refused_in_one_line():
     """GPT-2's architecture as transformers' GPT2Config can vary it: each variant our model would compute otherwise,
     named with its value; GPT-2's own values (n_inner 4 * n_embd written out) taken."""
+    assert config_from_hf({}) == dict(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768,
+                                      bias=True, gelu="tanh")  # keys left out: GPT2Config's defaults, GPT-2 124M
     ok = {"n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 32, "vocab_size": 128}
     assert config_from_hf({**ok, "n_inner": 256, "activation_function": "gelu"})["gelu"] == "exact"
     for key, value in [("activation_function", "relu"), ("layer_norm_epsilon", 1e-6), ("n_inner", 128),
@@ -246,3 +249,13 @@ def test_hf_variants_our_model_does_not_compute_are_refused_in_one_line():
         with pytest.raises(UsageError, match=rf"^not a GPT-2 architecture this model computes: "
                                              rf"\{{'{key}': {re.escape(repr(value))}\}}$"):
             config_from_hf({**ok, key: value})
+
+
+def test_a_hub_name_neither_downloadable_nor_cached_is_one_line(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1, or no network
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    with pytest.raises(UsageError, match=r"^could not load 'gpt2' from the HF hub or the local HF cache \(offline\?\); "
+                                         r"pass a local directory written by save_pretrained instead$"):
+        weights.hf_directory("gpt2")
