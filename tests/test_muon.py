@@ -5,7 +5,8 @@ record 5 in PyTorch (parity/speedrun_reference.py): a few steps of Muon on the b
 layout (c_fc's (C, 4C), c_proj's (4C, C), attn.c_proj's (C, C), the fused QKV (C, 3C) against the record's three
 (C, C)) and of Adam on the embedding, in float32 Newton-Schulz and in the record's bfloat16; the schedule at every
 step; the stacked kernels of scan_layers; a mesh of fsdp x tensor (8 fake CPU devices, one subprocess); the settings'
-one-line errors; where bf16 Newton-Schulz rounds, read off its jaxpr."""
+one-line errors; where bf16 Newton-Schulz rounds, read off its jaxpr. And optimizer='adamw' against torch's AdamW,
+and the step's finite flag."""
 
 import json
 import subprocess
@@ -331,3 +332,48 @@ def test_bfloat16_newton_schulz_rounds_where_the_record_does():
     update = jax.make_jaxpr(lambda g: tx.update(g, tx.init(params), params)[0])(params).jaxpr
     assert {e.invars[0].aval.dtype for e in update.eqns if e.primitive.name == "dot_general"} == {bf16}
     assert update.outvars[0].aval.dtype == jnp.float32
+
+
+def test_adamw_takes_the_runs_betas_and_weight_decay_as_torch_does():
+    """optimizer='adamw' with betas and a weight decay that are neither optax's defaults nor torch's: three steps
+    equal torch.optim.AdamW's, the matrix decayed, the bias not (nanoGPT's groups)."""
+    import optax
+    import torch
+
+    c = dict(DEFAULTS, optimizer="adamw", beta1=0.5, beta2=0.8, weight_decay=0.3, learning_rate=0.1, decay_lr=False)
+    rng = np.random.default_rng(0)
+    params = {"kernel": rng.normal(size=(3, 4)).astype(np.float32), "bias": rng.normal(size=4).astype(np.float32)}
+    grads = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()} for _ in range(3)]
+    tx, ours = train_step.make_optimizer(c), jax.tree.map(jnp.asarray, params)
+    state = tx.init(ours)
+    for g in grads:
+        updates, state = tx.update(jax.tree.map(jnp.asarray, g), state, ours)
+        ours = optax.apply_updates(ours, updates)
+    theirs = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    opt = torch.optim.AdamW([{"params": [theirs["kernel"]], "weight_decay": 0.3},
+                             {"params": [theirs["bias"]], "weight_decay": 0.0}], lr=0.1, betas=(0.5, 0.8), eps=1e-8)
+    for g in grads:
+        for k, p in theirs.items():
+            p.grad = torch.tensor(g[k])
+        opt.step()
+    for k, p in theirs.items():
+        assert_close(ours[k], p.detach().numpy(), atol=1e-6, what=k)
+
+
+def test_a_step_is_finite_only_where_its_loss_and_gradient_norm_both_are(monkeypatch):
+    """A loss of sqrt(b) at b = 0 (ln_f's bias starts at zeros): 0, finite, with an infinite gradient; such a step
+    is not finite (train.py stops the run before it is saved), nor is one whose loss is not."""
+    from flax import nnx
+    from helpers import tiny_config
+    from model import GPT
+
+    graphdef, params = nnx.split(GPT(tiny_config(), nnx.Rngs(0)))
+    tx = train_step.make_optimizer(dict(DEFAULTS, optimizer="adamw"))
+    x = jnp.zeros((1, 2, 8), jnp.int32)
+    for loss, finite in [(lambda m: jnp.mean(m.ln_f.bias[...] ** 2), True),
+                         (lambda m: jnp.sqrt(m.ln_f.bias[...][0]), False),
+                         (lambda m: jnp.log(m.ln_f.bias[...][0]), False)]:
+        monkeypatch.setattr(train_step, "batch_loss", lambda model, x, y, key: loss(model))
+        step = train_step.make_train_step(graphdef, tx, grad_clip=1.0)
+        metrics = step(params, tx.init(params), x, x, jax.random.key(0))[2]
+        assert bool(metrics["finite"]) is finite, (metrics, finite)
