@@ -361,18 +361,15 @@ def test_adamw_takes_the_runs_betas_and_weight_decay_as_torch_does():
 
 
 def test_a_step_is_finite_only_where_its_loss_and_gradient_norm_both_are(monkeypatch):
-    """A loss of sqrt(b) at b = 0 (ln_f's bias starts at zeros): 0, finite, with an infinite gradient; such a step
-    is not finite (train.py stops the run before it is saved), nor is one whose loss is not."""
+    """A loss of sqrt(b) at b = 0 (a Linear's bias starts at zeros): 0, finite, with an infinite gradient; such a
+    step is not finite (train.py stops the run before it is saved), nor is one whose loss is not."""
     from flax import nnx
-    from helpers import tiny_config
-    from model import GPT
 
-    graphdef, params = nnx.split(GPT(tiny_config(n_layer=1, n_embd=16), nnx.Rngs(0)))
+    graphdef, params = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
     tx = train_step.make_optimizer(dict(DEFAULTS, optimizer="adamw"))
     step, opt_state, x = train_step.make_train_step(graphdef, tx, grad_clip=1.0), tx.init(params), jnp.zeros((1, 2, 8))
-    for loss, finite in [(lambda m: jnp.mean(m.ln_f.bias[...] ** 2), True),
-                         (lambda m: jnp.sqrt(m.ln_f.bias[...][0]), False),
-                         (lambda m: jnp.log(m.ln_f.bias[...][0]), False)]:
+    for loss, finite in [(lambda m: jnp.mean(m.bias[...] ** 2), True), (lambda m: jnp.sqrt(m.bias[...][0]), False),
+                         (lambda m: jnp.log(m.bias[...][0]), False)]:
         monkeypatch.setattr(train_step, "batch_loss", lambda model, x, y, key: loss(model))
         metrics = step(params, opt_state, x, x, jax.random.key(0))[2]
         assert bool(metrics["finite"]) is finite, (metrics, finite)
