@@ -21,7 +21,6 @@ from flax import nnx
 import checkpoint
 import export
 import sample
-import weights
 from helpers import random_nanogpt, tiny_config
 from model import GPT, model_from
 from parity import nanogpt_reference as nanogpt
@@ -30,8 +29,8 @@ from parity.check_logits import check
 from configurator import UsageError, exit_on_bad_input
 from parity.common import random_hf_model, save_random_hf_model
 from tokenizer import save_vocab
-from weights import (MASK_BUFFERS, TIED_KEY, config_from_hf, hf_config_for, load_hf_model, read_hf_weights,
-                     state_dict)
+from weights import (MASK_BUFFERS, TIED_KEY, config_from_hf, hf_config_for, hf_directory, load_hf_model,
+                     read_hf_weights, state_dict)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_HF = dict(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
@@ -258,4 +257,4 @@ def test_a_hub_name_neither_downloadable_nor_cached_is_one_line(tmp_path, monkey
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
     with pytest.raises(UsageError, match=r"^could not load 'gpt2' from the HF hub or the local HF cache \(offline\?\); "
                                          r"pass a local directory written by save_pretrained instead$"):
-        weights.hf_directory("gpt2")
+        hf_directory("gpt2")
