@@ -43,6 +43,7 @@ def tiny_config(**kw):
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HELLASWAG_FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_small.jsonl")  # 20 HellaSwag examples
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4",
         "--gradient_accumulation_steps=1", "--eval_iters=2", "--eval_interval=1000", "--log_interval=1",
         "--max_iters=4", "--warmup_iters=2", "--lr_decay_iters=10", "--learning_rate=1e-2", "--dtype=float32",

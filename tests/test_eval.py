@@ -8,17 +8,21 @@ import re
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import eval as lm_eval_py
 import export
 import runlog
+import sharding
 from configurator import UsageError, exit_on_bad_input
 from parity import check_eval
 from parity import nanogpt_reference as nanogpt
 from parity.common import save_random_hf_model
 from helpers import REPO, fake_devices, run, transpose_c_proj_on_restore
+from model import GPT, GPTConfig, load_pretrained
 from tokenizer import get_encoding, save_hf_tokenizer
 
 TASKS = os.path.join(REPO, "eval_tasks")
@@ -75,22 +79,18 @@ def test_padded_lengths_are_few_and_pad_least():
 def test_continuation_scores_in_chunks_equal_the_logits_at_once():
     """Past SCORE_CHUNK positions the log-probabilities are summed chunk by chunk: equal to those of all the logits
     at once, padding (-1) left out; greedy where every target is the argmax (row 1's are, row 0's are not)."""
-    import jax
-    from flax import nnx
-    from model import GPT, GPTConfig
-
     model = GPT(GPTConfig(block_size=64, vocab_size=96, n_layer=1, n_head=2, n_embd=32), nnx.Rngs(0))
     rng = np.random.default_rng(0)
     R, L, E = 2, 64, 2 * lm_eval_py.SCORE_CHUNK  # positions may repeat: E > L
     tokens = rng.integers(0, 96, (R, L))
     pos = rng.integers(0, L, (R, E))
-    logits = np.asarray(model(jax.numpy.asarray(tokens))[0], np.float64)[np.arange(R)[:, None], pos]  # (R, E, V)
+    logits = np.asarray(model(jnp.asarray(tokens))[0], np.float64)[np.arange(R)[:, None], pos]  # (R, E, V)
     targets = rng.integers(0, 96, (R, E))
     targets[1] = logits[1].argmax(-1)
     targets[:, -40:] = -1
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     want = np.take_along_axis(logp, np.maximum(targets, 0)[..., None], -1)[..., 0]
-    sums, greedy = lm_eval_py.continuation_scores(model, *(jax.numpy.asarray(a) for a in (tokens, pos, targets)))
+    sums, greedy = lm_eval_py.continuation_scores(model, *(jnp.asarray(a) for a in (tokens, pos, targets)))
     np.testing.assert_allclose(sums, np.where(targets >= 0, want, 0).sum(-1), rtol=1e-5)
     assert greedy.tolist() == [False, True]
 
@@ -98,9 +98,6 @@ def test_continuation_scores_in_chunks_equal_the_logits_at_once():
 def test_a_request_one_token_too_long_is_cut_by_one_from_the_left(tiny_hf, capsys):
     """block_size + 1 tokens fit (the last is only a target); one more and the context's first token goes, as
     lm-eval's hf model cuts it, and the cut is said."""
-    import sharding
-    from model import load_pretrained
-
     lm = lm_eval_py.JaxLM(load_pretrained(tiny_hf)[0], sharding.make_mesh(), batch_size=3, progress=False)
     context, continuation = list(range(100, 161)), [7, 8, 9, 10, 11]  # 61 + 5 = block_size 64 + 2
     scores = lm._loglikelihood_tokens([(None, context[1:], continuation), (None, context, continuation),

@@ -19,11 +19,11 @@ import pytest
 
 import hellaswag
 import sharding
-from helpers import assert_close, fake_devices, transpose_c_proj_on_restore
+from helpers import HELLASWAG_FIXTURE, assert_close, fake_devices, transpose_c_proj_on_restore
 from parity import check_hellaswag
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURE = ROOT / "tests" / "fixtures" / "hellaswag_small.jsonl"
+FIXTURE = Path(HELLASWAG_FIXTURE)
 TINY = dict(n_layer=2, n_head=2, n_embd=64, n_positions=128)  # vocab 50257: real BPE tokens
 LOSS_RTOL = 1e-5  # fp32, relative, per ending loss (the bar)
 

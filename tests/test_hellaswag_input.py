@@ -13,10 +13,10 @@ import pytest
 
 import hellaswag
 from configurator import exit_on_bad_input
+from helpers import HELLASWAG_FIXTURE
 from parity import check_hellaswag
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hellaswag_small.jsonl"
-
+FIXTURE = Path(HELLASWAG_FIXTURE)
 
 
 def write_lines(tmp_path, lines):

@@ -24,13 +24,12 @@ import hellaswag
 import sample
 from configurator import InputNotFound, UsageError, exit_on_bad_input
 from dataloader import data_meta
-from helpers import REPO, one_line_error, run, train_cli
+from helpers import HELLASWAG_FIXTURE, REPO, one_line_error, run, train_cli
 from parity import nanogpt_reference as nanogpt
 from parity.common import save_random_hf_model
 from tokenizer import BPECodec, CharCodec, codec_for, read_vocab, save_hf_tokenizer, save_vocab
 
 CHARS = [chr(48 + i) for i in range(64)]  # the `dataset` fixture's 64 characters: its programs are compiled already
-HELLASWAG = os.path.join(REPO, "tests", "fixtures", "hellaswag_small.jsonl")
 
 
 class Call:
@@ -155,11 +154,11 @@ def test_sample_eval_and_hellaswag_refuse_a_nanogpt_runs_meta_pkl_that_runs_code
     nanogpt.save_ckpt(nanogpt.GPT(config), tmp_path / "ckpt.pt", config={"dataset": str(data)})
     ckpt = f"--init_from={tmp_path / 'ckpt.pt'}"
     _, message = write_meta(data, "subprocess.call", marker)
-    for main, argv in ((sample.main, [ckpt]), (hellaswag.main, [ckpt, "--path", HELLASWAG]),
+    for main, argv in ((sample.main, [ckpt]), (hellaswag.main, [ckpt, "--path", HELLASWAG_FIXTURE]),
                        (lm_eval_py.main, [ckpt, "--tasks=hellaswag_local", f"--include_path={REPO}/eval_tasks"])):
         assert refused(capsys, main, *argv).startswith(f"error: {message}"), main
     _, message = write_meta(data, "itos multi-char", marker)
-    assert refused(capsys, hellaswag.main, ckpt, "--path", HELLASWAG).startswith(f"error: {message}")
+    assert refused(capsys, hellaswag.main, ckpt, "--path", HELLASWAG_FIXTURE).startswith(f"error: {message}")
     assert not marker.exists()
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import train_step
 from configurator import UsageError, configure
@@ -363,8 +364,6 @@ def test_adamw_takes_the_runs_betas_and_weight_decay_as_torch_does():
 def test_a_step_is_finite_only_where_its_loss_and_gradient_norm_both_are(monkeypatch):
     """A loss of sqrt(b) at b = 0 (a Linear's bias starts at zeros): 0, finite, with an infinite gradient; such a
     step is not finite (train.py stops the run before it is saved), nor is one whose loss is not."""
-    from flax import nnx
-
     graphdef, params = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
     tx = train_step.make_optimizer(dict(DEFAULTS, optimizer="adamw"))
     step, opt_state, x = train_step.make_train_step(graphdef, tx, grad_clip=1.0), tx.init(params), jnp.zeros((1, 2, 8))

@@ -16,7 +16,7 @@ from flax import nnx
 
 import sample
 from configurator import UsageError, configure, exit_on_bad_input
-from helpers import TINY, tiny_config
+from helpers import HELLASWAG_FIXTURE, TINY, tiny_config
 from model import GPT
 from parity.common import save_random_hf_model
 from tokenizer import get_encoding
@@ -178,9 +178,8 @@ def test_a_char_level_run_samples_from_any_directory(tmp_path, monkeypatch, caps
     assert export.main([f"--out_dir={tmp_path / 'out'}", "--to=hf"]) == 0
     capsys.readouterr()
     assert samples(run(capsys, "--init_from=hf", *argv[1:])) == out
-    fixture = os.path.join(ROOT, "tests", "fixtures", "hellaswag_small.jsonl")
     with pytest.raises(UsageError, match=r"out is a character-level model \(a vocabulary of 64 characters\)"):
-        hellaswag.main(["--init_from=resume", f"--out_dir={tmp_path / 'out'}", "--path", fixture])
+        hellaswag.main(["--init_from=resume", f"--out_dir={tmp_path / 'out'}", "--path", HELLASWAG_FIXTURE])
 
 
 def test_command_line(char_run, hf_dir, capsys):

@@ -23,7 +23,7 @@ import train
 
 import train_step
 from configurator import ConfigError, UsageError, configure, exit_on_bad_input
-from helpers import REPO, TINY, assert_close, read_log, run, settings, snapshot, train_cli
+from helpers import HELLASWAG_FIXTURE, REPO, TINY, assert_close, read_log, run, settings, snapshot, train_cli
 from settings import DEFAULTS, validate
 
 def params_of(trainer):
@@ -356,11 +356,10 @@ def test_train_gpt2_config_runs_tiny_on_fixture_shards(tmp_path):
 
 
 def test_hellaswag_in_the_training_loop(dataset, tmp_path):
-    fixture = os.path.join(REPO, "tests", "fixtures", "hellaswag_small.jsonl")
     extra = ["--vocab_size=50304", "--block_size=64", "--max_iters=2", "--hellaswag_interval=2"]
     with pytest.raises(UsageError, match=r"HellaSwag is scored in GPT-2's BPE, and this run's data is character-level "
                                          r"\(.*meta.pkl\): set --hellaswag_interval=0"):
-        train.Trainer(settings(dataset, tmp_path / "x", *extra, f"--hellaswag_path={fixture}"))
+        train.Trainer(settings(dataset, tmp_path / "x", *extra, f"--hellaswag_path={HELLASWAG_FIXTURE}"))
     bpe = tmp_path / "bpe"  # the same token ids without the meta.pkl: GPT-2's BPE
     bpe.mkdir()
     for split in ("train.bin", "val.bin"):
@@ -368,9 +367,10 @@ def test_hellaswag_in_the_training_loop(dataset, tmp_path):
     with pytest.raises(FileNotFoundError, match="hellaswag_path nowhere.jsonl does not exist"):
         train.Trainer(settings(str(bpe), tmp_path / "x", *extra, "--hellaswag_path=nowhere.jsonl"))
     assert not os.path.exists(tmp_path / "x")
-    t = run(str(bpe), tmp_path, *extra, f"--hellaswag_path={fixture}")
+    t = run(str(bpe), tmp_path, *extra, f"--hellaswag_path={HELLASWAG_FIXTURE}")
     # the last logged score is hellaswag.evaluate's on the run's final params, examples loaded apart from the run's
-    final = hellaswag.evaluate(nnx.merge(t.graphdef, t.params), hellaswag.load_examples(fixture, max_len=64), t.mesh)
+    examples = hellaswag.load_examples(HELLASWAG_FIXTURE, max_len=64)
+    final = hellaswag.evaluate(nnx.merge(t.graphdef, t.params), examples, t.mesh)
     logged = [read_log(tmp_path, f"hellaswag_{k}") for k in ("acc", "acc_norm", "count")]
     assert [[i for i, _ in scores] for scores in logged] == [[0, 2]] * 3
     assert [scores[-1][1] for scores in logged] == [final.acc, final.acc_norm, final.count] and final.count == 20
