@@ -28,7 +28,8 @@ import storage
 import train
 from configurator import UsageError
 from gcs_emulator import FORBIDDEN, client_env
-from helpers import REPO, TINY, fake_devices, free_port, one_line_error, settings, tiny_config, train_cli
+from helpers import (HELLASWAG_FIXTURE, REPO, TINY, fake_devices, free_port, one_line_error, settings, tiny_config,
+                     train_cli)
 
 STEPS = ["--max_iters=8", "--checkpoint_interval=2"]
 
@@ -108,7 +109,7 @@ def test_sample_export_plot_and_hellaswag_read_a_run_on_gs(killed_and_resumed, s
     assert (tmp_path / "loss.png").stat().st_size > 0
     # HellaSwag reads the run from gs:// too, and refuses its character-level vocabulary
     with pytest.raises(UsageError, match="killed-and-resumed is a character-level model"):
-        hellaswag.main(["--init_from=resume", f"--out_dir={out}", "--path=tests/fixtures/hellaswag_small.jsonl"])
+        hellaswag.main(["--init_from=resume", f"--out_dir={out}", f"--path={HELLASWAG_FIXTURE}"])
 
 
 def write_lock(out, **holder):
