@@ -4,6 +4,8 @@ The run's compute settings (GPTConfig's attention, remat, loss_chunk; train.py's
 which attention kernel each backend gets, the same logits, loss and gradients with every setting (fp32), and the
 memory they save by XLA's analysis of the compiled gradient computation (step_memory)."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,6 +61,13 @@ def test_attention_setting_picks_cudnn_only_where_it_runs(monkeypatch):
     assert chosen == ["xla", "xla"]
     with pytest.raises(ValueError, match="NVIDIA GPUs only"):
         GPT(tiny_config(attention="cudnn", dtype="bfloat16"), nnx.Rngs(0))(np.zeros((1, 32), np.int32))
+    # traced for an H100 (sharding.target_device: the mesh's first device), the model asks with that GPU's capability
+    h100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
+    monkeypatch.setattr(sharding, "target_device", lambda: h100)
+    monkeypatch.setattr(sharding, "target_platform", lambda: "gpu")
+    chosen.clear()
+    GPT(tiny_config(dtype="bfloat16"), nnx.Rngs(0))(np.zeros((1, 32), np.int32))
+    assert chosen == ["cudnn", "cudnn"]
     for bad, match in [(dict(attention="flash"), "attention must be one of"), (dict(remat="all"), "remat must be"),
                        (dict(loss_chunk=-1), "loss_chunk must be")]:
         with pytest.raises(ValueError, match=match):

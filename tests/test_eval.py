@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from lm_eval.api.instance import Instance
 
 import eval as lm_eval_py
 import export
@@ -23,7 +24,7 @@ from parity import nanogpt_reference as nanogpt
 from parity.common import save_random_hf_model
 from helpers import REPO, fake_devices, run, transpose_c_proj_on_restore
 from model import GPT, GPTConfig, load_pretrained
-from tokenizer import get_encoding, save_hf_tokenizer
+from tokenizer import EOT, get_encoding, save_hf_tokenizer
 
 TASKS = os.path.join(REPO, "eval_tasks")
 TINY_HF = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64)
@@ -106,6 +107,44 @@ def test_a_request_one_token_too_long_is_cut_by_one_from_the_left(tiny_hf, capsy
     assert "1 of 3 requests longer than block_size 64: context cut from the left" in capsys.readouterr().err
 
 
+def test_long_continuations_are_scored_in_chunks_as_the_whole_logits_score_them():
+    """A continuation longer than SCORE_CHUNK, through JaxLM: its log-probability equals numpy's from the logits of
+    the whole input, and it is greedy where every token is the argmax."""
+    model = GPT(GPTConfig(block_size=192, vocab_size=96, n_layer=1, n_head=2, n_embd=32), nnx.Rngs(0))
+    lm = lm_eval_py.JaxLM(model, sharding.make_mesh(), batch_size=2, progress=False)
+    C, n = 20, lm_eval_py.SCORE_CHUNK + 12  # context and continuation tokens
+    tokens = np.random.default_rng(0).integers(0, 96, C + n)
+    logits = np.asarray(model(jnp.asarray(tokens[None, :-1]))[0][0], np.float64)  # position t predicts t + 1
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    greedy = np.asarray(model.generate(jnp.asarray(tokens[None, :C]), n, temperature=0.0))[0]  # the argmax's
+    scores = lm._loglikelihood_tokens([(None, list(tokens[:C]), list(tokens[C:])),
+                                       (None, list(greedy[:C]), list(greedy[C:]))])
+    np.testing.assert_allclose(scores[0][0], logp[np.arange(C - 1, C + n - 1), tokens[C:]].sum(), rtol=1e-5)
+    assert scores[0][1] is False and scores[1][1] is True
+
+
+def eot_only_model():
+    """A GPT-2-vocabulary model whose every next token is <|endoftext|>: its final LayerNorm outputs its bias v
+    whatever comes in, and the tied head's only non-zero row is <|endoftext|>'s, v."""
+    model = GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=32), nnx.Rngs(0))
+    v = jnp.ones(32)
+    model.ln_f.scale[...], model.ln_f.bias[...] = jnp.zeros(32), v
+    model.wte.embedding[...] = jnp.zeros((50257, 32)).at[EOT].set(v)
+    return model
+
+
+def test_generate_until_stops_at_endoftext_and_refuses_what_cannot_fit():
+    """A text ends at <|endoftext|> (here the model's every token); one request is a batch of its own (the filler
+    rows repeat it); a task asking for block_size new tokens or more is one line."""
+    lm = lm_eval_py.JaxLM(eot_only_model(), sharding.make_mesh(), batch_size=2, progress=False)
+    def request(max_gen_toks):
+        return Instance("generate_until", {}, ("To be, or not", {"until": ["\n"], "max_gen_toks": max_gen_toks}), 0)
+
+    assert lm.generate_until([request(8)], True) == [""]
+    with pytest.raises(UsageError, match=r"^a task asks for 64 new tokens: it must be less than block_size 64$"):
+        lm.generate_until([request(64)], True)
+
+
 def test_parity_with_lm_eval_hf_model_on_each_output_type(tiny_hf, capsys):
     """multiple choice, rolling loglikelihood and generate_until: every request as lm-eval's hf model (fp32)."""
     assert check_eval.main([f"--init_from={tiny_hf}", "--limit=4"]) == 0
@@ -148,11 +187,21 @@ def test_eval_on_a_train_py_checkpoint_and_its_exports(bpe_run, tmp_path, capsys
 
     export.main([f"--out_dir={bpe_run}", "--format=nanogpt", f"--to={tmp_path / 'nano'}"])
     export.main([f"--out_dir={bpe_run}", f"--to={tmp_path / 'hf'}"])
-    for exported in (tmp_path / "nano" / "ckpt.pt", tmp_path / "hf"):  # nanoGPT's ckpt.pt, an HF directory
-        assert lm_eval_py.main([f"--init_from={exported}", "--tasks=hellaswag_local", f"--include_path={TASKS}",
-                                "--limit=3", "--num_fewshot=1", "--bootstrap_iters=0", f"--output={out}"]) == 0
+    # the HF directory's evaluated as a group of the one task: lm-eval's table of groups is printed too
+    tasks = tmp_path / "tasks"  # eval_tasks/'s files (linked: local_data.py finds its data beside its own path)
+    tasks.mkdir()
+    for name in os.listdir(TASKS):
+        os.symlink(os.path.join(TASKS, name), tasks / name)
+    (tasks / "local_group.yaml").write_text("group: local_group\ntask: [hellaswag_local]\naggregate_metric_list:\n"
+                                            "  - {metric: acc, aggregation: mean, weight_by_size: true}\n")
+    for exported, task in ((tmp_path / "nano" / "ckpt.pt", "hellaswag_local"), (tmp_path / "hf", "local_group")):
+        assert lm_eval_py.main([f"--init_from={exported}", f"--tasks={task}", f"--include_path={tasks}", "--limit=3",
+                                "--num_fewshot=1", "--bootstrap_iters=0", f"--output={out}"]) == 0
         again = json.loads(out.read_text())
         assert again["results"]["hellaswag_local"] == results["results"]["hellaswag_local"], exported
+    printed = capsys.readouterr()
+    assert f"model {tmp_path / 'hf'}: {n_params / 1e6:.2f}M params" in printed.err  # no step: an HF directory
+    assert len(re.findall(r"^\|\s*Groups\s*\|", printed.out, re.M)) == 1, printed.out
 
 
 def test_parity_reads_our_checkpoint_by_its_own_path(bpe_run, monkeypatch, capsys):
@@ -201,7 +250,8 @@ def test_bad_input_is_one_line(tiny_hf, tmp_path, capsys):
                      "stoi": {chr(32 + i): i for i in range(64)}}, f)
     config = nanogpt.GPTConfig(block_size=16, vocab_size=64, n_layer=1, n_head=2, n_embd=32)
     nanogpt.save_ckpt(nanogpt.GPT(config), tmp_path / "ckpt.pt", config={"dataset": str(tmp_path)})
-    fails("character-level model", f"--init_from={tmp_path / 'ckpt.pt'}", "--tasks=hellaswag_local",
+    fails(r"ckpt\.pt is a character-level model \(a vocabulary of 64 characters\): lm-eval's tasks are text in GPT-2's "
+          r"BPE, give a GPT-2 model$", f"--init_from={tmp_path / 'ckpt.pt'}", "--tasks=hellaswag_local",
           f"--include_path={TASKS}")
     capsys.readouterr()  # the command: one line, exit 2 (exit_on_bad_input, as `python eval.py` runs main)
     with pytest.raises(SystemExit) as e:

@@ -224,6 +224,8 @@ def test_num_params_and_crop():
     # GPT-2 124M as HF counts it (124,439,808), and nanoGPT's "123.65M" without the position embeddings
     gpt2 = nnx.eval_shape(lambda: GPT(GPTConfig(vocab_size=50257), nnx.Rngs(0)))
     assert (gpt2.num_params(non_embedding=False), gpt2.num_params()) == (124_439_808, 123_653_376)
+    # the FLOPs behind the MFU train.py logs: nanoGPT's estimate_mfu, 6N + 12·L·H·Q·T, at block_size 1024
+    assert gpt2.flops_per_token() == 6 * 123_653_376 + 12 * 12 * 12 * 64 * 1024 == 855_166_464
     model = GPT(tiny_config(), nnx.Rngs(0))
     # by hand: wte 128x64, wpe 32x64, ln_f 2x64; a block: 2 LayerNorms 4x64, c_attn 64x192+192, attn.c_proj 64x64+64,
     # c_fc 64x256+256, mlp.c_proj 256x64+64
