@@ -148,6 +148,16 @@ def test_batches_score_only_ending_tokens(examples):
                 assert b.tokens[row, b.pos[row, : len(e)] + 1].tolist() == e
                 assert b.pos[row, 0] == len(r.ctx) - 1
         assert (b.targets[4 * len(idx):] == -1).all()  # filler rows are never scored
+    # a last batch of k examples: per batch shard, the least power of two that holds its share (1, 2 shards)
+    for n_shards in (1, 2):
+        batch_size = 8 // n_shards
+        for k in range(1, 9):
+            *full, (_, _, n, idx) = hellaswag.plan_batches(examples[: 8 + k], batch_size, 128, n_shards)
+            assert [len(b[-1]) for b in full] == [8] and len(idx) == k
+            per_shard = 1
+            while per_shard * n_shards < k:
+                per_shard *= 2
+            assert n == n_shards * min(per_shard, batch_size), (n_shards, k, n)
 
 
 def test_padding_never_changes_a_loss(model, examples):
@@ -310,7 +320,9 @@ def test_cli_and_parity_cli(source, hf_dir, resume_dir, jax_score, tmp_path, cap
     init = [f"--init_from={hf_dir}"] if source == "hf_dir" else ["--init_from=resume", f"--out_dir={resume_dir}"]
     out = tmp_path / "preds.jsonl"
     assert hellaswag.main(["--path", str(FIXTURE), *init, "--out", str(out)]) == 0
-    final = capsys.readouterr().out.strip().splitlines()[-1]
+    printed = capsys.readouterr()
+    assert "hellaswag: 100%|" in printed.err  # the progress bar
+    final = printed.out.strip().splitlines()[-1]
     assert final.startswith(f"hellaswag: acc {jax_score.acc:.4f} acc_norm {jax_score.acc_norm:.4f} count 20 "), final
     preds = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(preds) == 20 and set(preds[0]) == {"line", "ind", "label", "pred", "pred_norm", "sum_losses",

@@ -10,10 +10,12 @@ import os
 from pathlib import Path
 
 import pytest
+from flax import nnx
 
 import hellaswag
 from configurator import exit_on_bad_input
 from helpers import HELLASWAG_FIXTURE
+from model import GPT, GPTConfig
 from parity import check_hellaswag
 
 FIXTURE = Path(HELLASWAG_FIXTURE)
@@ -68,9 +70,28 @@ def test_cli_bad_input_is_one_line_and_exit_code_2(main, tmp_path, capsys):
         assert err.startswith(message) and len(err.strip().splitlines()) == 1, err
 
 
-def test_with_no_options_the_scripts_score_gpt2_on_the_validation_split():
+def test_with_no_options_the_scripts_score_gpt2_on_the_validation_split(monkeypatch):
     args = hellaswag.cli_parser(hellaswag.__doc__).parse_args([])
     assert (args.init_from, args.out_dir, args.split, args.path, args.limit) == ("gpt2", "out", "val", None, None)
+    # without --path, the split asked for is the one downloaded
+    asked = []
+    monkeypatch.setattr(hellaswag, "download", lambda *args: asked.append(args) or str(FIXTURE))
+    args = hellaswag.cli_parser(hellaswag.__doc__).parse_args(["--split", "train", "--limit", "2"])
+    assert hellaswag.cli_examples(args)[0] == str(FIXTURE) and asked == [("train", args.cache_dir)]
+
+
+def test_a_batch_size_below_1_and_results_that_cannot_be_written_are_one_line(tmp_path, capsys, monkeypatch):
+    """--batch_size 0 before anything is read; an --out whose directory is gone by the time the scores are written:
+    one line naming --out, after the scores were printed."""
+    code, err = bad_input(capsys, hellaswag.main, ["--path", str(FIXTURE), "--batch_size", "0"])
+    assert code == 2 and err == "error: --batch_size must be >= 1, got 0\n", err
+    out = tmp_path / "gone" / "p.jsonl"
+    out.parent.mkdir()
+    monkeypatch.setattr(hellaswag, "load_model", lambda *a: GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=1,
+                                                                         n_head=1, n_embd=8), nnx.Rngs(0)))
+    monkeypatch.setattr(hellaswag, "evaluate", lambda *a, **k: out.parent.rmdir() or hellaswag.Score(0.5, 0.5, 2, []))
+    code, err = bad_input(capsys, hellaswag.main, ["--path", str(FIXTURE), "--limit", "2", "--out", str(out)])
+    assert code == 2 and err.startswith(f"error: --out={out} could not be written (No such file or directory)"), err
 
 
 def test_out_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):

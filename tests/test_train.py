@@ -331,7 +331,8 @@ def test_bad_input_is_one_line_and_writes_nothing(dataset, tmp_path, capsys):
         f.truncate(8)
     before = snapshot(out)
     code, err = cli(*TINY, f"--dataset={dataset}", f"--out_dir={out}", "--init_from=resume", "--max_iters=4")
-    assert code == 2 and "did not restore" in err and "\n" not in err, err
+    assert code == 2 and "did not restore" in err and err.endswith("; no earlier checkpoint to fall back on"), err
+    assert "\n" not in err
     lock = os.path.join(out, "run.lock")  # taken (rewritten) before the checkpoint is read; nothing else written
     assert {k: v for k, v in snapshot(out).items() if k != lock} == {k: v for k, v in before.items() if k != lock}
 
@@ -355,7 +356,7 @@ def test_train_gpt2_config_runs_tiny_on_fixture_shards(tmp_path):
         train.main(["config/train_gpt2.py", f"--dataset={tmp_path / 'edu_fineweb10B_missing'}"])
 
 
-def test_hellaswag_in_the_training_loop(dataset, tmp_path):
+def test_hellaswag_in_the_training_loop(dataset, tmp_path, capsys):
     extra = ["--vocab_size=50304", "--block_size=64", "--max_iters=2", "--hellaswag_interval=2"]
     with pytest.raises(UsageError, match=r"HellaSwag is scored in GPT-2's BPE, and this run's data is character-level "
                                          r"\(.*meta.pkl\): set --hellaswag_interval=0"):
@@ -367,7 +368,9 @@ def test_hellaswag_in_the_training_loop(dataset, tmp_path):
     with pytest.raises(FileNotFoundError, match="hellaswag_path nowhere.jsonl does not exist"):
         train.Trainer(settings(str(bpe), tmp_path / "x", *extra, "--hellaswag_path=nowhere.jsonl"))
     assert not os.path.exists(tmp_path / "x")
+    capsys.readouterr()
     t = run(str(bpe), tmp_path, *extra, f"--hellaswag_path={HELLASWAG_FIXTURE}")
+    assert "%|" not in capsys.readouterr().err  # no progress bar in the training log
     # the last logged score is hellaswag.evaluate's on the run's final params, examples loaded apart from the run's
     examples = hellaswag.load_examples(HELLASWAG_FIXTURE, max_len=64)
     final = hellaswag.evaluate(nnx.merge(t.graphdef, t.params), examples, t.mesh)
