@@ -146,6 +146,17 @@ def test_remat_qkv_proj_keeps_what_it_names_and_block_nothing(capsys):
         assert saved == want, (remat, saved)
 
 
+def test_a_scanned_block_keeps_its_activations_unless_remat_says_otherwise(capsys):
+    """layers.block_fn, a block as the scanned model runs it: with remat='none' the backward reads the activations
+    the forward kept; with 'block' nothing but the block's params and input (it recomputes the rest)."""
+    graphdef, state = nnx.split(GPT(tiny_config(), nnx.Rngs(0)).h[0])
+    for remat in ("none", "block"):
+        block = layers.block_fn(graphdef, layers.REMAT[remat])
+        jax.ad_checkpoint.print_saved_residuals(lambda state, x: block(state, x, None), state, jnp.ones((2, 16, 64)))
+        saved = [line for line in capsys.readouterr().out.splitlines() if " from the argument " not in line]
+        assert (len(saved) > 10) if remat == "none" else saved == [], (remat, saved)
+
+
 def test_chunked_loss_holds_no_whole_batch_logits():
     """A large vocabulary on a small model, so that the (B, T, vocab) float32 logits and their gradient are most of
     the step: the whole loss's temporaries hold at least two such buffers, the chunked loss's not one (its chunk

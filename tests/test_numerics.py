@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 from jax.extend.core import jaxprs_in_params
 
+import layers
 import model as model_lib
 import train_step
 from helpers import tiny_config
@@ -119,6 +120,13 @@ def test_bf16_linear_layers_give_bf16_with_the_bias_added_in_float32():
     assert y.dtype == jnp.bfloat16
     # 2^-8 + 1 + 2^-9 in float32 rounds once to bf16's 1 + 2^-7; twice (the bias to 1, then 1 + 2^-8, a tie, to 1): 1
     assert float(y[0, 0]) == 1 + 2**-7
+
+
+def test_the_tied_head_multiplies_in_the_compute_dtype_into_float32_logits():
+    """The head's matmul takes bf16 operands (the float32 embedding cast down) and accumulates into float32."""
+    jaxpr = jax.make_jaxpr(lambda x, e: layers.tied_head(x, e, jnp.bfloat16))(jnp.ones((2, 64)), jnp.ones((128, 64)))
+    (dot,) = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert [v.aval.dtype for v in dot.invars] == [jnp.bfloat16] * 2 and dot.outvars[0].aval.dtype == jnp.float32
 
 
 @pytest.fixture

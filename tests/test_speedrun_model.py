@@ -354,9 +354,10 @@ def test_bad_files_and_exports_are_one_line_exit_2_and_write_nothing(tmp_path, c
         (lambda: export.main([f"--out_dir={tmp_path / 'gpt2'}", "--format=modded", f"--to={tmp_path / 'a.pt'}"]),
          "this model is arch='gpt2': export it with --format=hf or --format=nanogpt"),
         (lambda: export.main([f"--out_dir={tmp_path / 'speedrun'}", "--format=hf", f"--to={tmp_path / 'hf'}"]),
-         "export it with --format=modded"),
+         "this model is arch='speedrun' (modded-nanogpt's record 5), which hf's GPT-2 cannot compute: export it with "
+         "--format=modded\n"),
         (lambda: export.main([f"--out_dir={tmp_path / 'speedrun'}", "--format=nanogpt", f"--to={tmp_path / 'n'}"]),
-         "export it with --format=modded"),
+         "which nanogpt's GPT-2 cannot compute: export it with --format=modded\n"),
         (lambda: export.main([f"--out_dir={tmp_path / 'speedrun'}", "--format=modded", f"--to={tmp_path / 'dir'}"]),
          "--to must end in .pt"),
     ]

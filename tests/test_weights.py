@@ -250,6 +250,35 @@ def test_hf_variants_our_model_does_not_compute_are_refused_in_one_line():
             config_from_hf({**ok, key: value})
 
 
+def test_the_torch_side_loads_a_bf16_directory_in_float32(tmp_path):
+    """load_hf_model, the parity checks' transformers side: float32 whatever dtype the files were saved in."""
+    hf = random_hf_model(0, n_layer=1, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
+    hf.to(torch.bfloat16).save_pretrained(tmp_path)
+    assert {p.dtype for p in load_hf_model(str(tmp_path)).parameters()} == {torch.float32}
+
+
+def test_a_hub_name_downloads_only_the_config_and_the_safetensors(tmp_path, monkeypatch):
+    """The hub stood in for by a local HF directory, filtered by the patterns hf_directory asks snapshot_download
+    for (as the hub filters them): config.json and model.safetensors come, nothing else does."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    hub = save_random_hf_model(tmp_path / "hub", n_layer=1, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
+    (hub / "pytorch_model.bin").write_bytes(b"the same weights, not wanted")
+
+    def snapshot_download(name, allow_patterns):
+        os.makedirs(tmp_path / name)
+        for f in os.listdir(hub):
+            if any(fnmatch.fnmatchcase(f, pattern) for pattern in allow_patterns):
+                shutil.copy(hub / f, tmp_path / name / f)
+        return str(tmp_path / name)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert sorted(os.listdir(hf_directory("gpt2"))) == ["config.json", "model.safetensors"]
+
+
 def test_a_hub_name_neither_downloadable_nor_cached_is_one_line(tmp_path, monkeypatch):
     from huggingface_hub import constants
 
