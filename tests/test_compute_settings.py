@@ -16,6 +16,7 @@ import attention
 import layers
 import model as model_lib
 import sharding
+from configurator import UsageError
 from helpers import assert_close, tiny_config
 from model import GPT, GPTConfig
 
@@ -68,6 +69,9 @@ def test_attention_setting_picks_cudnn_only_where_it_runs(monkeypatch):
     chosen.clear()
     GPT(tiny_config(dtype="bfloat16"), nnx.Rngs(0))(np.zeros((1, 32), np.int32))
     assert chosen == ["cudnn", "cudnn"]
+    attention.check_run(tiny_config(attention="cudnn", dtype="bfloat16"), h100)  # train.py's check: it runs there
+    with pytest.raises(UsageError, match="bfloat16 only"):
+        attention.check_run(tiny_config(attention="cudnn"), h100)
     for bad, match in [(dict(attention="flash"), "attention must be one of"), (dict(remat="all"), "remat must be"),
                        (dict(loss_chunk=-1), "loss_chunk must be")]:
         with pytest.raises(ValueError, match=match):

@@ -361,6 +361,18 @@ def test_adamw_takes_the_runs_betas_and_weight_decay_as_torch_does():
         assert_close(ours[k], p.detach().numpy(), atol=1e-6, what=k)
 
 
+def test_a_step_hands_its_key_to_the_loss(monkeypatch):
+    """The step's key reaches the loss, whose dropout draws its masks from it: the same key, the same loss; another
+    key, another loss."""
+    graphdef, params = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    tx = train_step.make_optimizer(dict(DEFAULTS, optimizer="adamw"))
+    monkeypatch.setattr(train_step, "batch_loss", lambda model, x, y, key: jnp.mean(model.bias[...]) +
+                        jax.random.uniform(key))
+    step, opt_state, x = train_step.make_train_step(graphdef, tx, grad_clip=1.0), tx.init(params), jnp.zeros((1, 2, 8))
+    losses = [float(step(params, opt_state, x, x, jax.random.key(k))[2]["loss"]) for k in (0, 0, 1)]
+    assert losses[0] == losses[1] != losses[2], losses
+
+
 def test_a_step_is_finite_only_where_its_loss_and_gradient_norm_both_are(monkeypatch):
     """A loss of sqrt(b) at b = 0 (a Linear's bias starts at zeros): 0, finite, with an infinite gradient; such a
     step is not finite (train.py stops the run before it is saved), nor is one whose loss is not."""

@@ -146,6 +146,7 @@ def test_batch_loss_in_halves_is_the_models_loss(loss_chunk):
     dots = lambda f, *args: f.lower(*args).compile().as_text().count(" dot(")
     assert dots(loss_fn, x, y) >= 2 * dots(jax.jit(lambda x: model(x)[0]), x)  # the model twice: halves
     assert_close(loss_fn(x, y), model(x, y)[1], rtol=1e-6, what="loss in halves")
+    assert_close(loss_fn(x[:3], y[:3]), model(x[:3], y[:3])[1], rtol=1e-6, what="an odd batch: whole")
 
 
 def test_restore_takes_compute_settings_from_the_run_not_the_checkpoint():
