@@ -166,8 +166,9 @@ def test_eval_on_a_train_py_checkpoint_and_its_exports(bpe_run, tmp_path, capsys
     out = tmp_path / "results.json"
     assert lm_eval_py.main([f"--out_dir={bpe_run}", "--init_from=resume", "--tasks=hellaswag_local",
                             f"--include_path={TASKS}", "--limit=3", "--num_fewshot=1", "--log_samples=True",
-                            "--bootstrap_iters=0", f"--output={out}"]) == 0
+                            "--bootstrap_iters=0", "--batch_size=4", f"--output={out}"]) == 0
     printed = capsys.readouterr()
+    assert "loglikelihood: 12 requests in 3 batches of 4 rows" in printed.err  # 3 examples x 4 endings
     assert "hellaswag_local" in printed.out and "acc_norm" in printed.out  # lm-eval's table
     results = json.loads(out.read_text())
     assert results["config"]["model_args"]["step"] == 2 and results["config"]["bootstrap_iters"] == 0
@@ -221,8 +222,8 @@ def test_bad_input_is_one_line(tiny_hf, tmp_path, capsys):
         with pytest.raises(UsageError, match=match):
             lm_eval_py.main(list(argv))
 
-    fails("did you mean hellaswag_local", f"--init_from={tiny_hf}", "--tasks=hellaswag_locall",
-          f"--include_path={TASKS}")
+    fails(r"^unknown task 'hellaswag_locall' \(did you mean hellaswag_local", f"--init_from={tiny_hf}",
+          "--tasks=hellaswag_local,hellaswag_locall", f"--include_path={TASKS}")  # each task of the list looked up
     fails("batch_size must be an integer >= 1", "--tasks=hellaswag_local", "--batch_size=0")
     fails("--tasks is required", f"--init_from={tiny_hf}")
     fails("limit", "--tasks=x", "--limit=0")
