@@ -137,6 +137,7 @@ def test_generate_until_stops_at_endoftext_and_refuses_what_cannot_fit():
     """A text ends at <|endoftext|> (here the model's every token); one request is a batch of its own (the filler
     rows repeat it); a task asking for block_size new tokens or more is one line."""
     lm = lm_eval_py.JaxLM(eot_only_model(), sharding.make_mesh(), batch_size=2, progress=False)
+
     def request(max_gen_toks):
         return Instance("generate_until", {}, ("To be, or not", {"until": ["\n"], "max_gen_toks": max_gen_toks}), 0)
 
