@@ -16,6 +16,7 @@ from dataclasses import asdict
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -338,7 +339,6 @@ def test_bfloat16_newton_schulz_rounds_where_the_record_does():
 def test_adamw_takes_the_runs_betas_and_weight_decay_as_torch_does():
     """optimizer='adamw' with betas and a weight decay that are neither optax's defaults nor torch's: three steps
     equal torch.optim.AdamW's, the matrix decayed, the bias not (nanoGPT's groups)."""
-    import optax
     import torch
 
     c = dict(DEFAULTS, optimizer="adamw", beta1=0.5, beta2=0.8, weight_decay=0.3, learning_rate=0.1, decay_lr=False)
@@ -361,26 +361,31 @@ def test_adamw_takes_the_runs_betas_and_weight_decay_as_torch_does():
         assert_close(ours[k], p.detach().numpy(), atol=1e-6, what=k)
 
 
+def linear_step():
+    """train_step's step (AdamW) on a Linear(2, 3), whose loss a test sets by patching train_step.batch_loss:
+    key -> the step's metrics on a batch of zeros."""
+    graphdef, params = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    tx = train_step.make_optimizer(dict(DEFAULTS, optimizer="adamw"))
+    step, opt_state, x = train_step.make_train_step(graphdef, tx, grad_clip=1.0), tx.init(params), jnp.zeros((1, 2, 8))
+    return lambda key: step(params, opt_state, x, x, key)[2]
+
+
 def test_a_step_hands_its_key_to_the_loss(monkeypatch):
     """The step's key reaches the loss, whose dropout draws its masks from it: the same key, the same loss; another
     key, another loss."""
-    graphdef, params = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
-    tx = train_step.make_optimizer(dict(DEFAULTS, optimizer="adamw"))
     monkeypatch.setattr(train_step, "batch_loss", lambda model, x, y, key: jnp.mean(model.bias[...]) +
                         jax.random.uniform(key))
-    step, opt_state, x = train_step.make_train_step(graphdef, tx, grad_clip=1.0), tx.init(params), jnp.zeros((1, 2, 8))
-    losses = [float(step(params, opt_state, x, x, jax.random.key(k))[2]["loss"]) for k in (0, 0, 1)]
+    step = linear_step()
+    losses = [float(step(jax.random.key(k))["loss"]) for k in (0, 0, 1)]
     assert losses[0] == losses[1] != losses[2], losses
 
 
 def test_a_step_is_finite_only_where_its_loss_and_gradient_norm_both_are(monkeypatch):
     """A loss of sqrt(b) at b = 0 (a Linear's bias starts at zeros): 0, finite, with an infinite gradient; such a
     step is not finite (train.py stops the run before it is saved), nor is one whose loss is not."""
-    graphdef, params = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
-    tx = train_step.make_optimizer(dict(DEFAULTS, optimizer="adamw"))
-    step, opt_state, x = train_step.make_train_step(graphdef, tx, grad_clip=1.0), tx.init(params), jnp.zeros((1, 2, 8))
+    step = linear_step()
     for loss, finite in [(lambda m: jnp.mean(m.bias[...] ** 2), True), (lambda m: jnp.sqrt(m.bias[...][0]), False),
                          (lambda m: jnp.log(m.bias[...][0]), False)]:
         monkeypatch.setattr(train_step, "batch_loss", lambda model, x, y, key: loss(model))
-        metrics = step(params, opt_state, x, x, jax.random.key(0))[2]
+        metrics = step(jax.random.key(0))
         assert bool(metrics["finite"]) is finite, (metrics, finite)

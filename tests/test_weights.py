@@ -6,13 +6,16 @@ sharded and pytorch_model.bin-only ones to the saved model's logits; the exact-G
 export.py's bad input; the exported config.json as transformers reads it."""
 
 import dataclasses
+import fnmatch
 import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 
+import huggingface_hub
 import numpy as np
 import pytest
 import torch
@@ -260,11 +263,6 @@ def test_the_torch_side_loads_a_bf16_directory_in_float32(tmp_path):
 def test_a_hub_name_downloads_only_the_config_and_the_safetensors(tmp_path, monkeypatch):
     """The hub stood in for by a local HF directory, filtered by the patterns hf_directory asks snapshot_download
     for (as the hub filters them): config.json and model.safetensors come, nothing else does."""
-    import fnmatch
-    import shutil
-
-    import huggingface_hub
-
     hub = save_random_hf_model(tmp_path / "hub", n_layer=1, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
     (hub / "pytorch_model.bin").write_bytes(b"the same weights, not wanted")
 
