@@ -68,11 +68,20 @@ def exists(path):
 
 def isdir(path):
     """A local directory, or a URL prefix holding at least one object (object stores have no empty folders)."""
-    return _local_or_url(path, os.path.isdir, lambda fs, p: fs.isdir(p))
+    return _local_or_url(path, os.path.isdir, lambda fs, p: _kind(fs, p) == "directory")
 
 
 def isfile(path):
-    return _local_or_url(path, os.path.isfile, lambda fs, p: fs.isfile(p))
+    return _local_or_url(path, os.path.isfile, lambda fs, p: _kind(fs, p) == "file")
+
+
+def _kind(fs, p):
+    """'file', 'directory', or None where nothing is. Not fsspec's isdir and isfile: they answer False to any
+    OSError, a lost network's too (which is not 'no checkpoint there')."""
+    try:
+        return fs.info(p)["type"]
+    except FileNotFoundError:
+        return None
 
 
 def glob(pattern):

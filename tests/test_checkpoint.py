@@ -341,6 +341,18 @@ def test_a_failed_save_names_as_intact_only_a_checkpoint_still_there(tmp_path):
     mngr.close()
 
 
+def test_a_failed_save_names_the_checkpoints_that_completed_while_the_next_ones_were_saved(tmp_path):
+    """Saves back to back, as on a slow store where one is always in flight when the run checks: each save waits for
+    the one before, which is then whole. A failure names the last of those, not 'no checkpoint'."""
+    mngr = checkpoint.manager(tmp_path)
+    for step in (2, 4, 6):
+        checkpoint.save(mngr, step, {"w": jax.numpy.ones(3)}, {"m": jax.numpy.zeros(3)}, {"iter_num": step})
+    with pytest.raises(RunStopped) as e, checkpoint._save_errors(mngr):
+        raise OSError(errno.EACCES, "Permission denied", str(tmp_path))
+    assert "Checkpoint 4 is intact" in str(e.value), e.value  # 6: still in flight, not seen to complete
+    mngr.close()
+
+
 def test_a_failed_saves_fix_is_named_by_the_first_cause_that_says():
     def raised(cause):  # orbax's error, raised from the storage's
         try:

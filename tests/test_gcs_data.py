@@ -6,6 +6,7 @@ local disk (next, eval_batches, a resumed position), by ranged reads; a missing 
 under the run is the local error's one line, naming the URL; and train.py on gs:// logs the losses of the same run on
 the local copy."""
 
+import errno
 import pickle
 
 import numpy as np
@@ -118,6 +119,23 @@ def test_a_batch_is_ranged_reads_of_its_own_bytes(data, request, monkeypatch):
     else:
         loader.next(1)
         assert calls == [(ROWS * T + 1) * 2]
+
+
+def test_isdir_and_isfile_on_gs_say_what_is_there_and_a_store_that_cannot_answer_is_one_line(gcs_dir, monkeypatch):
+    """A checkpoint's folder on gs:// that cannot be listed (the network gone) is not 'no folder there': fsspec's own
+    isdir and isfile answer False to any OSError."""
+    storage.write_bytes(f"{gcs_dir}/ckpt/50/meta", b"{}")
+    assert storage.isdir(f"{gcs_dir}/ckpt/50") and storage.isfile(f"{gcs_dir}/ckpt/50/meta")
+    assert not storage.isdir(f"{gcs_dir}/ckpt/50/meta") and not storage.isfile(f"{gcs_dir}/ckpt/50")
+    assert not storage.isdir(f"{gcs_dir}/ckpt/100") and not storage.isfile(f"{gcs_dir}/ckpt/100")
+    fs, _ = storage.filesystem(gcs_dir)
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionRefusedError(errno.ECONNREFUSED, "Connect call failed ('127.0.0.1', 1)")
+    monkeypatch.setattr(fs, "info", unreachable)
+    for ask in (storage.isdir, storage.isfile):
+        with pytest.raises(RunStopped, match="cannot reach gs://nanogpt-test .*: check the network and retry$"):
+            ask(f"{gcs_dir}/ckpt/50")
 
 
 def test_a_missing_shard_on_gs_is_the_local_line_naming_the_url(gcs_dir, tmp_path):
