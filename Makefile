@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALL = pip install -q --no-cache-dir -c constraints.txt
 
-.PHONY: venv test test-all test-gpu-compile mutants shakespeare lock clean
+.PHONY: venv test test-slow test-all test-gpu-compile mutants shakespeare lock clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -26,9 +26,14 @@ $(VENV)/.test: pyproject.toml constraints.txt | $(BIN)/activate
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -q -n auto
 
-# the slow tests too (golden runs, benchmarks-as-tests)
+# the tests marked slow, which make test leaves out to stay within 5 minutes on 2 cores: golden runs, and the larger
+# repeats of claims make test checks (more devices, processes, TPU generations). CI runs them after make test.
+test-slow: $(VENV)/.test
+	$(BIN)/python -m pytest -q -n auto -m slow
+
+# both at once
 test-all: $(VENV)/.test
-	$(BIN)/python -m pytest -q -n auto -m ""
+	$(BIN)/python -m pytest -q -n auto -m "not gpu_compile"
 
 # NVIDIA GPU programs compiled without a GPU (tests/test_gpu.py, marked gpu_compile): JAX's CUDA plugin in a venv of
 # its own, since with the plugin installed every `import jax` of the default suite would look for a GPU

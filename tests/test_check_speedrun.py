@@ -55,6 +55,7 @@ def test_tiny_fp32_matches_the_record(tiny, capsys):
     assert lrs[0] == lrs[8] > lrs[9] > lrs[-1] > 0  # constant until max_iters - warmdown, then down to 0
 
 
+@pytest.mark.slow  # a mesh computes what one device does: make test checks it (test_sharding.py)
 def test_8_fake_devices_sharded(capfd):
     """main() with one device runs the check again on 8 fake CPU devices: fsdp 4 x tensor 2, 2 micro-batches, the
     layers under one scan (Muon's Newton-Schulz gathered whole on every device, its momentum split as its param)."""

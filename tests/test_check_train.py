@@ -69,8 +69,10 @@ def test_a_slightly_wrong_step_exits_1(monkeypatch, capsys):
     assert "fp32 training parity" in out and ": NOT OK" in out, out[-3000:]
 
 
-@pytest.mark.parametrize("setting", [dict(remat="block", loss_chunk=8), dict(remat="dots"),
-                                     dict(scan_layers=True, remat="qkv_proj")],
+# the first in make test; each setting computes what the default does in make test too (test_compute_settings.py)
+@pytest.mark.parametrize("setting", [dict(remat="block", loss_chunk=8),
+                                     pytest.param(dict(remat="dots"), marks=pytest.mark.slow),
+                                     pytest.param(dict(scan_layers=True, remat="qkv_proj"), marks=pytest.mark.slow)],
                          ids=["remat block, loss_chunk 8", "remat dots", "scan_layers, remat qkv_proj"])
 def test_tiny_fp32_matches_pytorch_with_each_compute_setting(setting, tiny, capsys):
     """train.py's remat, loss_chunk and scan_layers settings (--remat, --loss-chunk, --scan_layers) change how ours
@@ -91,6 +93,7 @@ def test_accumulation_changes_nothing(tiny, capsys):
     assert_close(f["losses"], f["ref_losses"], rtol=check_train.LOSS_TOL, what="jax vs torch losses, accum 4")
 
 
+@pytest.mark.slow  # a mesh computes what one device does: make test checks it (test_sharding.py)
 def test_8_fake_devices_sharded(capfd):
     """main() in a process with one device runs the check again on 8 fake CPU devices, as fsdp 4 x tensor 2
     (with accumulation too, and the layers under one scan)."""

@@ -283,6 +283,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # a mesh computes what one device does: make test checks it (test_sharding.py)
 def test_an_8_device_mesh_with_fsdp_gives_one_devices_numbers(tiny_hf):
     env = fake_devices(8)
     result = subprocess.run([sys.executable, "-c", MESH_SCRIPT, tiny_hf], cwd=REPO, env=env, capture_output=True,

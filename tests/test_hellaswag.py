@@ -274,6 +274,7 @@ MULTI_DEVICE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a mesh computes what one device does: make test checks it (test_sharding.py)
 def test_eight_devices_give_the_same_losses(model, jax_score, tmp_path):
     from dataclasses import asdict
 

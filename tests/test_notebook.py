@@ -59,6 +59,7 @@ def as_script():
     return "\n\n".join(parts) + "\n"
 
 
+@pytest.mark.slow  # a kernel started and the whole notebook run: 11 s
 def test_notebook_trains_samples_and_plots_on_cpu(tmp_path):
     script = tmp_path / "notebook.py"
     script.write_text(as_script())

@@ -137,9 +137,10 @@ def test_sample_and_hellaswag_load_a_checkpoint_of_any_mesh(mesh_runs, dataset):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-# on gs:// in every run: the same preemption and resume as on a shared local disk, through the object store's log,
-# lock and checkpoints; the local disk's behind the slow marker (make test-all), 25 s of the suite
-@pytest.mark.parametrize("disk", [pytest.param("local", marks=pytest.mark.slow), "gs"])
+# slow (make test-slow: CI runs it), 30 s each: make test keeps a killed process of two (test_multiprocess.py), a run
+# on gs:// killed and resumed (test_gcs_run.py), and resume across meshes (above)
+@pytest.mark.slow
+@pytest.mark.parametrize("disk", ["local", "gs"])
 def test_two_processes_fsdp_spanning_both_stop_at_one_step_on_sigterm_and_resume(mesh_runs, dataset, tmp_path, disk,
                                                                                   request):
     """The issue's pod: 2 processes x 4 devices with fsdp 8 across both (jax.distributed on loopback), SIGTERM to

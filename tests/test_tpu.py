@@ -153,7 +153,9 @@ GENERATIONS = {"v2:2x2": ("TPU v2", False), "v3:2x2": ("TPU v3", False), "v4:2x2
                "tpu7x:2x2x1": ("TPU7x", True)}
 
 
-@pytest.mark.parametrize("topology", GENERATIONS)
+# v2 in make test, the other generations in make test-slow (CI runs both): each is seconds of libtpu compiling
+@pytest.mark.parametrize("topology", [pytest.param(t, marks=[] if t == "v2:2x2" else pytest.mark.slow)
+                                      for t in GENERATIONS])
 def test_every_generation_compiles_train_eval_and_generate(topology):
     """The tiny model in bf16 with attention='auto' and the blocks under one scan (a TPU's defaults), data parallel
     over one host's devices: train.py's train and eval steps and sample.py's generation compile. The train step
