@@ -61,8 +61,8 @@ def manager(out_dir, keep=3):
         # reverse: sorted by descending val loss, and BestN keeps the last n
         policies.BestN(get_metric_fn=_val_loss, reverse=True, n=1, keep_checkpoints_without_metrics=False)])
     options = ocp.CheckpointManagerOptions(create=True, preservation_policy=policy, best_fn=_val_loss, best_mode="min")
-    # a save without a val loss (checkpoint_interval, a stop) is normal here, not worth orbax's warning
-    logging.getLogger("absl").addFilter(_without_metrics_warning)
+    # orbax's warnings of what is normal here: a save without a val loss, a save that waited for the one before
+    logging.getLogger("absl").addFilter(_without_normal_warnings)
     if not getattr(sys.unraisablehook, "quiets_closed_loop", False):
         sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
     return ocp.CheckpointManager(ckpt_dir(out_dir), options=options)
@@ -73,8 +73,8 @@ def _val_loss(metrics):
     return v if type(v) in (int, float) and math.isfinite(v) else math.inf  # NaN is never the best
 
 
-def _without_metrics_warning(record):
-    return "did not provide metrics" not in record.getMessage()
+def _without_normal_warnings(record):
+    return not any(note in record.getMessage() for note in ("did not provide metrics", "Waiting for previous save"))
 
 
 def _quiet_closed_loop(hook):

@@ -7,6 +7,7 @@ checkpoint of the best val loss outlives rotation, across a resume; a full disk 
 
 import errno
 import json
+import logging
 import math
 import os
 import pickle
@@ -351,6 +352,21 @@ def test_a_failed_save_names_the_checkpoints_that_completed_while_the_next_ones_
         raise OSError(errno.EACCES, "Permission denied", str(tmp_path))
     assert "Checkpoint 4 is intact" in str(e.value), e.value  # 6: still in flight, not seen to complete
     mngr.close()
+
+
+def test_orbax_warnings_of_normal_saves_stay_off_stderr(tmp_path, monkeypatch, caplog):
+    """A save without a val loss, and one that waited for the one before (a slow store; orbax warns past 1 s, here
+    past -1 s): no warning on stderr, where a failed run's one line is all there is."""
+    from orbax.checkpoint import checkpoint_manager
+
+    monkeypatch.setattr(checkpoint_manager, "_WAIT_FOR_PREV_SAVE_WARNING_THRESHOLD_SECS", -1.0)
+    mngr = checkpoint.manager(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        for step in (2, 4):
+            checkpoint.save(mngr, step, {"w": jax.numpy.ones(3)}, {"m": jax.numpy.zeros(3)}, {"iter_num": step})
+        checkpoint.wait_saved(mngr)
+    mngr.close()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 def test_a_failed_saves_fix_is_named_by_the_first_cause_that_says():

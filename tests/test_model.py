@@ -157,6 +157,10 @@ def test_loss_equals_direct_cross_entropy_with_ignore_index():
                                             torch.from_numpy(targets).view(-1), ignore_index=-1)
     assert_close(loss, ref.item(), rtol=1e-6, what="loss")
     assert logits.shape == (2, 16, 128) and logits.dtype == jnp.float32
+    one = np.full_like(targets, -1)  # a single target left: its own cross-entropy, not a share of it
+    one[1, 7] = targets[1, 7]
+    ref = torch.nn.functional.cross_entropy(torch.from_numpy(np.array(logits[1, 7])), torch.tensor(targets[1, 7]))
+    assert_close(model(jnp.asarray(idx), jnp.asarray(one))[1], ref.item(), rtol=1e-6, what="loss of one target")
 
 
 def test_padded_vocab_model_from_scratch_trains_a_step():

@@ -61,6 +61,13 @@ def test_scanned_model_computes_what_the_loop_computes(remat):
         assert_close(a, b, rtol=1e-6, atol=1e-6, what="hidden states")
 
 
+def test_one_scanned_layer_computes_what_one_looped_layer_computes():
+    loop = GPT(tiny_config(n_layer=1), nnx.Rngs(0))
+    scan = GPT(tiny_config(n_layer=1, scan_layers=True), nnx.Rngs(0))
+    idx = tokens((2, 32))
+    assert_close(scan(idx)[0], loop(idx)[0], rtol=1e-6, atol=1e-6, what="logits")
+
+
 def test_dropout_draws_a_key_per_layer_as_the_loop():
     """The same dropout with the blocks under one scan, and in the loop with each block recomputed (remat)."""
     loop = GPT(tiny_config(dropout=0.1), nnx.Rngs(0))
