@@ -1,13 +1,14 @@
 """A Cloud Storage emulator on loopback for the tests (gcp-storage-emulator, from PyPI), with what it lacks and a run
 on gs:// relies on: the generation preconditions GCS defines (ifGenerationMatch on an upload and on a delete, so that
 a lock object is created only if absent), the generation in a read's headers (tensorstore's read-modify-write),
-concurrent connections served one at a time, objects.move (gcsfs's mv), and a bucket that refuses this account
-(FORBIDDEN, 403) as IAM would.
+concurrent connections served one at a time, objects.move (gcsfs's mv), a bucket that refuses this account
+(FORBIDDEN, 403) as IAM would, and an index on disk that a kill cannot leave half written.
 
     python tests/gcs_emulator.py PORT [DIR]     # in memory, or kept in DIR (a restart finds it again)
 
 prints `ready` once it serves. The real clients reach it by the environment of `client_env(port)`."""
 
+import os
 import sys
 import threading
 import time
@@ -110,6 +111,23 @@ def _move(request, response, storage, *args, **kwargs):
     response.json(moved)
 
 
+def _index_written_whole(storage):
+    """The emulator rewrites its whole index (.meta) at each object written, truncating the file first, from a thread
+    per request: killed then (a test's network gone), it left an empty index, which a restart cannot read. Written
+    to a temporary file renamed over it instead, one writer at a time."""
+    store, lock = storage._store, threading.Lock()
+    write = store.write_bytes
+
+    def write_bytes(rel, content):
+        if rel != ".meta":
+            return write(rel, content)
+        with lock:
+            path = store._disk_path(rel)
+            path.with_name(".meta.tmp").write_bytes(content)
+            os.replace(path.with_name(".meta.tmp"), path)
+    store.write_bytes = write_bytes
+
+
 def serve(port, directory=None):
     import http.server
 
@@ -120,6 +138,8 @@ def serve(port, directory=None):
     emulator = server.create_server("127.0.0.1", port, in_memory=directory is None, data_dir=directory,
                                     default_bucket=BUCKET)
     storage = emulator._storage
+    if directory is not None:
+        _index_written_whole(storage)
     # every route through the guard (the router calls handler(request, response, storage))
     move = [(rf"^{prefix}/b/(?P<bucket_name>[-.\w]+)/o/(?P<object_id>.*[^/]+)/moveTo/o/(?P<dest_object_id>.*[^/]+)$",
              {"POST": _move}) for prefix in ("/storage/v1", "")]
