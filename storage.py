@@ -11,6 +11,7 @@ On Cloud Storage an object is written whole or not at all and is never appended 
 import errno
 import logging
 import os
+import re
 from contextlib import contextmanager
 
 from configurator import MissingExtras, RunStopped, UsageError, require_extras
@@ -205,11 +206,11 @@ def failure_line(url, e, what=None):
         return None
     bucket, text = bucket_of(url), " ".join(str(e).split())[:200] or type(e).__name__
     where = f"{what} {url}" if what else url
-    if isinstance(e, PermissionError) or "Forbidden" in text or "403" in text or "401" in text:
+    if _network_error(e):  # first: a refused connection's text may hold a port such as 54031
+        return RunStopped(f"{where}: cannot reach {bucket} ({text}): check the network and retry")
+    if isinstance(e, PermissionError) or re.search(r"Forbidden|\b40[13]\b", text):
         return UsageError(f"{where}: permission denied on {bucket} ({text}): give this account roles/storage."
                           "objectAdmin on the bucket (gcloud storage buckets add-iam-policy-binding)")
-    if _network_error(e):
-        return RunStopped(f"{where}: cannot reach {bucket} ({text}): check the network and retry")
     return None
 
 

@@ -123,8 +123,9 @@ def _index_written_whole(storage):
             return write(rel, content)
         with lock:
             path = store._disk_path(rel)
-            path.with_name(".meta.tmp").write_bytes(content)
-            os.replace(path.with_name(".meta.tmp"), path)
+            temporary = path.with_name(".meta.tmp")
+            temporary.write_bytes(content)
+            os.replace(temporary, path)
     store.write_bytes = write_bytes
 
 

@@ -138,6 +138,14 @@ def test_isdir_and_isfile_on_gs_say_what_is_there_and_a_store_that_cannot_answer
             ask(f"{gcs_dir}/ckpt/50")
 
 
+def test_a_refused_connection_is_the_network_whatever_its_port_and_a_403_is_permission():
+    refused = ConnectionRefusedError(errno.ECONNREFUSED, "Cannot connect to host 127.0.0.1:54031")  # "403" in it
+    assert isinstance(storage.failure_line("gs://b/run", refused), RunStopped)
+    for denied in (OSError("GET https://storage.googleapis.com/b: 403 Forbidden"), PermissionError("no access")):
+        assert isinstance(storage.failure_line("gs://b/run", denied), UsageError)
+    assert storage.failure_line("gs://b/run", FileNotFoundError("b/run/x 4031 bytes")) is None
+
+
 def test_a_missing_shard_on_gs_is_the_local_line_naming_the_url(gcs_dir, tmp_path):
     for write, shard in ((write_npy, "edufineweb_train_000002.npy"), (write_llmc, "fineweb_train_000002.bin")):
         local, url = tmp_path / shard[-3:], f"{gcs_dir}/{shard[-3:]}"
