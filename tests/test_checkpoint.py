@@ -17,6 +17,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import ml_dtypes
@@ -344,13 +345,30 @@ def test_a_failed_save_names_as_intact_only_a_checkpoint_still_there(tmp_path):
 
 def test_a_failed_save_names_the_checkpoints_that_completed_while_the_next_ones_were_saved(tmp_path):
     """Saves back to back, as on a slow store where one is always in flight when the run checks: each save waits for
-    the one before, which is then whole. A failure names the last of those, not 'no checkpoint'."""
+    the one before, which is then whole. A failure names the last of those, not 'no checkpoint', nor the last save,
+    which the run has not seen complete (its folder there or not)."""
     mngr = checkpoint.manager(tmp_path)
     for step in (2, 4, 6):
         checkpoint.save(mngr, step, {"w": jax.numpy.ones(3)}, {"m": jax.numpy.zeros(3)}, {"iter_num": step})
+    deadline = time.time() + 60
+    while not (tmp_path / "ckpt" / "6").is_dir() and time.time() < deadline:
+        time.sleep(0.01)
     with pytest.raises(RunStopped) as e, checkpoint._save_errors(mngr):
         raise OSError(errno.EACCES, "Permission denied", str(tmp_path))
     assert "Checkpoint 4 is intact" in str(e.value), e.value  # 6: still in flight, not seen to complete
+    mngr.close()
+
+
+def test_a_save_that_fails_as_it_starts_is_one_line(tmp_path, monkeypatch):
+    mngr = checkpoint.manager(tmp_path)
+    checkpoint.save(mngr, 2, {"w": jax.numpy.ones(3)}, {"m": jax.numpy.zeros(3)}, {"iter_num": 2})
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(mngr, "save", disk_full)
+    with pytest.raises(RunStopped, match=r"failed \(\[Errno 28\] No space left on device\); the run stopped. "
+                                         "Checkpoint 2 is intact: free space and resume from it$"):
+        checkpoint.save(mngr, 4, {"w": jax.numpy.ones(3)}, {"m": jax.numpy.zeros(3)}, {"iter_num": 4})
     mngr.close()
 
 
