@@ -97,7 +97,7 @@ def save(mngr, iter_num, params, opt_state, meta, val_loss=None):
     import orbax.checkpoint as ocp
 
     meta = dict(meta, digests=digests({"params": params, "opt_state": opt_state}))
-    wait_saved(mngr)  # orbax's save waits too; so every step is seen whole, even on a store never idle at a check
+    wait_saved(mngr)  # the one before (orbax's save waits too): seen whole even on a store never idle at a check
     with _save_errors(mngr):
         _unconfirmed(mngr).add(iter_num)
         mngr.save(iter_num, force=True, metrics=None if val_loss is None else {"val_loss": float(val_loss)},

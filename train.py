@@ -243,7 +243,6 @@ class Trainer:
         if self.last_saved == self.iter_num:  # e.g. the eval right after a resume
             return
         self.check_finite(params=True)
-        checkpoint.check_saved(self.mngr)  # the previous save, before the next one can rotate its predecessor out
         self.last_saved = self.iter_num
         loader_state = self.batches.state if self.batches is not None else self.train_loader.state_dict()
         meta = checkpoint.meta_for(self.model_config, self.c, self.iter_num, self.best_val_loss, loader_state)
