@@ -74,7 +74,7 @@ DEFAULTS = dict(
     attention="auto",  # 'xla' | 'cudnn' (NVIDIA Ampere+, bf16) | 'splash' (TPU) | 'auto': the fused one where it runs
     remat="none",  # recompute in the backward to save memory: 'none' | 'block' | 'dots' | 'qkv_proj' (model.REMAT)
     loss_chunk=0,  # the loss's logits this many positions at a time (memory B x loss_chunk x vocab); 0: all at once
-    scan_layers="auto",  # True: the blocks under one lax.scan (one compiled block) | False | 'auto' (on GPU/TPU)
+    scan_layers="auto",  # True: the blocks under one lax.scan (one compiled block) | False | 'auto' (on TPU)
     profile="",  # 'START:STOP': a jax.profiler trace of iterations START..STOP-1 to out_dir/profile
     seed=1337,
 )
@@ -163,10 +163,11 @@ def profile_range(profile):
 
 
 def resolve_scan_layers(scan_layers, platform):
-    """'auto': the blocks under one scan on GPU/TPU, where it compiles one block instead of n_layer (gpt2-xl's step
-    for a TPU: docs/benchmarks.md); a Python loop on CPU, whose results it keeps bit for bit."""
+    """'auto': the blocks under one scan on a TPU, where it compiles one block instead of n_layer (gpt2-xl's step
+    for a TPU: docs/benchmarks.md); a Python loop on a GPU, where the 124M step ran faster and no larger without the
+    scan (docs/benchmarks.md#on-an-nvidia-h200), and on CPU, whose results it keeps bit for bit."""
     if scan_layers == "auto":
-        return platform != "cpu"
+        return platform == "tpu"
     if not isinstance(scan_layers, bool):
         raise UsageError(f"scan_layers must be True, False or 'auto', got {scan_layers!r}")
     return scan_layers

@@ -27,8 +27,8 @@ muon_momentum = 0.95
 muon_ns_dtype = "bfloat16"
 # memory: batch 64 x 1024 per device on a v5e chip, by the TPU compiler (bench_train.py --memory --topology=v5e:2x4
 # --preset speedrun --dtype=bfloat16): remat 'qkv_proj' 10.61 GiB, 'dots' 14.97, 'none' 40.71 (refused); the logits
-# 128 positions at a time. docs/tpu.md. On an 80 GB GPU --remat=none fits (42.31 GiB, XLA:GPU's figure, docs/gpu.md),
-# as on the record's H100s, and recomputes nothing.
+# 128 positions at a time. docs/tpu.md. On a GPU --remat=none fits and recomputes nothing (26.48 GiB on an H100, as
+# the record's; 27.38 of an A100 40 GB's 29.57: XLA:GPU's figures, docs/gpu.md).
 remat = "qkv_proj"
 loss_chunk = 128
 beta1 = 0.9
@@ -40,12 +40,6 @@ warmup_iters = 0
 warmdown_iters = 1450
 max_iters = 5100
 dtype = "bfloat16"
-# memory: batch 64 x 1024 per device on a v5e chip, by the TPU compiler (bench_train.py --memory --topology=v5e:2x4
-# --preset speedrun --dtype=bfloat16): remat 'qkv_proj' 10.61 GiB, 'dots' 14.97, 'none' 40.71 (refused); the logits
-# 128 positions at a time. docs/tpu.md. On an 80 GB GPU --remat=none fits (42.31 GiB, XLA:GPU's figure, docs/gpu.md),
-# as on the record's H100s, and recomputes nothing.
-remat = "qkv_proj"
-loss_chunk = 128
 
 eval_interval = 125
 eval_iters = 20  # the train split's eval batches (the record evaluates val only)

@@ -84,7 +84,7 @@ def bf16_step_jaxpr(**settings):
     return list(equations(jax.make_jaxpr(step)(*args).jaxpr))
 
 
-# the paths a step takes: a loop of blocks, one scan (train.py's default on GPU/TPU) with the chunked loss, remat.
+# the paths a step takes: a loop of blocks, one scan (train.py's default on a TPU) with the chunked loss, remat.
 # (Under scan with remat the traceback of a block's equations stops at the scan: the counts below would say so.)
 @pytest.mark.parametrize("settings", [{}, dict(scan_layers=True, loss_chunk=8), dict(remat="dots")],
                          ids=["loop", "scan_layers, loss_chunk", "remat dots"])

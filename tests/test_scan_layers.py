@@ -164,9 +164,10 @@ def test_training_scanned_takes_the_loops_steps(dataset, tmp_path):
 
 
 def test_scan_layers_setting():
-    """train.py's scan_layers: True, False or 'auto' (on GPU/TPU, off on CPU); anything else is one line."""
+    """train.py's scan_layers: True, False or 'auto' (on TPU, off on GPU and CPU); anything else is one line."""
     assert configure(DEFAULTS, ["--scan_layers=True"])["scan_layers"] is True
-    assert train.resolve_scan_layers("auto", "cpu") is False and train.resolve_scan_layers("auto", "tpu") is True
+    assert train.resolve_scan_layers("auto", "tpu") is True
+    assert train.resolve_scan_layers("auto", "gpu") is False and train.resolve_scan_layers("auto", "cpu") is False
     with pytest.raises(UsageError, match="scan_layers must be True, False or 'auto', got 'maybe'"):
         validate(configure(DEFAULTS, ["--scan_layers=maybe"]))
     with pytest.raises(ConfigError, match="scan_layers must be str"):
