@@ -86,8 +86,8 @@ def bf16_step_jaxpr(**settings):
 
 # the paths a step takes: a loop of blocks, one scan (train.py's default on a TPU) with the chunked loss, remat.
 # (Under scan with remat the traceback of a block's equations stops at the scan: the counts below would say so.)
-@pytest.mark.parametrize("settings", [{}, dict(scan_layers=True, loss_chunk=8), dict(remat="dots")],
-                         ids=["loop", "scan_layers, loss_chunk", "remat dots"])
+@pytest.mark.parametrize("settings", [{}, dict(scan_layers=True, loss_chunk=8), dict(remat="dots"), dict(dropout=0.1)],
+                         ids=["loop", "scan_layers, loss_chunk", "remat dots", "dropout (explicit attention)"])
 def test_bf16_step_keeps_layernorm_softmax_residual_and_loss_in_float32(settings):
     """Each claim's equations, forward and backward, have only float32 operands and results; the matmuls do run in
     bf16 (else the test would prove nothing). Planted in model.py, LayerNorm(dtype=bf16) (its input rounded to bf16)
