@@ -102,6 +102,8 @@ def test_choose_and_check_setting():
          "'bfloat16'; use attention='auto' or 'xla', or dtype='float32'$"),
         (lambda: pick("splash", T=32, device_kind="TPU v2"), "TPU v2's kernel compiler takes it in float32 only"),
         (lambda: pick("cudnn", platform="gpu", capability=(8, 0), hs=160), "must be a multiple of 8 and <= 128"),
+        (lambda: pick("cudnn", platform="gpu", capability=(9, 0), dtype="float32"),
+         "^attention='cudnn' cannot run here: it computes in bfloat16 only, dtype is 'float32'" + fix),
         # a run's config on this process's device (train.py's check before anything is written): its head size
         (lambda: attention.check_run(tiny_config(attention="splash", block_size=128, n_embd=1024), jax.devices()[0]),
          r"^attention='splash' cannot run here: the head size \(n_embd / n_head\) must be <= 256, got 512" + fix),
@@ -162,6 +164,23 @@ def test_explicit_attention_scores_and_softmax_in_float32():
     y = attention.explicit_attention(q, k, v, 0.0, None)
     assert y.dtype == jnp.bfloat16
     assert_close(np.asarray(y, np.float64), want, atol=0.01 * np.abs(want).max())
+
+
+def test_explicit_attention_drops_probabilities_at_its_rate():
+    """Attention dropout acts on the probabilities: with v the identity (hs = T), the output is them. At rate 0.5,
+    about half of the causal ones are zero and the rest are scaled by 1 / (1 - rate); another key, other ones."""
+    B, T, nh = 2, 64, 2
+    q, k = qkv_and_cotangent(B, T, nh, T)[:2]
+    v = jnp.broadcast_to(jnp.eye(T)[None, :, None, :], (B, T, nh, T))  # v[b, j, h] = e_j
+    probs = attention.explicit_attention(q, k, v, 0.0, None)
+    dropped = attention.explicit_attention(q, k, v, 0.5, jax.random.key(0))
+    causal = np.broadcast_to(np.tril(np.ones((T, T), bool))[None, :, None, :], probs.shape)
+    zeroed = causal & (np.asarray(dropped) == 0)
+    assert abs(zeroed.sum() / causal.sum() - 0.5) < 0.02  # 8,320 entries: the binomial's sd is 0.0055
+    kept = causal & ~zeroed
+    assert_close(np.asarray(dropped)[kept], 2 * np.asarray(probs)[kept], rtol=1e-6)
+    other = attention.explicit_attention(q, k, v, 0.5, jax.random.key(1))
+    assert not np.array_equal(other, dropped)
 
 
 # splash on 8 fake CPU devices, each mesh's outputs and gradients saved for the test to compare
