@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from safetensors import safe_open
 
 import checkpoint
 import export
@@ -176,6 +177,11 @@ def test_export_hf_gives_our_logits_in_transformers_and_round_trips(tmp_path, bi
         np.testing.assert_array_equal(exported[k], v, err_msg=k)
     assert any(k.endswith(".bias") for k in exported) and (bias or not any(
         exported[k].any() for k in exported if k.endswith(".bias")))
+    # the file as transformers' save_pretrained writes it: the metadata that transformers 4 and other loaders check
+    # ("format" "pt"), every tensor float32 (a bias=False model's zero biases too)
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="np") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert {k: f.get_tensor(k).dtype for k in f.keys()} == dict.fromkeys(f.keys(), np.dtype(np.float32))
 
 
 def test_an_export_is_whole_or_not_at_all(tmp_path, capsys):
