@@ -17,7 +17,7 @@ import numpy as np
 
 from configurator import UsageError
 from weights import (MASK_BUFFERS, TIED_KEY, LazyState, check_gpt2, config_from_hf, hf_directory, read_hf_config,
-                     read_hf_weights, state_dict, untied, weight_map)
+                     read_hf_weights, state_dict, torch_load, untied, weight_map)
 
 COMPILED_PREFIX = "_orig_mod."  # torch.compile'd models save their state dict under it
 NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")  # its model_args
@@ -38,20 +38,10 @@ def nanogpt_checkpoint(init_from):
     return path if os.path.isdir(init_from) and os.path.isfile(path) else None
 
 
-def _torch_load(path):
-    """The object torch.save wrote to `path` (no code runs: weights_only); a file torch cannot read is one line."""
-    import torch
-
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many kinds for a file that is not a checkpoint
-        raise UsageError(f"{path} is not a torch checkpoint ({type(e).__name__}: {str(e)[:200]})") from e
-
-
 def read_pt(path, n_head=None):
     """A .pt checkpoint, told apart by its keys: nanoGPT's ckpt.pt (read_nanogpt) or modded-nanogpt's
     state_step*.pt (read_modded; n_head: its heads). Anything else is one line naming what was expected."""
-    ckpt = _torch_load(path)
+    ckpt = torch_load(path)
     if isinstance(ckpt, dict) and "model_args" in ckpt:
         return read_nanogpt(path, ckpt)
     return read_modded(path, n_head, ckpt)
@@ -60,7 +50,7 @@ def read_pt(path, n_head=None):
 def read_nanogpt(path, ckpt=None):
     """nanoGPT's ckpt.pt -> (GPTConfig's arguments: its model_args with the exact GELU, {HF name: array} in HF's
     layout, lazily transposed, its training config dict). ckpt: the file's dict, when already loaded."""
-    ckpt = _torch_load(path) if ckpt is None else ckpt
+    ckpt = torch_load(path) if ckpt is None else ckpt
     try:
         args, model_state = ckpt["model_args"], ckpt["model"]
     except (KeyError, TypeError, IndexError) as e:
@@ -156,7 +146,7 @@ def read_modded(path, n_head=None, ckpt=None):
     """modded-nanogpt's state_step*.pt -> (GPTConfig's arguments, {HF name: array}, None). The heads: n_head, else
     those the file's `code` (the training script, which it saves) builds its GPTConfig with, else the record's 6;
     an n_head the code contradicts is one line. ckpt: the file's dict, when already loaded."""
-    ckpt = _torch_load(path) if ckpt is None else ckpt
+    ckpt = torch_load(path) if ckpt is None else ckpt
     state = ckpt.get("model") if isinstance(ckpt, dict) else None
     if not isinstance(state, Mapping) or not any(str(k).endswith(".attn.c_q.weight") for k in state):
         held = sorted(map(str, ckpt))[:6] if isinstance(ckpt, dict) else type(ckpt).__name__

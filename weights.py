@@ -211,9 +211,7 @@ def read_hf_weights(path):
             shard_of = json.load(f)["weight_map"]  # {name: shard file}
         files = {shard: os.path.join(path, shard) for shard in set(shard_of.values())}
     else:
-        import torch
-
-        state = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        state = torch_load(os.path.join(path, "pytorch_model.bin"))
         state = {_hf_name(k): v.float().numpy() for k, v in state.items() if not k.endswith(MASK_BUFFERS)}
         return untied(state, path)
     from safetensors import safe_open
@@ -227,6 +225,16 @@ def read_hf_weights(path):
         return handle.get_tensor(stored)
 
     return untied(LazyState(where, read), path)
+
+
+def torch_load(path):
+    """The object torch.save wrote to `path` (no code runs: weights_only); a file torch cannot read is one line."""
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many kinds for a file that is not a checkpoint
+        raise UsageError(f"{path} is not a torch checkpoint ({type(e).__name__}: {str(e)[:200]})") from e
 
 
 def config_from_hf(hf: dict):

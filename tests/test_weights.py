@@ -104,6 +104,26 @@ def test_sharded_and_bin_only_hf_directories_give_transformers_logits(tmp_path):
         assert rel_diff(GPT.from_pretrained(str(tmp_path / name))(tokens)[0], expected) < FP32_LOGITS_TOL, name
 
 
+class Touch:
+    """Pickles as os.system("touch PATH"), which a plain pickle.load runs."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def test_a_pytorch_model_bin_that_runs_code_is_one_line_and_runs_nothing(tmp_path):
+    """torch.load with weights_only: the state dict's pickle names os.system, which is refused, not run."""
+    marker = tmp_path / "ran"
+    random_hf_model(seed=9, **TINY_HF).config.save_pretrained(tmp_path / "hf")
+    torch.save({"transformer.wte.weight": Touch(marker)}, tmp_path / "hf" / "pytorch_model.bin")
+    with pytest.raises(UsageError, match=r"pytorch_model.bin is not a torch checkpoint \(UnpicklingError: ") as e:
+        GPT.from_pretrained(str(tmp_path / "hf"))
+    assert "\n" not in str(e.value) and not marker.exists()
+
+
 def nanogpt_logits(model, tokens):
     with torch.no_grad():
         return model(torch.from_numpy(tokens), torch.from_numpy(tokens))[0].numpy()  # all positions
