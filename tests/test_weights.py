@@ -104,6 +104,24 @@ def test_sharded_and_bin_only_hf_directories_give_transformers_logits(tmp_path):
         assert rel_diff(GPT.from_pretrained(str(tmp_path / name))(tokens)[0], expected) < FP32_LOGITS_TOL, name
 
 
+def test_an_lm_head_that_is_not_wte_is_one_line_naming_the_directory(tmp_path):
+    """GPT-2 ties lm_head to wte: a file holding another lm_head.weight (safetensors or pytorch_model.bin) is
+    refused, naming where it was read."""
+    from safetensors.numpy import load_file, save_file
+
+    hf_model = random_hf_model(seed=9, **TINY_HF)
+    hf_model.save_pretrained(tmp_path / "safetensors")
+    state = load_file(tmp_path / "safetensors" / "model.safetensors")
+    state["lm_head.weight"] = state["transformer.wte.weight"] + 1
+    save_file(state, tmp_path / "safetensors" / "model.safetensors", metadata={"format": "pt"})
+    hf_model.config.save_pretrained(tmp_path / "bin")
+    torch.save({k: torch.from_numpy(v) for k, v in state.items()}, tmp_path / "bin" / "pytorch_model.bin")
+    for name in ("safetensors", "bin"):
+        with pytest.raises(UsageError, match=f"^{re.escape(str(tmp_path / name))}: lm_head.weight differs from "
+                                             "wte.weight; GPT-2 ties them$"):
+            GPT.from_pretrained(str(tmp_path / name))
+
+
 class Touch:
     """Pickles as os.system("touch PATH"), which a plain pickle.load runs."""
 
