@@ -122,6 +122,24 @@ def test_an_lm_head_that_is_not_wte_is_one_line_naming_the_directory(tmp_path):
             GPT.from_pretrained(str(tmp_path / name))
 
 
+def test_a_directory_that_is_not_an_hf_gpt2_one_is_one_line(tmp_path):
+    """An HF directory needs config.json and a weights file (either alone is refused), and a config.json that says
+    gpt2."""
+    hf_model = random_hf_model(seed=9, **TINY_HF)
+    hf_model.config.save_pretrained(tmp_path / "config_only")
+    hf_model.save_pretrained(tmp_path / "weights_only")
+    os.remove(tmp_path / "weights_only" / "config.json")
+    for name in ("config_only", "weights_only"):
+        with pytest.raises(UsageError, match=f"^{re.escape(str(tmp_path / name))} is not an HF GPT-2 directory: it "
+                                             r"needs config.json and model.safetensors \(as written by save_pretrained\)$"):
+            GPT.from_pretrained(str(tmp_path / name))
+    hf_model.save_pretrained(tmp_path / "bert")
+    config = json.loads((tmp_path / "bert" / "config.json").read_text())
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    with pytest.raises(UsageError, match=f"^{re.escape(str(tmp_path / 'bert'))} holds a 'bert' model, not gpt2$"):
+        GPT.from_pretrained(str(tmp_path / "bert"))
+
+
 class Touch:
     """Pickles as os.system("touch PATH"), which a plain pickle.load runs."""
 
