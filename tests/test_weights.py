@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import huggingface_hub
+import jax
 import numpy as np
 import pytest
 import torch
@@ -138,6 +139,19 @@ def test_a_directory_that_is_not_an_hf_gpt2_one_is_one_line(tmp_path):
     (tmp_path / "bert" / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
     with pytest.raises(UsageError, match=f"^{re.escape(str(tmp_path / 'bert'))} holds a 'bert' model, not gpt2$"):
         GPT.from_pretrained(str(tmp_path / "bert"))
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({**config, "n_positions": 2 * config["n_positions"]}))
+    with pytest.raises(UsageError, match=r"^shape mismatch for transformer.wpe.weight: checkpoint \(16, 32\), model "
+                                         r"\(32, 32\)$"):
+        GPT.from_pretrained(str(tmp_path / "bert"))
+    with pytest.raises(UsageError, match=r"^unknown model 'gpt3': use one of gpt2, .*, an HF directory, a nanoGPT "
+                                         r"ckpt.pt or a modded-nanogpt state_step\*.pt$"):
+        GPT.from_pretrained("gpt3")
+
+
+def test_a_bf16_directory_loads_into_float32_params(tmp_path):
+    random_hf_model(seed=9, **TINY_HF).to(torch.bfloat16).save_pretrained(tmp_path)
+    params = jax.tree.leaves(nnx.state(GPT.from_pretrained(str(tmp_path)), nnx.Param))
+    assert {x.dtype for x in params} == {np.dtype(np.float32)}
 
 
 class Touch:
