@@ -131,8 +131,9 @@ def test_a_directory_that_is_not_an_hf_gpt2_one_is_one_line(tmp_path):
     hf_model.save_pretrained(tmp_path / "weights_only")
     os.remove(tmp_path / "weights_only" / "config.json")
     for name in ("config_only", "weights_only"):
-        with pytest.raises(UsageError, match=f"^{re.escape(str(tmp_path / name))} is not an HF GPT-2 directory: it "
-                                             r"needs config.json and model.safetensors \(as written by save_pretrained\)$"):
+        with pytest.raises(UsageError, match=f"^{re.escape(str(tmp_path / name))} is not an HF GPT-2 directory: "
+                                             r"it needs config.json and model.safetensors \(as written by "
+                                             r"save_pretrained\)$"):
             GPT.from_pretrained(str(tmp_path / name))
     hf_model.save_pretrained(tmp_path / "bert")
     config = json.loads((tmp_path / "bert" / "config.json").read_text())
