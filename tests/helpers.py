@@ -117,3 +117,23 @@ def transpose_c_proj_on_restore(monkeypatch):
         model.h[0].attn.c_proj.kernel.set_value(model.h[0].attn.c_proj.kernel[...].T)
         return model, meta
     monkeypatch.setattr(checkpoint, "load_checkpoint_model", transposed)
+
+
+def equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside it (jit, scan, cond, custom_vjp, remat)."""
+    from jax.extend.core import jaxprs_in_params
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jaxprs_in_params(eqn.params):
+            yield from equations(sub)
+
+
+class Call:
+    """Pickles as the call fn(*args), which a plain pickle.load makes (a file's payload the readers must refuse)."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args

@@ -16,14 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src import config as jax_config
-from jax.extend.core import jaxprs_in_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import attention
 import sharding
 from attention import causal_attention, check_setting, choose
-from helpers import assert_close, fake_devices, tiny_config
+from helpers import assert_close, equations, fake_devices, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,20 +127,12 @@ def test_splash_tiles_are_the_largest_that_divide_the_sequence():
     assert {name: getattr(sizes, name) for name in fields} == dict.fromkeys(fields, 512)
 
 
-def pallas_calls(jaxpr):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            yield eqn
-        for sub in jaxprs_in_params(eqn.params):
-            yield from pallas_calls(sub)
-
-
 def test_splash_in_bf16_gives_the_kernel_bf16():
     """bf16 q, k, v reach the kernel as bf16 (the 1/sqrt(hs) scale is applied in q's dtype: a strongly typed float32
     one would make it a float32 kernel), and it computes what XLA's attention does, to bf16's rounding."""
     q, k, v = (a.astype(jnp.bfloat16) for a in qkv_and_cotangent(1, 128, 8, 16)[:3])
     jaxpr = jax.make_jaxpr(lambda *a: causal_attention(*a, "splash"))(q, k, v).jaxpr
-    (call,) = pallas_calls(jaxpr)
+    (call,) = [e for e in equations(jaxpr) if e.primitive.name == "pallas_call"]
     assert [str(x.aval.dtype) for x in call.invars if jnp.issubdtype(x.aval.dtype, jnp.floating)] == ["bfloat16"] * 3
     y, want = causal_attention(q, k, v, "splash"), causal_attention(q, k, v, "xla")
     assert y.dtype == jnp.bfloat16

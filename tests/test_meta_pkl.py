@@ -24,22 +24,12 @@ import hellaswag
 import sample
 from configurator import InputNotFound, UsageError, exit_on_bad_input
 from dataloader import data_meta
-from helpers import HELLASWAG_FIXTURE, REPO, one_line_error, run, train_cli
+from helpers import HELLASWAG_FIXTURE, REPO, Call, one_line_error, run, train_cli
 from parity import nanogpt_reference as nanogpt
 from parity.common import save_random_hf_model
 from tokenizer import BPECodec, CharCodec, codec_for, read_vocab, save_hf_tokenizer, save_vocab
 
 CHARS = [chr(48 + i) for i in range(64)]  # the `dataset` fixture's 64 characters: its programs are compiled already
-
-
-class Call:
-    """Pickles as the call fn(*args), which a plain pickle.load makes."""
-
-    def __init__(self, fn, *args):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return self.fn, self.args
 
 
 # what each pickle runs: it creates `marker`

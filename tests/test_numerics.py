@@ -10,12 +10,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
-from jax.extend.core import jaxprs_in_params
 
 import layers
 import model as model_lib
 import train_step
-from helpers import tiny_config
+from helpers import equations, tiny_config
 from model import GPT
 from parity import check_train
 from settings import DEFAULTS
@@ -27,14 +26,6 @@ SOFTMAX = ("jax/_src/nn/functions.py", "softmax")
 OURS = os.path.dirname(os.path.abspath(model_lib.__file__))  # the repository's modules: model.py, layers.py, ...
 LOSS = (os.path.join(OURS, "layers.py"), "cross_entropy_terms")
 BLOCK = (model_lib.__file__, "Block.__call__")  # the residual adds: `x = x + branch(...)`
-
-
-def equations(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs inside it (jit, scan, cond, custom_vjp, remat)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jaxprs_in_params(eqn.params):
-            yield from equations(sub)
 
 
 def frames(eqn):

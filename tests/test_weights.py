@@ -26,7 +26,7 @@ from safetensors import safe_open
 import checkpoint
 import export
 import sample
-from helpers import random_nanogpt, tiny_config
+from helpers import Call, random_nanogpt, tiny_config
 from model import GPT, model_from
 from parity import nanogpt_reference as nanogpt
 from parity.check_logits import FP32_MAX_REL_TOL as FP32_LOGITS_TOL  # max |Δlogit| / max |logit|
@@ -155,21 +155,11 @@ def test_a_bf16_directory_loads_into_float32_params(tmp_path):
     assert {x.dtype for x in params} == {np.dtype(np.float32)}
 
 
-class Touch:
-    """Pickles as os.system("touch PATH"), which a plain pickle.load runs."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.path}",)
-
-
 def test_a_pytorch_model_bin_that_runs_code_is_one_line_and_runs_nothing(tmp_path):
     """torch.load with weights_only: the state dict's pickle names os.system, which is refused, not run."""
     marker = tmp_path / "ran"
     random_hf_model(seed=9, **TINY_HF).config.save_pretrained(tmp_path / "hf")
-    torch.save({"transformer.wte.weight": Touch(marker)}, tmp_path / "hf" / "pytorch_model.bin")
+    torch.save({"transformer.wte.weight": Call(os.system, f"touch {marker}")}, tmp_path / "hf" / "pytorch_model.bin")
     with pytest.raises(UsageError, match=r"pytorch_model.bin is not a torch checkpoint \(UnpicklingError: ") as e:
         GPT.from_pretrained(str(tmp_path / "hf"))
     assert "\n" not in str(e.value) and not marker.exists()
