@@ -16,6 +16,7 @@ from lm_eval.api.instance import Instance
 
 import eval as lm_eval_py
 import export
+import hellaswag
 import runlog
 import sharding
 from configurator import UsageError, exit_on_bad_input
@@ -255,6 +256,9 @@ def test_bad_input_is_one_line(tiny_hf, tmp_path, capsys):
     fails(r"ckpt\.pt is a character-level model \(a vocabulary of 64 characters\): lm-eval's tasks are text in GPT-2's "
           r"BPE, give a GPT-2 model$", f"--init_from={tmp_path / 'ckpt.pt'}", "--tasks=hellaswag_local",
           f"--include_path={TASKS}")
+    with pytest.raises(UsageError, match=r"ckpt\.pt is a character-level model \(a vocabulary of 64 characters\): "
+                       r"HellaSwag is scored in GPT-2's BPE, give a GPT-2 model$"):  # hellaswag.py's reason
+        hellaswag.load_model(str(tmp_path / "ckpt.pt"), "out")
     capsys.readouterr()  # the command: one line, exit 2 (exit_on_bad_input, as `python eval.py` runs main)
     with pytest.raises(SystemExit) as e:
         exit_on_bad_input(lambda: lm_eval_py.main(["--tasks=hellaswag_local", "--batch_size=0"]))

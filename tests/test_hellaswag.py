@@ -89,8 +89,9 @@ def test_rendering_matches_build_nanogpt(examples, reference_rows):
 
     enc = get_encoding()
     raw = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
-    for ex, r, (tokens, mask, label) in zip(raw, examples, reference_rows):
+    for i, (ex, r, (tokens, mask, label)) in enumerate(zip(raw, examples, reference_rows)):
         assert r.ctx == enc.encode(ex["ctx"]) and r.truncated == 0
+        assert (r.line, r.ind) == (i + 1, ex["ind"])  # the place each result names (hellaswag.py --out)
         assert r.endings == [enc.encode(" " + e) for e in ex["endings"]]
         # the space belongs to the ending's first token, punctuation included
         assert all(enc.decode(e[:1])[0] == " " for e in r.endings)
@@ -101,6 +102,8 @@ def test_rendering_matches_build_nanogpt(examples, reference_rows):
             assert tokens[i, :n].tolist() == r.ctx + e
             assert mask[i].tolist() == [0] * len(r.ctx) + [1] * len(e) + [0] * (tokens.shape[1] - n)
             assert (tokens[i, n:] == hellaswag.PAD).all()
+    unnumbered = hellaswag.render_example({k: v for k, v in raw[0].items() if k != "ind"})  # not from a file
+    assert (unnumbered.line, unnumbered.ind) == (0, None)
     long = max(examples, key=lambda r: len(r.ctx))
     assert len(long.ctx) > 3 * np.median([len(r.ctx) for r in examples])  # the fixture's long context
 

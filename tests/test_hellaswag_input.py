@@ -7,8 +7,10 @@ one line with its cause and the fix, nothing partial left."""
 import io
 import json
 import os
+import re
 from pathlib import Path
 
+import jax
 import pytest
 from flax import nnx
 
@@ -76,8 +78,45 @@ def test_with_no_options_the_scripts_score_gpt2_on_the_validation_split(monkeypa
     # without --path, the split asked for is the one downloaded
     asked = []
     monkeypatch.setattr(hellaswag, "download", lambda *args: asked.append(args) or str(FIXTURE))
-    args = hellaswag.cli_parser(hellaswag.__doc__).parse_args(["--split", "train", "--limit", "2"])
-    assert hellaswag.cli_examples(args)[0] == str(FIXTURE) and asked == [("train", args.cache_dir)]
+    args = hellaswag.cli_parser(hellaswag.__doc__).parse_args(["--split", "train", "--limit", "1"])  # the least
+    path, raw = hellaswag.cli_examples(args)
+    assert path == str(FIXTURE) and len(raw) == 1 and asked == [("train", args.cache_dir)]
+
+
+def test_the_scorer_gets_the_examples_cut_to_the_models_window_and_the_batch_size(capsys, monkeypatch):
+    """main renders for the loaded model's block_size (the longest example cut by exactly 1 token here) and hands the
+    scorer --batch_size (8 unless given; 1 taken), float32 at full matmul precision (a GPU's or TPU's default is
+    less: on this CPU it is the same, so read off the config); its first line says what it loaded and how many were
+    cut, its last the time and the rate. --dtype is float32 or bfloat16: float16 is argparse's line, exit 2."""
+    full = hellaswag.load_examples(str(FIXTURE))
+    block_size = max(len(r.ctx) + max(map(len, r.endings)) for r in full) - 1
+    expected = hellaswag.load_examples(str(FIXTURE), max_len=block_size)
+    cut = sum(r.truncated > 0 for r in expected)
+    assert min(r.truncated for r in expected if r.truncated) == 1 and 0 < cut < len(expected)
+    model = GPT(GPTConfig(block_size=block_size, vocab_size=50304, n_layer=1, n_head=1, n_embd=16), nnx.Rngs(0))
+    loaded, scored = [], []
+    monkeypatch.setattr(hellaswag, "load_model", lambda init_from, out_dir, dtype: loaded.append(dtype) or model)
+
+    def evaluate(model, examples, batch_size, progress):
+        scored.append((examples, batch_size, jax.config.jax_default_matmul_precision))
+        return hellaswag.Score(acc=0.5, acc_norm=0.25, count=len(examples), results=[])
+
+    monkeypatch.setattr(hellaswag, "evaluate", evaluate)
+    runs = [([], "float32", 8, "highest"), (["--batch_size", "1"], "float32", 1, "highest"),
+            (["--dtype", "bfloat16"], "bfloat16", 8, None)]
+    for args, dtype, batch_size, precision in runs:
+        assert hellaswag.main(["--path", str(FIXTURE), *args]) == 0
+        printed = capsys.readouterr().out.splitlines()
+        assert re.fullmatch(rf"model gpt2: {model.num_params() / 1e6:.2f}M params, block_size {block_size}, loaded "
+                            rf"in 0\.\ds; 20 examples from {re.escape(str(FIXTURE))}, {cut} with context cut to fit; "
+                            rf"jax {dtype} on 1 cpu device\(s\)", printed[0]), printed[0]
+        assert loaded.pop() == dtype and scored.pop() == (expected, batch_size, precision)
+        took = re.fullmatch(r"hellaswag: acc 0\.5000 acc_norm 0\.2500 count 20 \((\S+)s, (\S+) examples/s\)",
+                            printed[-1])
+        assert took and float(took[1]) < 1 and float(took[2]) > 20, printed[-1]  # 20 examples in under a second
+    with pytest.raises(SystemExit) as e:
+        hellaswag.main(["--path", str(FIXTURE), "--dtype", "float16"])
+    assert e.value.code == 2 and "--dtype: invalid choice: 'float16'" in capsys.readouterr().err
 
 
 def test_a_batch_size_below_1_and_results_that_cannot_be_written_are_one_line(tmp_path, capsys, monkeypatch):
