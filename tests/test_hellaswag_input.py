@@ -41,6 +41,7 @@ GOOD = FIXTURE.read_text().splitlines()[0]
     (json.dumps({k: v for k, v in json.loads(GOOD).items() if k != "label"}), r"bad\.jsonl:3: no label"),
     (json.dumps(json.loads(GOOD) | {"label": ""}), r"bad\.jsonl:3: no label \(HellaSwag's test split is unlabeled\)$"),
     (json.dumps(json.loads(GOOD) | {"endings": "one ending"}), r"bad\.jsonl:3: 'endings' must be a list"),
+    ("[1, 2]", r"bad\.jsonl:3: expected a JSON object, got list$"),
 ])
 def test_bad_lines_name_their_line(tmp_path, line, message):
     path = write_lines(tmp_path, [GOOD, GOOD, line, GOOD])
@@ -75,12 +76,25 @@ def test_cli_bad_input_is_one_line_and_exit_code_2(main, tmp_path, capsys):
 def test_with_no_options_the_scripts_score_gpt2_on_the_validation_split(monkeypatch):
     args = hellaswag.cli_parser(hellaswag.__doc__).parse_args([])
     assert (args.init_from, args.out_dir, args.split, args.path, args.limit) == ("gpt2", "out", "val", None, None)
+    assert args.cache_dir == hellaswag.CACHE_DIR
+    parse = hellaswag.cli_parser(hellaswag.__doc__).parse_args
+    assert [parse(["--split", split]).split for split in ("train", "val", "test")] == ["train", "val", "test"]
+    with pytest.raises(SystemExit):
+        parse(["--split", "dev"])
     # without --path, the split asked for is the one downloaded
     asked = []
     monkeypatch.setattr(hellaswag, "download", lambda *args: asked.append(args) or str(FIXTURE))
     args = hellaswag.cli_parser(hellaswag.__doc__).parse_args(["--split", "train", "--limit", "1"])  # the least
     path, raw = hellaswag.cli_examples(args)
     assert path == str(FIXTURE) and len(raw) == 1 and asked == [("train", args.cache_dir)]
+
+
+@pytest.mark.parametrize("script", [hellaswag, check_hellaswag], ids=["hellaswag", "check_hellaswag"])
+def test_help_says_what_the_script_does_and_each_option(script, capsys):
+    with pytest.raises(SystemExit):
+        script.main(["--help"])
+    assert script.__doc__.split("\n\n")[0].strip() in capsys.readouterr().out  # its lines as written
+    assert all(action.help for action in hellaswag.cli_parser(script.__doc__)._actions)
 
 
 def test_the_scorer_gets_the_examples_cut_to_the_models_window_and_the_batch_size(capsys, monkeypatch):
