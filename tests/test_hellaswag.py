@@ -245,10 +245,19 @@ def test_jax_matches_torch_reference(hf_dir, examples, jax_score):
 
 def test_scorer_refuses_what_it_cannot_score(model, examples):
     ex = hellaswag.read_examples(str(FIXTURE))[10]
-    with pytest.raises(ValueError, match="exceeds block_size 128: render with max_len=block_size$"):
-        hellaswag.evaluate(model, [hellaswag.render_example(ex | {"ctx": ex["ctx"] * 2})])
+    ex = ex | {"ctx": ex["ctx"] * 2}
+    long = hellaswag.render_example(ex)
+    n = len(long.ctx) + max(map(len, long.endings))
+    with pytest.raises(ValueError, match=f"^an example of {n} tokens exceeds block_size 128: render with max_len="):
+        hellaswag.evaluate(model, [long])
+    cut = hellaswag.render_example(ex, max_len=128)  # exactly 128 tokens: scored, one example per batch too
+    assert hellaswag.evaluate(model, [cut], batch_size=1).count == 1
+    with pytest.raises(ValueError, match="^batch_size must be >= 1, got 0$"):
+        hellaswag.evaluate(model, [cut], batch_size=0)
     with pytest.raises(ValueError, match="^no examples to score$"):
         hellaswag.evaluate(model, [])
+    with pytest.raises(ValueError, match="^the model's vocab_size 50256 does not cover GPT-2's 50257 BPE tokens$"):
+        hellaswag.check_vocab(50256)
 
 
 # 8 fake CPU devices in a fresh process (the device count is fixed when jax starts); weights travel as .npz
@@ -332,6 +341,8 @@ def test_cli_and_parity_cli(source, hf_dir, resume_dir, jax_score, tmp_path, cap
     assert len(preds) == 20 and set(preds[0]) == {"line", "ind", "label", "pred", "pred_norm", "sum_losses",
                                                   "mean_losses"}
     assert [(p["pred"], p["pred_norm"]) for p in preds] == [(r.pred, r.pred_norm) for r in jax_score.results]
+    raw = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
+    assert [(p["line"], p["ind"]) for p in preds] == [(i + 1, ex["ind"]) for i, ex in enumerate(raw)]
     assert_close([p["sum_losses"] + p["mean_losses"] for p in preds], losses(jax_score), rtol=LOSS_RTOL,
                  what="CLI losses")
 

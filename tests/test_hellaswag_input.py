@@ -8,6 +8,8 @@ import io
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -16,7 +18,7 @@ from flax import nnx
 
 import hellaswag
 from configurator import exit_on_bad_input
-from helpers import HELLASWAG_FIXTURE
+from helpers import HELLASWAG_FIXTURE, REPO
 from model import GPT, GPTConfig
 from parity import check_hellaswag
 
@@ -46,6 +48,22 @@ GOOD = FIXTURE.read_text().splitlines()[0]
 def test_bad_lines_name_their_line(tmp_path, line, message):
     path = write_lines(tmp_path, [GOOD, GOOD, line, GOOD])
     with pytest.raises(ValueError, match=message):
+        hellaswag.read_examples(path)
+
+
+def test_blank_lines_are_skipped_and_the_file_is_read_as_utf8_in_any_locale(tmp_path):
+    """Line numbers count the blank lines; a C locale without Python's UTF-8 mode (a python of its own) reads the
+    same examples; a file of blank lines is one line."""
+    accented = json.dumps(json.loads(GOOD) | {"ctx": "Un café — naïve"}, ensure_ascii=False)
+    path = write_lines(tmp_path, [GOOD, "", accented])
+    read = hellaswag.read_examples(path)
+    assert [ex["_line"] for ex in read] == [1, 3] and read[1]["ctx"] == "Un café — naïve"
+    script = f"import hellaswag; print(ascii(hellaswag.read_examples({ascii(path)})))"
+    r = subprocess.run([sys.executable, "-X", "utf8=0", "-c", script], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0"}, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == ascii(read), r.stderr[-2000:]
+    path = write_lines(tmp_path, ["", " "])
+    with pytest.raises(ValueError, match=f"^{re.escape(path)}: no examples$"):
         hellaswag.read_examples(path)
 
 
