@@ -134,6 +134,11 @@ def test_long_context_is_cut_from_the_left():
         hellaswag.render_all([dict(ex, ctx="")], 64, "f.jsonl")
 
 
+def test_a_length_takes_the_least_bucket_that_holds_it_and_past_the_last_the_cap():
+    assert [hellaswag.bucket(n, (32, 40), 64) for n in (1, 32, 33, 40, 41, 64)] == [32, 32, 40, 40, 64, 64]
+    assert hellaswag.bucket(30, (32, 40), 24) == 24  # the cap: the model's block_size
+
+
 def test_batches_score_only_ending_tokens(examples):
     plan = hellaswag.plan_batches(examples, batch_size=8, block_size=128)
     assert sorted(i for *_, idx in plan for i in idx) == list(range(len(examples)))

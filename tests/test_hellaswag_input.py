@@ -44,6 +44,7 @@ GOOD = FIXTURE.read_text().splitlines()[0]
     (json.dumps(json.loads(GOOD) | {"label": ""}), r"bad\.jsonl:3: no label \(HellaSwag's test split is unlabeled\)$"),
     (json.dumps(json.loads(GOOD) | {"endings": "one ending"}), r"bad\.jsonl:3: 'endings' must be a list"),
     ("[1, 2]", r"bad\.jsonl:3: expected a JSON object, got list$"),
+    (json.dumps(json.loads(GOOD) | {"ctx": 5}), r"bad\.jsonl:3: 'ctx' must be a string$"),
 ])
 def test_bad_lines_name_their_line(tmp_path, line, message):
     path = write_lines(tmp_path, [GOOD, GOOD, line, GOOD])
