@@ -4,6 +4,7 @@ HellaSwag's input (hellaswag.py, parity/check_hellaswag.py): a bad line, a missi
 written, each one clear error naming the place; the download cached, and failing (offline, or cut off midway) in
 one line with its cause and the fix, nothing partial left."""
 
+import dataclasses
 import io
 import json
 import os
@@ -112,7 +113,8 @@ def test_with_no_options_the_scripts_score_gpt2_on_the_validation_split(monkeypa
 def test_help_says_what_the_script_does_and_each_option(script, capsys):
     with pytest.raises(SystemExit):
         script.main(["--help"])
-    assert script.__doc__.split("\n\n")[0].strip() in capsys.readouterr().out  # its lines as written
+    # the doc's first paragraph, its lines as written, then the options
+    assert f"\n\n{script.__doc__.split(chr(10) * 2)[0].strip()}\n\noptions:\n" in capsys.readouterr().out
     assert all(action.help for action in hellaswag.cli_parser(script.__doc__)._actions)
 
 
@@ -135,7 +137,7 @@ def test_the_scorer_gets_the_examples_cut_to_the_models_window_and_the_batch_siz
         return hellaswag.Score(acc=0.5, acc_norm=0.25, count=len(examples), results=[])
 
     monkeypatch.setattr(hellaswag, "evaluate", evaluate)
-    runs = [([], "float32", 8, "highest"), (["--batch_size", "1"], "float32", 1, "highest"),
+    runs = [([], "float32", 8, "highest"), (["--batch_size", "1", "--dtype", "float32"], "float32", 1, "highest"),
             (["--dtype", "bfloat16"], "bfloat16", 8, None)]
     for args, dtype, batch_size, precision in runs:
         assert hellaswag.main(["--path", str(FIXTURE), *args]) == 0
@@ -147,6 +149,12 @@ def test_the_scorer_gets_the_examples_cut_to_the_models_window_and_the_batch_siz
         took = re.fullmatch(r"hellaswag: acc 0\.5000 acc_norm 0\.2500 count 20 \((\S+)s, (\S+) examples/s\)",
                             printed[-1])
         assert took and float(took[1]) < 1 and float(took[2]) > 20, printed[-1]  # 20 examples in under a second
+    model = GPT(dataclasses.replace(model.config, block_size=block_size + 1), nnx.Rngs(0))  # none cut: not said
+    hellaswag.main(["--path", str(FIXTURE)])
+    assert f"20 examples from {FIXTURE}; jax float32" in capsys.readouterr().out
+    model = GPT(dataclasses.replace(model.config, block_size=4), nnx.Rngs(0))  # no room: the line is named
+    with pytest.raises(ValueError, match=f"^{re.escape(str(FIXTURE))}:1: an ending of .* model's 4-token window$"):
+        hellaswag.main(["--path", str(FIXTURE)])
     with pytest.raises(SystemExit) as e:
         hellaswag.main(["--path", str(FIXTURE), "--dtype", "float16"])
     assert e.value.code == 2 and "--dtype: invalid choice: 'float16'" in capsys.readouterr().err
