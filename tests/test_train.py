@@ -3,6 +3,7 @@
 train.py: configuration contract, schedule and optimizer grouping, exact resume, accumulation
 equivalence, preemption, bad input (meshes and processes: test_sharding.py)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -147,6 +148,12 @@ def test_batch_loss_in_halves_is_the_models_loss(loss_chunk):
     assert dots(loss_fn, x, y) >= 2 * dots(jax.jit(lambda x: model(x)[0]), x)  # the model twice: halves
     assert_close(loss_fn(x, y), model(x, y)[1], rtol=1e-6, what="loss in halves")
     assert_close(loss_fn(x[:3], y[:3]), model(x[:3], y[:3])[1], rtol=1e-6, what="an odd batch: whole")
+    # with dropout, the whole batch's loss draws from the step's key
+    model = GPT(dataclasses.replace(model.config, dropout=0.5), nnx.Rngs(0))
+    key = jax.random.key(1)
+    odd = jax.jit(lambda x, y, key: train_step.batch_loss(model, x, y, key))(x[:3], y[:3], key)
+    assert_close(odd, model.loss(x[:3], y[:3], key=key), rtol=1e-6, what="an odd batch's dropout")
+    assert abs(float(odd) - float(model.loss(x[:3], y[:3]))) > 1e-3
 
 
 def test_restore_takes_compute_settings_from_the_run_not_the_checkpoint():
