@@ -26,6 +26,7 @@ from safetensors import safe_open
 import checkpoint
 import export
 import sample
+import sharding
 from helpers import Call, random_nanogpt, tiny_config
 from model import GPT, model_from
 from parity import nanogpt_reference as nanogpt
@@ -353,3 +354,16 @@ def test_a_hub_name_neither_downloadable_nor_cached_is_one_line(tmp_path, monkey
     with pytest.raises(UsageError, match=r"^could not load 'gpt2' from the HF hub or the local HF cache \(offline\?\); "
                                          r"pass a local directory written by save_pretrained instead$"):
         hf_directory("gpt2")
+
+
+def test_weights_read_onto_a_mesh_are_the_weights_placed_on_it(tmp_path):
+    """With a mesh (train.py's finetune), each value is placed as it is read, the blocks' stacked too (scan_layers):
+    here one device, so each param is the one read without a mesh, held under a sharding of that mesh."""
+    path = str(save_random_hf_model(tmp_path / "hf", seed=9, **TINY_HF))
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    for scan in (False, True):
+        placed, plain = (jax.tree.leaves(nnx.state(GPT.from_pretrained(path, mesh=m, scan_layers=scan), nnx.Param))
+                         for m in (mesh, None))
+        for a, b in zip(placed, plain, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            assert isinstance(a.sharding, jax.sharding.NamedSharding) and a.sharding.mesh == mesh
