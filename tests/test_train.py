@@ -92,6 +92,9 @@ def test_get_lr_matches_nanogpt():
     assert_close(train_step.get_lr(0, c), 6e-4 / 101, rtol=1e-6)  # warmup start
     assert_close(train_step.get_lr(550, c), (6e-4 + 6e-5) / 2, rtol=1e-6)  # mid-cosine
     assert_close(train_step.get_lr(2000, dict(c, decay_lr=False)), 6e-4, rtol=1e-7)
+    for it in range(13):  # a decay of a single step, as nanoGPT takes it
+        ref = nanogpt_get_lr(it, 6e-4, 10, 11, 6e-5)
+        assert_close(train_step.get_lr(it, dict(c, warmup_iters=10, lr_decay_iters=11)), ref, rtol=1e-6, what=f"{it}")
 
 
 def test_weight_decay_applies_to_2d_params_only(dataset, tmp_path):
