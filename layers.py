@@ -162,21 +162,47 @@ def rotary(x, cos, sin):
 # ---------------------------------------------------------------------------------------------------
 # the tied head and the loss
 
-def tied_head(x, embedding, dtype):
-    """(..., C) -> (..., vocab) float32 logits through the token embedding (vocab, C): a matmul in the compute
-    dtype with float32 accumulation; under a mesh, the embedding split by vocabulary over 'tensor'."""
+def tied_head(x, embedding, dtype, logits_dtype=jnp.float32):
+    """(..., C) -> (..., vocab) logits through the token embedding (vocab, C): a matmul in the compute dtype with
+    float32 accumulation, its output in `logits_dtype`; under a mesh, the embedding split by vocabulary over
+    'tensor'. The model's loss takes them in the compute dtype, as autocast's Linear gives them: the matmul's
+    gradient then runs in it too, where float32 logits made both backward matmuls float32 (a fifth of the 124M
+    step on an H100, docs/benchmarks.md). Sampling and the scorers take float32."""
     head = sharding.constrain(embedding.astype(dtype), sharding.VOCAB)
-    return jnp.einsum("...c,vc->...v", x.astype(dtype), head, preferred_element_type=jnp.float32)
+    return jnp.einsum("...c,vc->...v", x.astype(dtype), head, preferred_element_type=logits_dtype)
 
 
 def cross_entropy_terms(logits, targets):
     """(sum of the cross-entropies, their number) in float32 over the targets that are not -1 (nanoGPT's
-    ignore_index)."""
-    logits = logits.astype(jnp.float32)
+    ignore_index). Logits in a lower dtype are upcast, as torch's cross_entropy does under autocast."""
     valid = targets != -1
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, jnp.where(valid, targets, 0)[..., None], axis=-1)[..., 0]
-    return jnp.sum(jnp.where(valid, logz - target_logit, 0.0)), jnp.sum(valid)
+    nll = token_nll(logits, jnp.where(valid, targets, 0))
+    return jnp.sum(jnp.where(valid, nll, 0.0)), jnp.sum(valid)
+
+
+@jax.custom_vjp
+def token_nll(logits, targets):
+    """(..., vocab) logits, (...) targets -> (...) float32 cross-entropies, logsumexp - the target's logit. Its
+    gradient, softmax - onehot, is written once in the logits' dtype from the logits as they are (autodiff would
+    keep a float32 copy of bf16 logits and pass over it several times: 13 GB a 65,536-token batch)."""
+    return token_nll_forward(logits, targets)[0]
+
+
+def token_nll_forward(logits, targets):
+    x = logits.astype(jnp.float32)
+    logz = jax.nn.logsumexp(x, axis=-1)
+    target_logit = jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0]
+    return logz - target_logit, (logits, targets, logz)
+
+
+def token_nll_backward(residuals, g):
+    logits, targets, logz = residuals
+    softmax = jnp.exp(logits.astype(jnp.float32) - logz[..., None])
+    onehot = jnp.arange(logits.shape[-1]) == targets[..., None]
+    return ((softmax - onehot) * g[..., None]).astype(logits.dtype), None
+
+
+token_nll.defvjp(token_nll_forward, token_nll_backward)
 
 
 def mean_of(total, count):

@@ -311,7 +311,7 @@ class GPT(nnx.Module):
         B, T, C = x.shape
         n, cdt, embedding = self.config.loss_chunk, self.config.compute_dtype, self.wte.embedding[...]
         if n == 0 or n >= T:
-            return cross_entropy_terms(tied_head(x, embedding, cdt), targets)
+            return cross_entropy_terms(tied_head(x, embedding, cdt, cdt), targets)
         pad = -T % n  # the last chunk's padding has target -1: ignored
         xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(B, -1, n, C).swapaxes(0, 1)  # (chunks, B, n, C)
         ys = jnp.pad(targets, ((0, 0), (0, pad)), constant_values=-1).reshape(B, -1, n).swapaxes(0, 1)  # (chunks, B, n)
@@ -319,7 +319,7 @@ class GPT(nnx.Module):
         # the float32 embedding goes in, cast inside: its gradient then sums over the chunks in float32
         @jax.checkpoint  # saves the chunk's inputs only: the backward pass recomputes its logits
         def chunk_nll(embedding, x, y):
-            return cross_entropy_terms(tied_head(x, embedding, cdt), y)[0]
+            return cross_entropy_terms(tied_head(x, embedding, cdt, cdt), y)[0]
 
         total, _ = jax.lax.scan(lambda total, xy: (total + chunk_nll(embedding, *xy), None), jnp.float32(0), (xs, ys))
         return total, jnp.sum(targets != -1)

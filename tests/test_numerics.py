@@ -26,6 +26,7 @@ SOFTMAX = ("jax/_src/nn/functions.py", "softmax")
 OURS = os.path.dirname(os.path.abspath(model_lib.__file__))  # the repository's modules: model.py, layers.py, ...
 LOSS = (os.path.join(OURS, "layers.py"), "cross_entropy_terms")
 BLOCK = (model_lib.__file__, "Block.__call__")  # the residual adds: `x = x + branch(...)`
+VOCAB = 97  # the tiny model's vocabulary: no other of its dimensions is 97
 
 
 def frames(eqn):
@@ -83,7 +84,7 @@ def test_bf16_step_keeps_layernorm_softmax_residual_and_loss_in_float32(settings
     """Each claim's equations, forward and backward, have only float32 operands and results; the matmuls do run in
     bf16 (else the test would prove nothing). Planted in model.py, LayerNorm(dtype=bf16) (its input rounded to bf16)
     and a residual stream held in bf16 each fail it (tests/plant_bugs.py)."""
-    eqns = bf16_step_jaxpr(**settings)
+    eqns = bf16_step_jaxpr(vocab_size=VOCAB, **settings)
     bf16_dots = [e for e in eqns if e.primitive.name == "dot_general" and "bfloat16" in float_dtypes(e)]
     assert len(bf16_dots) >= 4, "the step runs no matmul in bf16: not a bf16 step"
 
@@ -97,6 +98,11 @@ def test_bf16_step_keeps_layernorm_softmax_residual_and_loss_in_float32(settings
     assert sum(e.primitive.name == "exp" for e in claims["attention's softmax"]) >= 1
     assert {"log", "exp", "reduce_max"} <= {e.primitive.name for e in claims["the loss"]}
     assert len(claims["the residual adds"]) >= 2
+    # the loss takes its logits in bf16, as autocast's cross_entropy does: its only bf16 are the casts of the logits
+    # up to float32 and of their gradient back down (test_training_takes_the_logits_in_bf16_...); its arithmetic
+    # is float32
+    claims["the loss"] = [e for e in claims["the loss"] if not (e.primitive.name == "convert_element_type"
+                                                              and e.invars[0].aval.shape[-1:] == (VOCAB,))]
     broken = {claim: bad[:3] for claim, found in claims.items() if (bad := not_float32(found))}
     assert not broken, f"not in float32 (the first 3 equations of each): {broken}"
 
@@ -118,6 +124,43 @@ def test_the_tied_head_multiplies_in_the_compute_dtype_into_float32_logits():
     jaxpr = jax.make_jaxpr(lambda x, e: layers.tied_head(x, e, jnp.bfloat16))(jnp.ones((2, 64)), jnp.ones((128, 64)))
     (dot,) = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
     assert [v.aval.dtype for v in dot.invars] == [jnp.bfloat16] * 2 and dot.outvars[0].aval.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("settings", [{}, dict(loss_chunk=8)], ids=["whole", "loss_chunk"])
+def test_training_takes_the_logits_in_bf16_and_the_heads_gradient_runs_in_bf16(settings):
+    """As autocast's Linear: the loss's logits come out of the head in bf16 and are upcast in the loss; so the head's
+    two backward matmuls (into the hidden states and into wte) take bf16 operands. With float32 logits both ran in
+    float32, a fifth of the 124M step on an H100 (docs/benchmarks.md). The head's matmuls are the dot_generals with
+    a vocabulary-sized dimension."""
+    eqns = bf16_step_jaxpr(vocab_size=VOCAB, **settings)
+    head = [e for e in eqns if e.primitive.name == "dot_general"
+            and any(VOCAB in v.aval.shape for v in (*e.invars, *e.outvars))]
+    assert len(head) >= 3, "the head's forward matmul and its two backward ones"
+    assert all(float_dtypes(e) == {"bfloat16"} for e in head), [sorted(float_dtypes(e)) for e in head]
+
+
+def test_the_cross_entropys_own_gradient_is_autodiffs():
+    """layers.token_nll's gradient (softmax - onehot, written once in the logits' dtype) against autodiff of the
+    same forward, with ignored targets, under vmap (hellaswag.py's scorer) and jit: float32 to rounding, bf16
+    logits to one bf16 rounding of the same float32 value."""
+    def by_autodiff(logits, targets):
+        x = logits.astype(jnp.float32)
+        valid = targets != -1
+        nll = jax.nn.logsumexp(x, axis=-1) - jnp.take_along_axis(x, jnp.where(valid, targets, 0)[..., None], -1)[..., 0]
+        return jnp.sum(jnp.where(valid, nll, 0.0)), jnp.sum(valid)
+
+    logits = 3 * jax.random.normal(jax.random.key(0), (3, 5, 11))
+    targets = jax.random.randint(jax.random.key(1), (3, 5), -1, 11).at[0, 0].set(-1)
+    for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 2**-8)):
+        z = logits.astype(dtype)
+        ours, theirs = (jax.jit(jax.value_and_grad(lambda z, f=f: f(z, targets)[0] / 7))(z)
+                        for f in (layers.cross_entropy_terms, by_autodiff))
+        assert ours[1].dtype == dtype and jnp.allclose(ours[0], theirs[0], rtol=1e-6)
+        assert jnp.allclose(ours[1].astype(jnp.float32), theirs[1].astype(jnp.float32), rtol=tol, atol=1e-7)
+        assert not jnp.any(ours[1][0, 0])  # an ignored target's position gets no gradient
+        ours, theirs = (jax.vmap(jax.grad(lambda z, y, f=f: f(z, y)[0]))(z, targets).astype(jnp.float32)
+                        for f in (layers.cross_entropy_terms, by_autodiff))
+        assert jnp.allclose(ours, theirs, rtol=tol, atol=1e-7)
 
 
 @pytest.fixture
