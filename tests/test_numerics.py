@@ -150,7 +150,9 @@ def test_the_cross_entropys_own_gradient_is_autodiffs():
         nll = jax.nn.logsumexp(x, axis=-1) - jnp.take_along_axis(x, jnp.where(valid, targets, 0)[..., None], -1)[..., 0]
         return jnp.sum(jnp.where(valid, nll, 0.0)), jnp.sum(valid)
 
-    logits = 3 * jax.random.normal(jax.random.key(0), (3, 5, 11))
+    # rows 300 apart: each row's logsumexp shifted by its own max (one max for all would underflow the others' exps)
+    offsets = jnp.array([0.0, -300.0, 300.0])[:, None, None]
+    logits = 3 * jax.random.normal(jax.random.key(0), (3, 5, 11)) + offsets
     targets = jax.random.randint(jax.random.key(1), (3, 5), -1, 11).at[0, 0].set(-1)
     for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 2**-8)):
         z = logits.astype(dtype)
