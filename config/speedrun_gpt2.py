@@ -26,9 +26,9 @@ muon_learning_rate = 0.00036  # 0.1 x learning_rate, as the record
 muon_momentum = 0.95
 muon_ns_dtype = "bfloat16"
 # memory: batch 64 x 1024 per device on a v5e chip, by the TPU compiler (bench_train.py --memory --topology=v5e:2x4
-# --preset speedrun --dtype=bfloat16): remat 'qkv_proj' 10.61 GiB, 'dots' 14.97, 'none' 40.71 (refused); the logits
-# 128 positions at a time. docs/tpu.md. On a GPU --remat=none fits and recomputes nothing (26.48 GiB on an H100, as
-# the record's; 27.38 of an A100 40 GB's 29.57: XLA:GPU's figures, docs/gpu.md).
+# --preset speedrun --dtype=bfloat16): remat 'qkv_proj' 10.61 GiB, 'dots' 14.97, 'none' 40.39 (refused); the logits
+# 128 positions at a time. docs/tpu.md. On a GPU --remat=none fits and recomputes nothing (24.19 GiB on an H100, as
+# the record's; 25.09 of an A100 40 GB's 29.57: XLA:GPU's figures, docs/gpu.md).
 remat = "qkv_proj"
 loss_chunk = 128
 beta1 = 0.9

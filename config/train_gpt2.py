@@ -35,9 +35,9 @@ dtype = "bfloat16"
 # scan (attention and scan_layers 'auto' on a TPU) with remat 'qkv_proj' need 11.85 GiB per chip; 'dots' needs
 # 16.63 GiB there (refused). qkv_proj keeps the attention's q, k, v and projection and recomputes the MLP's c_fc in
 # the backward pass (~11% more FLOPs than 'dots'). On a GPU (the blocks in a loop there) --remat=none fits an 80 GB
-# one (29.08 GiB with cuDNN attention on an H100, XLA:GPU's figure, docs/gpu.md) and recomputes nothing; --remat=none
-# --loss_chunk=0 (50.13 GiB) ran 1.23x faster than these settings on an H200 (docs/benchmarks.md). On an A100 40 GB,
-# --remat=dots. The loss's logits are computed 128 positions at a time.
+# one (26.79 GiB with cuDNN attention on an H100, XLA:GPU's figure, docs/gpu.md) and recomputes nothing; --remat=none
+# --loss_chunk=0 (39.59 GiB measured) ran 1.25x faster than these settings on an H100 (docs/benchmarks.md). On an
+# A100 40 GB, --remat=dots. The loss's logits are computed 128 positions at a time.
 remat = "qkv_proj"
 loss_chunk = 128
 
