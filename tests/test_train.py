@@ -159,6 +159,27 @@ def test_batch_loss_in_halves_is_the_models_loss(loss_chunk):
     assert abs(float(odd) - float(model.loss(x[:3], y[:3]))) > 1e-3
 
 
+def test_the_step_draws_each_micro_batchs_dropout_from_its_key():
+    """With dropout, the step's loss is the mean of batch_loss over its micro-batches, each with its own key of
+    jax.random.split(key, accum): a step that lost its key would train without dropout and no other test would
+    notice (resume is bit for bit either way)."""
+    import optax
+
+    from model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.5), nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    tx = optax.sgd(0.0)
+    step = jax.jit(train_step.make_train_step(graphdef, tx, grad_clip=1.0))
+    x = np.random.default_rng(0).integers(0, 32, (2, 3, 16)).astype(np.int32)  # 2 micro-batches of 3 rows
+    key = jax.random.key(7)
+    _, _, metrics = step(params, tx.init(params), x, x, key)
+    keys = jax.random.split(key, 2)
+    losses = [train_step.batch_loss(model, x[i], x[i], keys[i]) for i in range(2)]
+    assert_close(metrics["loss"], np.mean(losses), rtol=1e-6, what="the step's loss, with its micro-batches' keys")
+    assert abs(float(metrics["loss"]) - float(np.mean([model.loss(x[i], x[i]) for i in range(2)]))) > 1e-3
+
+
 def test_restore_takes_compute_settings_from_the_run_not_the_checkpoint():
     """model_args hold the settings a checkpoint was trained with; a restore keeps its architecture only, so that
     attention='cudnn' saved on a GPU cannot stop a resume or a sample on a CPU."""
