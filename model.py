@@ -306,8 +306,8 @@ class GPT(nnx.Module):
     def loss_terms(self, x, targets):
         """ln_f's output x (B, T, C), targets (B, T) -> cross_entropy_terms of their logits. With loss_chunk > 0
         the logits exist loss_chunk positions at a time, (B, loss_chunk, vocab), and each chunk's are recomputed
-        in the backward pass: memory O(B x loss_chunk x vocab), not (B, T, vocab) float32 logits and their
-        gradient. Chunks cut the time axis only, every row in each, so the batch axis keeps its sharding."""
+        in the backward pass: memory O(B x loss_chunk x vocab), not (B, T, vocab) logits and their gradient.
+        Chunks cut the time axis only, every row in each, so the batch axis keeps its sharding."""
         B, T, C = x.shape
         n, cdt, embedding = self.config.loss_chunk, self.config.compute_dtype, self.wte.embedding[...]
         if n == 0 or n >= T:

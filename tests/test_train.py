@@ -180,6 +180,27 @@ def test_the_step_draws_each_micro_batchs_dropout_from_its_key():
     assert abs(float(metrics["loss"]) - float(np.mean([model.loss(x[i], x[i]) for i in range(2)]))) > 1e-3
 
 
+def test_a_step_whose_gradient_is_not_finite_is_not_finite(monkeypatch):
+    """The step's `finite` (what stops a diverged run before it saves) needs the loss and the gradient both finite: a
+    loss that stays finite while its gradient does not (here a term sqrt(|0 * w|), 0 in value, NaN in gradient) has
+    already broken the params it returns."""
+    import jax.numpy as jnp
+    import optax
+
+    from model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=1, n_head=2, n_embd=32), nnx.Rngs(0))
+    monkeypatch.setattr(train_step, "batch_loss", lambda model, x, y, key=None:
+                        model.loss(x, y) + jnp.sqrt(jnp.abs(0.0 * model.wte.embedding[...][0, 0])))
+    graphdef, params = nnx.split(model)
+    tx = optax.sgd(0.1)
+    x = np.zeros((1, 2, 16), np.int32)
+    _, _, metrics = jax.jit(train_step.make_train_step(graphdef, tx, grad_clip=1.0))(params, tx.init(params), x, x,
+                                                                                     jax.random.key(0))
+    assert np.isfinite(metrics["loss"]) and not np.isfinite(metrics["grad_norm"])
+    assert not metrics["finite"]
+
+
 def test_restore_takes_compute_settings_from_the_run_not_the_checkpoint():
     """model_args hold the settings a checkpoint was trained with; a restore keeps its architecture only, so that
     attention='cudnn' saved on a GPU cannot stop a resume or a sample on a CPU."""
@@ -198,6 +219,9 @@ def test_loss_goes_down_and_log_is_written(dataset, tmp_path):
     evals = read_log(tmp_path, "val_loss")
     assert [i for i, _ in evals] == [0, 15, 30]
     assert t.best_val_loss == min(v for _, v in evals)
+    # the memory line's state: every byte of the params and the optimizer state (one device holds them whole)
+    state = sum(x.nbytes for x in jax.tree.leaves((t.params, t.opt_state)))
+    assert [v for _, v in read_log(tmp_path, "state_bytes_per_device")] == [state]
 
 
 def test_loop_reads_the_device_only_at_log_steps(dataset, tmp_path, monkeypatch):
