@@ -61,8 +61,8 @@ def abstract_model(config, mesh):
 
 
 def compile_train_step(config, mesh, settings=DEFAULTS):
-    """(compiled step, state bytes per device, params, opt_state, batch) of train.py's step, 2 rows per batch shard,
-    with the optimizer of train.py's `settings`."""
+    """(compiled step, state bytes per device, params, opt_state, batch, step peak bytes) of train.py's step, 2 rows
+    per batch shard, with the optimizer of train.py's `settings`."""
     graphdef, params = abstract_model(config, mesh)
     tx = train_step.make_optimizer(dict(settings))
     opt_state = jax.eval_shape(tx.init, params)
@@ -70,8 +70,8 @@ def compile_train_step(config, mesh, settings=DEFAULTS):
     batch = jax.ShapeDtypeStruct((1, 2 * sharding.batch_shards(mesh), T), jnp.int32,
                                  sharding=sharding.batch_sharding(mesh))
     step = train_step.make_train_step(graphdef, tx, grad_clip=1.0)
-    compiled, state, _ = train_step.compile_step(step, params, opt_state, batch.shape, batch.sharding)
-    return compiled, state, params, opt_state, batch
+    compiled, state, peak = train_step.compile_step(step, params, opt_state, batch.shape, batch.sharding)
+    return compiled, state, params, opt_state, batch, peak
 
 
 def compile_generate(config, mesh):
@@ -113,9 +113,12 @@ def test_train_step_compiles_for_a_tpu(variant):
     """The step compiled for fsdp 2 x tensor 2 on v5e:2x2: each chip's arguments are the shards the state's
     shardings give it (sharding.bytes_per_device) and the batch's, each padded to the TPU's tiles, and nothing more.
     The key is no argument: at dropout 0 the step never reads it, and jit drops it."""
-    compiled, state, params, opt_state, batch = compile_train_step(tiny_config(block_size=T, **VARIANTS[variant]),
-                                                                   tpu_mesh())
+    compiled, state, params, opt_state, batch, peak = compile_train_step(tiny_config(block_size=T,
+                                                                                     **VARIANTS[variant]), tpu_mesh())
     assert_tpu_program(compiled)
+    # the step's peak is the TPU compiler's own (its heap simulation: what it refuses a program by), not the sum
+    # of arguments, outputs and temporaries that stands for it elsewhere
+    assert peak == compiled.memory_analysis().peak_memory_in_bytes != sharding.step_peak_bytes(compiled)
     # the splash kernel (a Pallas TPU kernel: a custom call) where attention='auto' picks it
     assert ("tpu_custom_call" in compiled.as_text()) == (VARIANTS[variant]["attention"] == "auto")
 
