@@ -157,6 +157,11 @@ def test_batch_loss_in_halves_is_the_models_loss(loss_chunk):
     odd = jax.jit(lambda x, y, key: train_step.batch_loss(model, x, y, key))(x[:3], y[:3], key)
     assert_close(odd, model.loss(x[:3], y[:3], key=key), rtol=1e-6, what="an odd batch's dropout")
     assert abs(float(odd) - float(model.loss(x[:3], y[:3]))) > 1e-3
+    # and the halves each draw theirs from it: dropout on, and another key another draw (the untrained model's loss
+    # moves by ~1e-3 with the draw, float32's rounding by ~1e-6)
+    even = jax.jit(lambda x, y, key: train_step.batch_loss(model, x, y, key))
+    assert abs(float(even(x, y, key)) - float(model.loss(x, y))) > 1e-4
+    assert abs(float(even(x, y, key)) - float(even(x, y, jax.random.key(2)))) > 1e-4
 
 
 def test_the_step_draws_each_micro_batchs_dropout_from_its_key():
