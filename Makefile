@@ -68,8 +68,10 @@ shakespeare: venv
 
 # constraints.txt anew: what clean installs of the test and mutants groups, and of the GPU's (gpu-compile, and cuda's
 # libraries for GPU machines), resolve to today, frozen whole (pip freeze names versions, never the index they came
-# from). torch's local label (+cpu) is dropped: the pin then takes PyPI's torch or the CPU index's.
-# tests/test_install.py checks the pins against pyproject.toml.
+# from). torch's local label (+cpu) is dropped: the pin then takes PyPI's torch or the CPU index's. PyPI's is the CUDA
+# build, whose NVIDIA libraries an ordinary Linux machine's make test installs: a third venv takes it from PyPI (this
+# machine's pip config would find a CPU wheel on disk), so that they are pinned too. tests/test_install.py checks the
+# pins against pyproject.toml, and that make test installed nothing unpinned.
 LOCK := .venv-lock
 lock:
 	rm -rf $(LOCK) && $(PYTHON) -m venv $(LOCK)
@@ -78,9 +80,13 @@ lock:
 	rm -rf $(LOCK) && $(PYTHON) -m venv $(LOCK)
 	$(LOCK)/bin/pip install -q --no-cache-dir -e ".[gpu-compile,cuda]"
 	$(LOCK)/bin/pip freeze --exclude-editable > $(LOCK).gpu
+	rm -rf $(LOCK) && $(PYTHON) -m venv $(LOCK)
+	sed -E 's/\+[a-z0-9.]+$$//' $(LOCK).test > $(LOCK).pins
+	env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null $(LOCK)/bin/pip install -q --no-cache-dir -c $(LOCK).pins torch
+	$(LOCK)/bin/pip freeze > $(LOCK).torch
 	(echo "# Every package that make test, make test-gpu-compile and the cuda group install, pinned (make lock)"; \
-	 sed -E 's/\+[a-z0-9.]+$$//' $(LOCK).test $(LOCK).gpu | sort -uf) > constraints.txt
-	rm -rf $(LOCK) $(LOCK).test $(LOCK).gpu
+	 sed -E 's/\+[a-z0-9.]+$$//' $(LOCK).test $(LOCK).gpu $(LOCK).torch | sort -uf) > constraints.txt
+	rm -rf $(LOCK) $(LOCK).test $(LOCK).gpu $(LOCK).pins $(LOCK).torch
 
 clean:
 	rm -rf $(VENV) $(VENV_GPU) .pytest_cache mutants
