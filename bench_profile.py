@@ -130,7 +130,8 @@ def main():
     p.add_argument("--loss", default="custom", choices=["custom", "autodiff"], help="the experiment above")
     p.add_argument("--top", type=int, default=25, help="ops printed")
     p.add_argument("--xplane", help="copy the raw trace (xplane.pb) here, and the step's program to XPLANE.hlo.txt")
-    p.add_argument("--read", metavar="XPLANE", help="report a trace --xplane kept, instead of running")
+    p.add_argument("--read", metavar="XPLANE", help="report a trace --xplane kept, instead of running (with the "
+                   "--steps and --warmup it ran with)")
     args = p.parse_args()
     if args.read:
         program = ""  # without the program beside the trace: no sources
