@@ -111,21 +111,14 @@ def as_before(logits, loss):
 
 
 def main():
-    import attention
     import bench_train
     import train_step
-    from layers import REMAT
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("--preset", default="tiny", choices=bench_train.PRESETS)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--batch_size", type=int, default=None)
+    bench_train.step_options(p)
+    p.set_defaults(preset="tiny")
     p.add_argument("--steps", type=int, default=5, help="traced steps summed, after --warmup")
     p.add_argument("--warmup", type=int, default=3, help="steps before them (the first compiles)")
-    p.add_argument("--remat", choices=list(REMAT), help="train.py's remat (default: the preset's config file's)")
-    p.add_argument("--loss_chunk", type=int, help="train.py's loss_chunk (default: as --remat)")
-    p.add_argument("--scan_layers", choices=list(bench_train.SCAN_LAYERS), help="(default: as --remat)")
-    p.add_argument("--attention", default="auto", choices=attention.SETTINGS, help="train.py's attention")
     p.add_argument("--logits", default="compute", choices=["compute", "float32"], help="the experiment above")
     p.add_argument("--loss", default="custom", choices=["custom", "autodiff"], help="the experiment above")
     p.add_argument("--top", type=int, default=25, help="ops printed")
@@ -142,10 +135,7 @@ def main():
         return 0
     import jax
 
-    compute, source = bench_train.compute_settings(args)
-    preset = bench_train.PRESETS[args.preset]
-    s = dict(preset, batch_size=args.batch_size or preset["batch_size"], dtype=args.dtype, steps=args.steps,
-             warmup=args.warmup, accum=1, **compute, attention=args.attention)
+    s, source = bench_train.step_settings(args, steps=args.steps, warmup=args.warmup, accum=1)
     as_before(args.logits, args.loss)
     programs = capture_program(train_step)
     with tempfile.TemporaryDirectory() as trace_dir:

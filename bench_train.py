@@ -161,25 +161,40 @@ def bench_memory(s):
     return r
 
 
-def compute_settings(args):
-    """({remat, loss_chunk, scan_layers}, where from): as given, else as the preset's config file sets them for its
-    run (scan_layers may be 'auto': train.py's, resolved on the platform the step is compiled for)."""
-    given = {"remat": args.remat, "loss_chunk": args.loss_chunk,
-             "scan_layers": None if args.scan_layers is None else SCAN_LAYERS[args.scan_layers]}
-    if None not in given.values():
-        return given, ""
-    from settings import DEFAULTS
+def step_options(p):
+    """The options that choose the step, on `p`: preset, batch size, dtype, train.py's compute settings."""
+    import attention
+    from layers import REMAT
 
-    path = PRESET_CONFIGS[args.preset]
-    config = configure(DEFAULTS, [path])
-    return {k: config[k] if v is None else v for k, v in given.items()}, f" (from {path})"
+    p.add_argument("--preset", default="baby", choices=PRESETS)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--batch_size", type=int, default=None)
+    p.add_argument("--remat", choices=list(REMAT), help="ours: train.py's remat (default: the preset's config "
+                   "file's: gpt2 config/train_gpt2.py, gpt2-xl config/finetune_shakespeare.py)")
+    p.add_argument("--loss_chunk", type=int, help="ours: train.py's loss_chunk (default: as --remat)")
+    p.add_argument("--scan_layers", choices=list(SCAN_LAYERS),
+                   help="ours: train.py's scan_layers (default: as --remat)")
+    p.add_argument("--attention", default="auto", choices=attention.SETTINGS, help="ours: train.py's attention")
+
+
+def step_settings(args, **extra):
+    """(settings, where its compute settings came from): the preset's shape at the options' batch size and dtype,
+    `extra`, and remat, loss_chunk, scan_layers as given, else as the preset's config file sets them for its run."""
+    compute = {"remat": args.remat, "loss_chunk": args.loss_chunk, "scan_layers": SCAN_LAYERS.get(args.scan_layers)}
+    path = PRESET_CONFIGS[args.preset] if None in compute.values() else None
+    if path:
+        from settings import DEFAULTS
+
+        config = configure(DEFAULTS, [path])  # scan_layers may be 'auto': resolved where the step compiles
+        compute = {k: config[k] if v is None else v for k, v in compute.items()}
+    preset = PRESETS[args.preset]
+    return (dict(preset, batch_size=args.batch_size or preset["batch_size"], dtype=args.dtype, **compute,
+                 attention=args.attention, **extra), f" (from {path})" if path else "")
 
 
 def memory(args):
-    compute, source = compute_settings(args)
-    s = dict(PRESETS[args.preset], batch_size=args.batch_size or PRESETS[args.preset]["batch_size"], dtype=args.dtype,
-             devices=args.devices or 1, fsdp=args.fsdp, tensor_parallel=args.tensor_parallel, **compute,
-             attention=args.attention, topology=args.topology, gpu=args.gpu)
+    s, source = step_settings(args, devices=args.devices or 1, fsdp=args.fsdp, tensor_parallel=args.tensor_parallel,
+                              topology=args.topology, gpu=args.gpu)
     if args.topology or args.gpu:
         import attention
         import sharding
@@ -380,16 +395,11 @@ def main():
         framework, settings = sys.argv[2:]
         print(json.dumps(WORKERS[framework](dict(json.loads(settings), framework=framework))))
         return 0
-    import attention
-    from layers import REMAT
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("--preset", default="baby", choices=PRESETS)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    step_options(p)
     p.add_argument("--steps", type=int, default=50, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps (the first compiles)")
     p.add_argument("--frameworks", default="jax,nanogpt,transformers")
-    p.add_argument("--batch_size", type=int, default=None)
     p.add_argument("--no-accum", action="store_true", help="skip the accumulation 8 vs 1 memory check")
     p.add_argument("--full-run", action="store_true", help="time whole training runs (see above)")
     p.add_argument("--repeats", type=int, default=3, help="--full-run: pairs of runs")
@@ -402,12 +412,6 @@ def main():
                    "libtpu, here")
     p.add_argument("--gpu", help="--memory: compile for this NVIDIA GPU (a100-40, a100-80, h100, h200, b200), here")
     p.add_argument("--gpus", type=int, default=1, help="--gpu: GPUs of a node (e.g. 8), or nodes of 8")
-    p.add_argument("--remat", choices=list(REMAT), help="ours: train.py's remat (default: the preset's config "
-                   "file's: gpt2 config/train_gpt2.py, gpt2-xl config/finetune_shakespeare.py)")
-    p.add_argument("--loss_chunk", type=int, help="ours: train.py's loss_chunk (default: as --remat)")
-    p.add_argument("--scan_layers", choices=list(SCAN_LAYERS),
-                   help="ours: train.py's scan_layers (default: as --remat)")
-    p.add_argument("--attention", default="auto", choices=attention.SETTINGS, help="ours: train.py's attention")
     p.add_argument("--reference-as-on-gpu", action="store_true",
                    help="run nanoGPT's reference as on a GPU (torch.compile, fused AdamW, TF32) on any device")
     args = p.parse_args()
@@ -416,10 +420,7 @@ def main():
     if args.full_run or args.memory:
         return full_run(args.repeats) if args.full_run else memory(args)
 
-    compute, source = compute_settings(args)
-    s = dict(PRESETS[args.preset], batch_size=args.batch_size or PRESETS[args.preset]["batch_size"], dtype=args.dtype,
-             steps=args.steps, warmup=args.warmup, accum=1, **compute, attention=args.attention,
-             as_on_gpu=args.reference_as_on_gpu)
+    s, source = step_settings(args, steps=args.steps, warmup=args.warmup, accum=1, as_on_gpu=args.reference_as_on_gpu)
     print(f"preset {args.preset}: {s}{source}")
     rows = [(fw, 1, run_worker(fw, s)) for fw in args.frameworks.split(",")]
     if "jax" in args.frameworks and not args.no_accum:
