@@ -274,9 +274,8 @@ class GPT(nnx.Module):
     def hidden_states(self, idx, key=None):
         """Token ids (B, T) -> the residual stream after each block ([(B, T, C)] * n_layer, or (n_layer, B, T, C)
         with scan_layers), then ln_f's output."""
-        B, T = idx.shape
-        check_tokens(idx, self.config)
-        x = self.embed(idx, jnp.arange(T))  # (B, T, C), float32
+        check_tokens(idx, self.config)  # first: a shape that is not (B, T) is its line, not an unpacking error
+        x = self.embed(idx, jnp.arange(idx.shape[1]))  # (B, T, C), float32
         keys = jax.random.split(key, self.config.n_layer + 1) if key is not None else [None] * (self.config.n_layer + 1)
         x = dropout(x, self.config.dropout, keys[0])
         if self.config.scan_layers:  # one block compiled, whatever the depth

@@ -161,6 +161,21 @@ def test_a_scanned_block_keeps_its_activations_unless_remat_says_otherwise(capsy
         assert (len(saved) > 10) if remat == "none" else saved == [], (remat, saved)
 
 
+def test_the_scanned_model_keeps_for_the_backward_what_remat_says(capsys):
+    """scan_layers runs the blocks with the remat setting's policy: out of the scan, 'block' keeps only the blocks'
+    inputs (n_layer, B, T, C); 'dots' the Linear layers' outputs too (q, k, v and the MLP's c_fc among them);
+    'none' everything, attention's (B, nh, T, T) probabilities among them."""
+    idx = jnp.zeros((2, 16), jnp.int32)
+    kept = {}
+    for remat in ("none", "block", "dots"):
+        graphdef, state = nnx.split(GPT(tiny_config(scan_layers=True, remat=remat), nnx.Rngs(0)))
+        jax.ad_checkpoint.print_saved_residuals(lambda state: nnx.merge(graphdef, state).loss(idx, idx), state)
+        kept[remat] = [line.split()[0] for line in capsys.readouterr().out.splitlines() if " output of scan " in line]
+    assert kept["block"] == ["f32[2,2,16,64]"], kept["block"]
+    assert {"f32[2,2,16,192]", "f32[2,32,256]"} <= set(kept["dots"]) and len(kept["dots"]) < 6, kept["dots"]
+    assert "f32[2,1,2,2,16,16]" in kept["none"] and len(kept["none"]) > 10, kept["none"]
+
+
 def test_chunked_loss_holds_no_whole_batch_logits():
     """A large vocabulary on a small model, so that the (B, T, vocab) float32 logits and their gradient are most of
     the step: the whole loss's temporaries hold at least two such buffers, the chunked loss's not one (its chunk

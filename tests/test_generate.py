@@ -31,7 +31,8 @@ def load_pair(tmp_path, seed, **config):
     (192, 3, 100, 64),  # within block_size; the prompt takes two prefill chunks (PREFILL_CHUNK = 64)
     (32, 2, 8, 96),  # past block_size after 24 steps: the window slides, as nanoGPT's crop
     (32, 2, 40, 64),  # a prompt longer than block_size: never a cached step (and the same compilation)
-], ids=["within-block", "past-block", "prompt-past-block"])
+    (100, 2, 70, 40),  # the second prefill chunk's padding rows lie past block_size (positions 100-127)
+], ids=["within-block", "past-block", "prompt-past-block", "prefill-past-block"])
 def test_greedy_equals_transformers_and_cache_logits_equal_full_forward(tmp_path, n_positions, batch, prompt_len,
                                                                        new_tokens):
     hf_model, model = load_pair(tmp_path, n_positions + prompt_len, n_positions=n_positions, **TINY)
@@ -193,6 +194,9 @@ def test_generate_hands_on_its_settings_and_takes_each_one_at_its_bounds(monkeyp
         return passed[-1]
 
     assert sampling(1, key=key) == (1.0, None, None, None)
+    with pytest.raises(Compiling):
+        model.generate(idx, 1, key=key)  # the model's method, nanoGPT's GPT.generate, has the same default
+    assert passed[-1] == (1.0, None, None, None)
     assert sampling(2, top_k=1, top_p=1.0, vocab_limit=1, key=key) == (1.0, 1, None, 1)
     assert sampling(2, temperature=0, vocab_limit=128) == (0.0, None, None, 128)  # greedy: no key needed
     for kwargs, message in [({"vocab_limit": 0}, r"vocab_limit must be in \[1, 128\], got 0$"),

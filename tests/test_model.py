@@ -17,7 +17,7 @@ from flax import nnx
 from configurator import UsageError, exit_on_bad_input
 from helpers import assert_close, tiny_config
 from layers import dropout
-from model import GPT, GPTConfig, cross_entropy, resolve_dtype
+from model import GPT, GPTConfig, cross_entropy, layer_norm, resolve_dtype
 from parity import check_logits
 from parity.check_logits import check
 from parity.common import save_random_hf_model
@@ -200,13 +200,14 @@ def test_dropout_uses_the_key_and_eval_is_deterministic():
     np.testing.assert_allclose(trained, model(idx, targets, key=jax.random.key(1))[1], rtol=1e-6)
     np.testing.assert_allclose(evaluated, model(idx, targets)[1], rtol=1e-6)
     assert abs(float(trained) - float(evaluated)) > 1e-4
-    # each branch drops units with its own key: with the attention's output projection zeroed, the key still
-    # changes a block's output, through the MLP's dropout
-    block = model.h[0]
-    for p in (block.attn.c_proj.kernel, block.attn.c_proj.bias):
-        p.set_value(jnp.zeros_like(p[...]))
+    # each branch drops units with its key: with one branch's output projection zeroed, the key still changes a
+    # block's output, through the other's dropout
     x = jax.random.normal(jax.random.key(3), (2, 16, 64))
-    assert np.abs(np.asarray(block(x, jax.random.key(1)) - block(x))).max() > 1e-3
+    for zeroed in ("attn", "mlp"):
+        block = GPT(tiny_config(dropout=0.1), nnx.Rngs(0)).h[0]
+        for p in (getattr(block, zeroed).c_proj.kernel, getattr(block, zeroed).c_proj.bias):
+            p.set_value(jnp.zeros_like(p[...]))
+        assert np.abs(np.asarray(block(x, jax.random.key(1)) - block(x))).max() > 1e-3, zeroed
 
 
 def test_dropout_is_inverted_dropout_in_the_inputs_dtype():
@@ -216,6 +217,76 @@ def test_dropout_is_inverted_dropout_in_the_inputs_dtype():
     y = np.asarray(out, np.float32)
     assert out.dtype == jnp.bfloat16 and set(np.unique(y)) == {0.0, float(jnp.bfloat16(4 / 3))}
     assert abs((y == 0).mean() - 0.25) < 0.005  # 100,000 draws: 3.7 standard deviations (0.0014 each)
+
+
+def test_the_embeddings_are_dropped():
+    """nanoGPT's transformer.drop(tok_emb + pos_emb): with every branch's output projection zeroed the blocks add
+    nothing, so the residual stream after the first block is the dropped embedding, each unit 0 or x / (1 - p)."""
+    model = GPT(tiny_config(dropout=0.5), nnx.Rngs(0))
+    for block in model.h:
+        for p in (block.attn.c_proj.kernel, block.attn.c_proj.bias, block.mlp.c_proj.kernel, block.mlp.c_proj.bias):
+            p.set_value(jnp.zeros_like(p[...]))
+    idx = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)))
+    dropped = np.asarray(model.hidden_states(idx, key=jax.random.key(0))[0][0])
+    x, kept = np.asarray(model.embed(idx, jnp.arange(16))), dropped != 0
+    assert 0.45 < kept.mean() < 0.55 and np.allclose(dropped[kept], 2 * x[kept], rtol=1e-6)
+
+
+def test_attention_drops_its_probabilities_as_well_as_its_output():
+    """As torch's GPT-2 (attn_dropout, then resid_dropout): with dropout and a key, attention's probabilities are
+    dropped too. One position (its probability 1) and the output projection the identity: each unit left is
+    v / (1 - p)^2, dropped and scaled twice; with only the output's dropout it would be v / (1 - p)."""
+    attn = GPT(tiny_config(dropout=0.5), nnx.Rngs(0)).h[0].attn
+    attn.c_proj.kernel.set_value(jnp.eye(64))
+    attn.c_proj.bias.set_value(jnp.zeros(64))
+    x = jax.random.normal(jax.random.key(0), (1, 1, 64))
+    v = np.asarray(attn.qkv(x)[2]).reshape(64)
+    y = np.stack([np.asarray(attn(x, jax.random.key(seed))).reshape(64) for seed in range(8)])
+    kept = y != 0
+    assert kept.sum() > 50 and np.allclose(y[kept], np.broadcast_to(4 * v, y.shape)[kept], rtol=1e-6)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(n_head=3), r"n_embd=64 must be divisible by n_head=3"),
+    (dict(dtype="float16"), r"dtype must be 'float32' or 'bfloat16', got 'float16'"),
+    (dict(gelu="relu"), r"gelu must be 'tanh' \(GPT-2\) or 'exact' \(nanoGPT\), got 'relu'"),
+    (dict(arch="llama"), r"arch must be 'gpt2' or 'speedrun' \(modded-nanogpt's record 5\), got 'llama'"),
+    (dict(arch="speedrun"), r"arch='speedrun' has no biases \(modded-nanogpt's record 5\): set bias=False"),
+    (dict(arch="speedrun", bias=False, n_embd=60, n_head=4),
+     r"arch='speedrun' rotates the halves of each head: the head size n_embd / n_head must be even, got 15"),
+    (dict(attention="flash"), r"attention must be one of 'auto', 'xla', 'cudnn', 'splash', got 'flash'"),
+    (dict(remat="all"), r"remat must be one of 'none', 'block', 'dots', 'qkv_proj', got 'all'"),
+    (dict(loss_chunk=-1), r"loss_chunk must be >= 0, an integer \(0: no chunks\), got -1"),
+    (dict(loss_chunk=2.0), r"loss_chunk must be >= 0, an integer \(0: no chunks\), got 2.0"),
+    (dict(scan_layers="yes"), r"scan_layers must be True or False, got 'yes'"),
+])
+def test_a_bad_model_config_is_one_line_naming_the_choices(settings, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        tiny_config(**settings)
+
+
+def test_the_model_configs_bounds_are_accepted():
+    """The least values each check takes: a head size of 2 for speedrun's halves, of 1 for GPT-2's, no loss chunks."""
+    for settings in (dict(arch="speedrun", bias=False, n_head=32), dict(loss_chunk=0), dict(loss_chunk=1),
+                     dict(scan_layers=True), dict(gelu="exact"), dict(dtype="bfloat16"), dict(n_head=64)):
+        assert all(getattr(tiny_config(**settings), k) == v for k, v in settings.items())
+
+
+def test_layer_norm_is_torchs_with_gpt2s_eps_and_the_two_pass_variance():
+    """torch's LayerNorm (eps 1e-5), its variance the mean of the squared deviations: nnx's default, E[x^2] - E[x]^2,
+    loses it to cancellation on rows with a large mean (the first), eps shows on a row of tiny variance (the
+    second). With bias=False it has no bias, as nanoGPT's."""
+    rng = np.random.default_rng(0)
+    x = (np.array([[1000.0], [0.0]]) + np.array([[1.0], [1e-3]]) * rng.normal(size=(2, 64))).astype(np.float32)
+    weight, bias = (rng.normal(size=64).astype(np.float32) for _ in range(2))
+    ln = layer_norm(tiny_config(), nnx.Rngs(0))
+    ln.scale.set_value(jnp.asarray(weight))
+    ln.bias.set_value(jnp.asarray(bias))
+    want = torch.nn.functional.layer_norm(torch.from_numpy(x), (64,), torch.from_numpy(weight),
+                                          torch.from_numpy(bias), eps=1e-5).numpy()
+    assert_close(ln(jnp.asarray(x)), want, atol=2e-3, what="LayerNorm")
+    assert ln(jnp.asarray(x)).dtype == jnp.float32
+    assert sorted(nnx.state(layer_norm(tiny_config(bias=False), nnx.Rngs(0)), nnx.Param)) == ["scale"]
 
 
 def test_a_dtype_setting_names_the_choices():
@@ -236,6 +307,10 @@ def test_num_params_and_crop():
     block = 4 * 64 + (64 * 192 + 192) + (64 * 64 + 64) + (64 * 256 + 256) + (256 * 64 + 64)
     assert model.num_params(non_embedding=False) == 128 * 64 + 32 * 64 + 2 * 64 + 2 * block == 110_336
     assert model.num_params() == 110_336 - 32 * 64
+    # bias=False (nanoGPT's option): no Linear or LayerNorm biases, 5 LayerNorms of 64 and a block's 576
+    assert GPT(tiny_config(bias=False), nnx.Rngs(0)).num_params(non_embedding=False) == 110_336 - 5 * 64 - 2 * 576
+    model.crop_block_size(32)  # its own block size: nothing to crop, as nanoGPT's `assert block_size <= ...`
+    assert model.config.block_size == 32 and model.wpe.embedding.shape == (32, 64)
     model.crop_block_size(16)
     assert model.config.block_size == 16 and model.wpe.embedding.shape == (16, 64) and model.wpe.num_embeddings == 16
     idx = jnp.zeros((1, 16), jnp.int32)
@@ -250,8 +325,13 @@ def test_token_ids_outside_the_vocabulary_are_rejected():
     model = GPT(tiny_config(), nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 128\)"):
         model(jnp.asarray([[1, 2, 128]]))
-    with pytest.raises(ValueError, match="token ids must be in"):
+    with pytest.raises(ValueError, match=r"^token ids must be in \[0, 128\), got min -1, max 2$"):
         model(jnp.asarray([[-1, 2]]))
+    for idx, message in [(jnp.zeros(4, jnp.int32), r"^expected token ids of shape \(batch, time\), got shape \(4,\)$"),
+                         (jnp.zeros((1, 33), jnp.int32), r"^cannot forward a sequence of length 33: block_size is 32$"),
+                         (jnp.zeros((1, 3)), r"^token ids must be integers, got float32$")]:
+        with pytest.raises(ValueError, match=message):
+            model(idx)
 
 
 def test_loader_errors_are_one_line(tmp_path):

@@ -109,9 +109,15 @@ def test_bf16_step_keeps_layernorm_softmax_residual_and_loss_in_float32(settings
 
 
 def test_bf16_linear_layers_give_bf16_with_the_bias_added_in_float32():
-    """As torch autocast's: a Linear's output is in the compute dtype; its bias is added in float32 first (a
-    bias of 1 + 2^-9, which bf16 cannot hold: the sum is rounded once, not twice)."""
-    layer = GPT(tiny_config(dtype="bfloat16"), nnx.Rngs(0)).h[0].mlp.c_fc
+    """As torch autocast's: a Linear multiplies in the compute dtype (its float32 kernel cast down) and its output is
+    in it; its bias is added in float32 first (a bias of 1 + 2^-9, which bf16 cannot hold: the sum is rounded once,
+    not twice)."""
+    mlp = GPT(tiny_config(dtype="bfloat16"), nnx.Rngs(0)).h[0].mlp
+    for layer, n_in in ((mlp.c_fc, 64), (mlp.c_proj, 256)):  # split by output columns, and by input rows
+        (dot,) = [e for e in equations(jax.make_jaxpr(layer)(jnp.ones((1, n_in))).jaxpr)
+                  if e.primitive.name == "dot_general"]
+        assert [v.aval.dtype for v in dot.invars] == [jnp.bfloat16] * 2, dot
+    layer = mlp.c_fc
     layer.kernel.set_value(jnp.zeros_like(layer.kernel[...]).at[0, 0].set(1.0))
     layer.bias.set_value(jnp.full_like(layer.bias[...], 1 + 2**-9))
     y = layer(jnp.zeros((1, 64)).at[0, 0].set(2**-8))
@@ -125,6 +131,26 @@ def test_the_tied_head_multiplies_in_the_compute_dtype_into_float32_logits():
     jaxpr = jax.make_jaxpr(lambda x, e: layers.tied_head(x, e, jnp.bfloat16))(jnp.ones((2, 64)), jnp.ones((128, 64)))
     (dot,) = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
     assert [v.aval.dtype for v in dot.invars] == [jnp.bfloat16] * 2 and dot.outvars[0].aval.dtype == jnp.float32
+    # and the model's logits (sampling's and the scorers') ask for the model's compute dtype
+    model = GPT(tiny_config(dtype="bfloat16"), nnx.Rngs(0))
+    (dot,) = [e for e in equations(jax.make_jaxpr(model.logits)(jnp.ones((2, 64))).jaxpr)
+              if e.primitive.name == "dot_general"]
+    assert [v.aval.dtype for v in dot.invars] == [jnp.bfloat16] * 2 and dot.outvars[0].aval.dtype == jnp.float32
+
+
+def test_the_bf16_cached_step_takes_scores_and_softmax_in_float32():
+    """decode spells attention out for generate's cached steps: bf16 q and k into float32 scores, the softmax in
+    float32, its probabilities cast to bf16 for the product with the bf16 values, as the full forward's kernel does.
+    The two products are the dot_generals of the scores' shape (B * nh, T, S), (4, 1, 24) here."""
+    model = GPT(tiny_config(dtype="bfloat16"), nnx.Rngs(0))
+    jaxpr = jax.make_jaxpr(lambda idx, cache: model.decode(idx, cache, 3))(jnp.zeros((2, 1), jnp.int32),
+                                                                          model.init_cache(2, 24))
+    eqns = list(equations(jaxpr.jaxpr))
+    attention = [[str(v.aval.dtype) for v in (*e.invars, *e.outvars)] for e in eqns if e.primitive.name == "dot_general"
+                 and (4, 1, 24) in [v.aval.shape for v in (*e.invars, *e.outvars)]]
+    assert attention == [["bfloat16", "bfloat16", "float32"], ["bfloat16", "bfloat16", "bfloat16"]] * 2, attention
+    softmax = [e for e in eqns if made_in(e, SOFTMAX)]
+    assert softmax and not not_float32(softmax), not_float32(softmax)
 
 
 @pytest.mark.parametrize("settings", [{}, dict(loss_chunk=8)], ids=["whole", "loss_chunk"])

@@ -210,8 +210,9 @@ def test_scan_layers_remat_and_loss_chunk_compute_the_same_loss_and_grads(settin
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_kv_cache_generation_equals_the_full_forward(scan_layers):
     """Greedy tokens and every step's logits with the cache (keys rotated at their absolute positions) equal the
-    full forward's, within block_size and past it (the window slides: the full forward then serves)."""
-    model = ours_of(random_record(seed=12), scan_layers=scan_layers)
+    full forward's, within block_size and past it (the window slides: the full forward then serves). block_size 40,
+    not the head size 32: the cache's rotary tables are as long as the cache."""
+    model = ours_of(random_record(seed=12), scan_layers=scan_layers, block_size=40)
     prompt = tokens(batch=2, T=5, seed=13)
     cached, cached_logits = model.generate(prompt, 40, temperature=0, return_logits=True)
     full, full_logits = model.generate(prompt, 40, temperature=0, return_logits=True, use_cache=False)

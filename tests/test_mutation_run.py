@@ -1,0 +1,25 @@
+"""python -m pytest tests/test_mutation_run.py -q
+
+tests/mutation_run.py, the by-hand mutation runner (docs/mutation.md): a mutant whose tests fail is killed, one they
+pass survives, each in its own fork, with its pytest output kept."""
+
+import os
+import subprocess
+import sys
+
+from helpers import REPO
+
+
+def test_each_mutant_runs_its_tests_in_its_own_process(tmp_path):
+    (tmp_path / "m.py").write_text("import os\n\n\ndef f():\n"
+                                   "    return 2 if os.environ['MUTANT_UNDER_TEST'] == 'm.x_f__mutmut_1' else 1\n")
+    (tmp_path / "test_m.py").write_text("from m import f\n\n\ndef test_f():\n    assert f() == 1\n")
+    (tmp_path / "names").write_text("m.x_f__mutmut_1\nm.x_nothing\n")
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "mutation_run.py"), str(tmp_path / "names"),
+                          "--jobs", "2", "--root", str(tmp_path), "--logs", str(tmp_path / "logs"), "--preload", "numpy",
+                          "--", "test_m.py"],
+                         capture_output=True, text=True, check=True).stdout
+    assert sorted(line.split()[:2] for line in out.splitlines()) == [["SURVIVED", "m.x_nothing"],
+                                                                     ["killed", "m.x_f__mutmut_1"]]
+    assert "1 failed" in (tmp_path / "logs" / "m.x_f__mutmut_1.log").read_text()
+    assert "1 passed" in (tmp_path / "logs" / "m.x_nothing.log").read_text()
