@@ -185,6 +185,12 @@ def test_bf16_compute_keeps_float32_params_and_logits():
     assert abs(float(loss) - float(ref_loss)) < 0.02
 
 
+def zero_out(linear):
+    """A Linear that outputs zeros: a block's branch through it adds nothing to the residual stream."""
+    for p in (linear.kernel, linear.bias):
+        p.set_value(jnp.zeros_like(p[...]))
+
+
 def test_dropout_uses_the_key_and_eval_is_deterministic():
     model = GPT(tiny_config(dropout=0.1), nnx.Rngs(0))
     idx = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)))
@@ -205,8 +211,7 @@ def test_dropout_uses_the_key_and_eval_is_deterministic():
     x = jax.random.normal(jax.random.key(3), (2, 16, 64))
     for zeroed in ("attn", "mlp"):
         block = GPT(tiny_config(dropout=0.1), nnx.Rngs(0)).h[0]
-        for p in (getattr(block, zeroed).c_proj.kernel, getattr(block, zeroed).c_proj.bias):
-            p.set_value(jnp.zeros_like(p[...]))
+        zero_out(getattr(block, zeroed).c_proj)
         assert np.abs(np.asarray(block(x, jax.random.key(1)) - block(x))).max() > 1e-3, zeroed
 
 
@@ -224,8 +229,8 @@ def test_the_embeddings_are_dropped():
     nothing, so the residual stream after the first block is the dropped embedding, each unit 0 or x / (1 - p)."""
     model = GPT(tiny_config(dropout=0.5), nnx.Rngs(0))
     for block in model.h:
-        for p in (block.attn.c_proj.kernel, block.attn.c_proj.bias, block.mlp.c_proj.kernel, block.mlp.c_proj.bias):
-            p.set_value(jnp.zeros_like(p[...]))
+        zero_out(block.attn.c_proj)
+        zero_out(block.mlp.c_proj)
     idx = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)))
     dropped = np.asarray(model.hidden_states(idx, key=jax.random.key(0))[0][0])
     x, kept = np.asarray(model.embed(idx, jnp.arange(16))), dropped != 0

@@ -4,6 +4,7 @@ bf16 numerics that cannot drift silently (docs/model.md: "keeps LayerNorm, softm
 in float32"): the dtypes of train.py's jitted step in bf16, read off its jaxpr, forward and backward; and bf16 training
 within 2x of torch autocast's error against the fp32 reference (docs/parity.md), as a test."""
 
+import functools
 import os
 
 import jax
@@ -61,6 +62,12 @@ def line(eqn):
     return f"{os.path.basename(file)}:{num}"
 
 
+def matmul_dtypes(fn, *args):
+    """fn's one matmul (a dot_general, at any depth of its jaxpr): ([its operands' dtypes], its output's dtype)."""
+    (dot,) = [e for e in equations(jax.make_jaxpr(fn)(*args).jaxpr) if e.primitive.name == "dot_general"]
+    return [str(v.aval.dtype) for v in dot.invars], str(dot.outvars[0].aval.dtype)
+
+
 def not_float32(eqns):
     return [f"{e.primitive.name} {sorted(float_dtypes(e))} at {line(e)}" for e in eqns if float_dtypes(e) - {"float32"}]
 
@@ -114,9 +121,7 @@ def test_bf16_linear_layers_give_bf16_with_the_bias_added_in_float32():
     not twice)."""
     mlp = GPT(tiny_config(dtype="bfloat16"), nnx.Rngs(0)).h[0].mlp
     for layer, n_in in ((mlp.c_fc, 64), (mlp.c_proj, 256)):  # split by output columns, and by input rows
-        (dot,) = [e for e in equations(jax.make_jaxpr(layer)(jnp.ones((1, n_in))).jaxpr)
-                  if e.primitive.name == "dot_general"]
-        assert [v.aval.dtype for v in dot.invars] == [jnp.bfloat16] * 2, dot
+        assert matmul_dtypes(layer, jnp.ones((1, n_in)))[0] == ["bfloat16"] * 2
     layer = mlp.c_fc
     layer.kernel.set_value(jnp.zeros_like(layer.kernel[...]).at[0, 0].set(1.0))
     layer.bias.set_value(jnp.full_like(layer.bias[...], 1 + 2**-9))
@@ -128,14 +133,11 @@ def test_bf16_linear_layers_give_bf16_with_the_bias_added_in_float32():
 
 def test_the_tied_head_multiplies_in_the_compute_dtype_into_float32_logits():
     """The head's matmul takes bf16 operands (the float32 embedding cast down) and accumulates into float32."""
-    jaxpr = jax.make_jaxpr(lambda x, e: layers.tied_head(x, e, jnp.bfloat16))(jnp.ones((2, 64)), jnp.ones((128, 64)))
-    (dot,) = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
-    assert [v.aval.dtype for v in dot.invars] == [jnp.bfloat16] * 2 and dot.outvars[0].aval.dtype == jnp.float32
+    want = (["bfloat16"] * 2, "float32")
+    assert matmul_dtypes(functools.partial(layers.tied_head, dtype=jnp.bfloat16), jnp.ones((2, 64)),
+                         jnp.ones((128, 64))) == want
     # and the model's logits (sampling's and the scorers') ask for the model's compute dtype
-    model = GPT(tiny_config(dtype="bfloat16"), nnx.Rngs(0))
-    (dot,) = [e for e in equations(jax.make_jaxpr(model.logits)(jnp.ones((2, 64))).jaxpr)
-              if e.primitive.name == "dot_general"]
-    assert [v.aval.dtype for v in dot.invars] == [jnp.bfloat16] * 2 and dot.outvars[0].aval.dtype == jnp.float32
+    assert matmul_dtypes(GPT(tiny_config(dtype="bfloat16"), nnx.Rngs(0)).logits, jnp.ones((2, 64))) == want
 
 
 def test_the_bf16_cached_step_takes_scores_and_softmax_in_float32():
