@@ -11,7 +11,6 @@ loadable.
 """
 
 import dataclasses
-import errno
 import logging
 import math
 import os
@@ -129,33 +128,26 @@ def _save_errors(mngr):
     try:
         yield
     except Exception as e:  # whatever the writer raised: ENOSPC, EDQUOT, a storage error
-        intact = _intact(mngr)
-        raise RunStopped(f"saving a checkpoint to {mngr.directory} failed ({_first_line(e)}); the run stopped. "
-                         + (f"Checkpoint {intact} is intact: {_fix_for(e, str(mngr.directory))} and resume from it"
+        cause, fix = storage.write_failure(str(mngr.directory), e)
+        intact = _intact(mngr, ask_storage=fix != "check the network")
+        raise RunStopped(f"saving a checkpoint to {mngr.directory} failed ({_first_line(cause)}); the run stopped. "
+                         + (f"Checkpoint {intact} is intact: {fix} and resume from it"
                             if intact is not None else "No checkpoint is left there"), writers_left=True) from e
 
 
-def _intact(mngr):
+def _intact(mngr, ask_storage=True):
     """The newest step seen saved whole whose folder is still there (out_dir's target may have been deleted):
-    orbax's record of the saves, less those not seen to complete, checked on the storage where it answers."""
+    orbax's record of the saves, less those not seen to complete, checked on the storage where it answers
+    (`ask_storage` False: known not to, the record stands)."""
     for step in sorted(set(mngr.all_steps()) - _unconfirmed(mngr), reverse=True):
+        if not ask_storage:
+            return step
         try:
             if storage.isdir(storage.join(str(mngr.directory), str(step))):
                 return step
         except Exception:  # noqa: BLE001 - a storage that cannot answer now (the network gone): the record stands
             return step
     return None
-
-
-def _fix_for(error, where):
-    """What to do about a failed save, by its cause: the first OSError's errno in the chain, a storage failure."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS):
-            return "free space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else f"make {where} writable"
-        if storage.is_url(where) and (line := storage.failure_line(where, error)) is not None:
-            return "check the network" if isinstance(line, RunStopped) else "fix the bucket's access"
-        error = error.__cause__ or error.__context__
-    return "fix the cause above"
 
 
 def _first_line(e):

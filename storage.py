@@ -214,6 +214,36 @@ def failure_line(url, e, what=None):
     return None
 
 
+def write_failure(where, e):
+    """(cause, fix) of a failed write to `where`: the first error in e's chain that says what to do (a full or
+    read-only disk, a lost network, a refused bucket) and that fix. For a URL whose chain names none, the client's
+    error as it lists the bucket now, no cached listing: e may be a symptom (orbax's 'Path is not a directory' when
+    the network went mid-save: fsspec answers False to isdir on any error). Else (e, 'fix the cause above')."""
+    chain = e
+    while chain is not None:
+        if (fix := _fix_for(chain, where)) is not None:
+            return chain, fix
+        chain = chain.__cause__ or chain.__context__
+    if is_url(where):
+        fs, p = filesystem(where)
+        bucket = p.split("/", 1)[0]
+        try:
+            fs.invalidate_cache(bucket)
+            fs.ls(bucket)
+        except Exception as listed:  # noqa: BLE001 - gcsfs, aiohttp and google-auth raise many kinds
+            if (fix := _fix_for(listed, where)) is not None:
+                return listed, fix
+    return e, "fix the cause above"
+
+
+def _fix_for(error, where):
+    """What to do about `error` writing to `where`, or None where it does not say."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS):
+        return "free space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else f"make {where} writable"
+    line = failure_line(where, error)
+    return None if line is None else "check the network" if isinstance(line, RunStopped) else "fix the bucket's access"
+
+
 def _network_error(e):
     import asyncio
 

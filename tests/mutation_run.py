@@ -1,11 +1,12 @@
 """python tests/mutation_run.py NAMES_FILE [--jobs 2] [--root mutants] [--logs DIR] [--preload M,...] -- PYTEST_ARGS
 
-Runs each mutant named in NAMES_FILE (mutmut's names, one per line) as `MUTANT_UNDER_TEST=NAME pytest -x PYTEST_ARGS`
-in mutmut's copy of the repository (mutants/, made by any `make mutants` run), and prints `killed NAME` or `SURVIVED
-NAME` with its seconds. For the functions every test reaches, where `make mutants` runs each survivor through all
-the tests that reach it: you choose the tests, the fastest killers first. Each mutant's tests run in a fork of a
-process that has imported the libraries (not our modules: their import-time calls must see the mutant), which saves
-the 5 s of imports a new process pays per mutant; --jobs runs that many such processes."""
+Runs each mutant named in NAMES_FILE (mutmut's names, one per line) as `MUTANT_UNDER_TEST=NAME pytest -x PYTEST_ARGS` in
+mutmut's copy of the repository (mutants/, made by any `make mutants` run), and prints `killed NAME`, `SURVIVED NAME`,
+`timeout NAME` or `ERROR NAME` (the tests could not run: see its log) with its seconds. For the functions every test
+reaches, where `make mutants` runs each survivor through all the tests that reach it: you choose the tests, the fastest
+killers first. Each mutant's tests run in a fork of a process that has imported the libraries (not our modules: their
+import-time calls must see the mutant), which saves the 5 s of imports a new process pays per mutant; --jobs runs that
+many such processes."""
 
 import argparse
 import importlib
@@ -40,8 +41,12 @@ def run(names, root, logs, preload, pytest_args, out):
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(int(code))
-        _, status = os.waitpid(pid, 0)
-        print(f"{'SURVIVED' if status == 0 else 'killed'} {name} {time.time() - t0:.0f}s", file=out, flush=True)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        # mutmut's reading of pytest's exit codes: 1 (a test failed) and 3 (pytest's internal error) kill. 2 (a test
+        # module that does not import) or 5 (no tests) say nothing of the mutant: a copy missing a module, a typo
+        verdict = {0: "SURVIVED", 1: "killed", 3: "killed", -signal.SIGALRM: "timeout"}.get(code, "ERROR")
+        print(f"{verdict} {name} {time.time() - t0:.0f}s" + (f" (pytest exit {code}: see its log)" if verdict == "ERROR"
+                                                             else ""), file=out, flush=True)
 
 
 def main(argv=None):

@@ -27,7 +27,7 @@ import runlog
 import sample
 import storage
 import train
-from configurator import UsageError
+from configurator import RunStopped, UsageError
 from gcs_emulator import FORBIDDEN, client_env
 from helpers import (HELLASWAG_FIXTURE, REPO, TINY, fake_devices, free_port, one_line_error, settings, tiny_config,
                      train_cli)
@@ -182,6 +182,42 @@ def test_on_gs_rotation_keeps_the_best_and_arrays_not_saved_with_a_step_never_re
     with pytest.raises(checkpoint.CheckpointError, match=r"ckpt/3 did not restore \(params/w differs from the checksum "
                        r"saved with it: the checkpoint is corrupt\); move it away to resume from step 1$"):
         checkpoint.restore(out, params=template)
+
+
+def test_a_save_failing_on_gs_with_no_cause_named_asks_the_store_why(gcs_dir, monkeypatch):
+    """orbax's error as the network goes mid-save may name no cause: 'Path is not a directory' (fsspec answers False
+    to isdir on any error). The failed save's line then says what listing the bucket says: nothing more while the
+    store answers; the lost connection and 'check the network' where it does not (the clients' retries here without
+    their waits)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import gcsfs
+
+    out = f"{gcs_dir}/no-cause"
+    mngr = checkpoint.manager(out)
+    checkpoint.save(mngr, 2, {"w": np.ones(3, np.float32)}, {"n": np.zeros((), np.int32)},
+                    checkpoint.meta_for(tiny_config(), {}, 2, math.inf, {}))
+    checkpoint.wait_saved(mngr)
+
+    def failed_save():
+        with pytest.raises(RunStopped) as e, checkpoint._save_errors(mngr):
+            raise NotADirectoryError(f"Path is not a directory: {out}/ckpt/4")
+        return str(e.value)
+
+    assert failed_save() == (f"saving a checkpoint to {out}/ckpt failed (Path is not a directory: {out}/ckpt/4); the "
+                             "run stopped. Checkpoint 2 is intact: fix the cause above and resume from it")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    no_wait = asyncio.sleep
+    monkeypatch.setattr(gcsfs.retry, "asyncio", SimpleNamespace(sleep=lambda seconds: no_wait(0)))
+    gcsfs.GCSFileSystem.clear_instance_cache()  # fsspec's cached client talks to the emulator
+    try:
+        line = failed_save()
+    finally:
+        gcsfs.GCSFileSystem.clear_instance_cache()
+        mngr.close()
+    assert re.fullmatch(rf"saving a checkpoint to {out}/ckpt failed \(Cannot connect to host 127\.0\.0\.1:\d+ .*\); "
+                        "the run stopped. Checkpoint 2 is intact: check the network and resume from it", line), line
 
 
 @pytest.mark.parametrize(("bucket", "message"), [
