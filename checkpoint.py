@@ -135,7 +135,7 @@ def _save_errors(mngr):
                             if intact is not None else "No checkpoint is left there"), writers_left=True) from e
 
 
-def _intact(mngr, ask_storage=True):
+def _intact(mngr, ask_storage):
     """The newest step seen saved whole whose folder is still there (out_dir's target may have been deleted):
     orbax's record of the saves, less those not seen to complete, checked on the storage where it answers
     (`ask_storage` False: known not to, the record stands)."""

@@ -105,7 +105,30 @@ def test_a_request_one_token_too_long_is_cut_by_one_from_the_left(tiny_hf, capsy
     scores = lm._loglikelihood_tokens([(None, context[1:], continuation), (None, context, continuation),
                                        (None, context[2:], continuation)])
     assert scores[1] == scores[0] != scores[2]
-    assert "1 of 3 requests longer than block_size 64: context cut from the left" in capsys.readouterr().err
+    assert re.search(r"(^|\n)1 of 3 requests longer than block_size 64: context cut from the left, as lm-eval's hf "
+                     r"model cuts it\n", capsys.readouterr().err)
+    for n in (0, 65):
+        with pytest.raises(UsageError, match=rf"^a continuation of {n} tokens: it must be 1 to block_size 64$"):
+            lm._loglikelihood_tokens([(None, [1, 2], list(range(n)))])
+    # batched by length: the short rows in a short batch (unsorted, each batch would hold a long row)
+    lm._loglikelihood_tokens([(None, context[55 if i % 2 else 1:], continuation) for i in range(6)])
+    assert "6 requests in 2 batches of 3 rows, padded to 2 lengths [16, 64]" in capsys.readouterr().err
+
+
+def test_scoring_shows_a_progress_bar_of_its_requests_unless_off(tiny_hf, capsys):
+    """loglikelihood and loglikelihood_rolling (which scores a document's windows as requests) count what they
+    score on a bar, unless progress is off or lm-eval disables it."""
+    lm = lm_eval_py.JaxLM(load_pretrained(tiny_hf)[0], sharding.make_mesh(), batch_size=2, progress=True)
+    pairs = [Instance("loglikelihood", {}, ("To be, or not", " to be"), 0)] * 3
+    documents = [Instance("loglikelihood_rolling", {}, ("To be, or not to be: that is the question. " * 12,), 0)]
+    quiet = lm_eval_py.JaxLM(lm.model, sharding.make_mesh(), batch_size=2, progress=False)
+    for score, requests in [("loglikelihood", pairs), ("loglikelihood_rolling", documents)]:
+        first = getattr(lm, score)(requests)
+        # the document: 157 tokens, 3 windows
+        assert re.search(r"loglikelihood: 100%.* 3/3 .*req/s", capsys.readouterr().err), score
+        for scorer, disable_tqdm in [(quiet, False), (lm, True)]:
+            assert getattr(scorer, score)(requests, disable_tqdm) == first
+            assert not re.search(r"loglikelihood: +\d+%", capsys.readouterr().err), (score, disable_tqdm)
 
 
 def test_long_continuations_are_scored_in_chunks_as_the_whole_logits_score_them():
@@ -124,20 +147,20 @@ def test_long_continuations_are_scored_in_chunks_as_the_whole_logits_score_them(
     assert scores[0][1] is False and scores[1][1] is True
 
 
-def eot_only_model():
-    """A GPT-2-vocabulary model whose every next token is <|endoftext|>: its final LayerNorm outputs its bias v
-    whatever comes in, and the tied head's only non-zero row is <|endoftext|>'s, v."""
+def one_token_model(token=EOT):
+    """A GPT-2-vocabulary model whose every next token is `token`: its final LayerNorm outputs its bias v whatever
+    comes in, and the tied head's only non-zero row is the token's, v."""
     model = GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=32), nnx.Rngs(0))
     v = jnp.ones(32)
     model.ln_f.scale[...], model.ln_f.bias[...] = jnp.zeros(32), v
-    model.wte.embedding[...] = jnp.zeros((50257, 32)).at[EOT].set(v)
+    model.wte.embedding[...] = jnp.zeros((50257, 32)).at[token].set(v)
     return model
 
 
 def test_generate_until_stops_at_endoftext_and_refuses_what_cannot_fit():
     """A text ends at <|endoftext|> (here the model's every token); one request is a batch of its own (the filler
     rows repeat it); a task asking for block_size new tokens or more is one line."""
-    lm = lm_eval_py.JaxLM(eot_only_model(), sharding.make_mesh(), batch_size=2, progress=False)
+    lm = lm_eval_py.JaxLM(one_token_model(), sharding.make_mesh(), batch_size=2, progress=False)
 
     def request(max_gen_toks):
         return Instance("generate_until", {}, ("To be, or not", {"until": ["\n"], "max_gen_toks": max_gen_toks}), 0)
@@ -145,6 +168,54 @@ def test_generate_until_stops_at_endoftext_and_refuses_what_cannot_fit():
     assert lm.generate_until([request(8)], True) == [""]
     with pytest.raises(UsageError, match=r"^a task asks for 64 new tokens: it must be less than block_size 64$"):
         lm.generate_until([request(64)], True)
+
+
+def test_generate_until_ends_each_text_at_its_tasks_strings_and_cuts_long_contexts_from_the_left(capsys):
+    """A text ends where the first of its request's `until` strings begins; a request without max_gen_toks gets the
+    model's; a context with no room for the new tokens loses its first tokens, and the cut is said. A progress bar
+    counts the requests, unless progress is off or lm-eval disables it."""
+    (the,) = get_encoding().encode(" the")
+    lm = lm_eval_py.JaxLM(one_token_model(the), sharding.make_mesh(), batch_size=2, progress=True)
+    lm.max_gen_toks = 5
+
+    def request(context, **gen_kwargs):
+        return Instance("generate_until", {}, (context, gen_kwargs), 0)
+
+    requests = [request("To be", until=["e t"], max_gen_toks=8), request("To be", until=["\n"]),
+                request(" the" * 60, until=["\n"]), request(" the" * 59, until=["\n"]),  # 60 + 5 tokens: 1 cut
+                request("To be", until=["\n"], max_gen_toks=3, do_sample=True, temperature=1.0),  # e^32 to 1: " the"
+                request("To be", max_gen_toks=2),  # no until: <|endoftext|> alone ends it
+                request("To be", until=["\n"]), request("To be", until=["\n"])]  # a group of 3: 2 batches of 2 rows
+    assert lm.generate_until(requests) == [" th", *[" the" * 5] * 3, " the" * 3, " the" * 2, *[" the" * 5] * 2]
+    err = capsys.readouterr().err
+    assert re.search(r"(^|\n)1 of 8 contexts longer than block_size 64 minus the tokens to generate: cut from the "
+                     r"left, as lm-eval's hf model cuts them\n", err), err
+    final = re.findall(r"\r(generate_until:[^\r\n]*)", err)[-1]  # the bar as it closed: each request counted once
+    assert re.match(r"generate_until: 100%.* 8/8 .*req/s", final), final
+    assert err.endswith("compiled shapes so far: 2\n"), err  # greedy and sampled, each 64 long
+    quiet = lm_eval_py.JaxLM(lm.model, sharding.make_mesh(), batch_size=2, progress=False)
+    quiet.max_gen_toks = 5
+    for generator, disable_tqdm in [(quiet, False), (lm, True)]:
+        assert generator.generate_until(requests[:1], disable_tqdm) == [" th"]
+        assert "generate_until:" not in capsys.readouterr().err
+
+
+def test_a_tasks_sampling_settings_are_the_generations():
+    """lm-eval's gen_kwargs as generate_in_jit's sampling: greedy unless do_sample, then its temperature (none given:
+    0, greedy), top_k and top_p (1.0: none), and no id past GPT-2's 50257 (a padded vocabulary's) or the model's."""
+    lm = lm_eval_py.JaxLM(one_token_model(), sharding.make_mesh(), progress=False)
+    for gen_kwargs, sampling in [({}, (0.0, None, None, 50257)),
+                                 ({"do_sample": False, "temperature": 0.7}, (0.0, None, None, 50257)),
+                                 ({"do_sample": True}, (0.0, None, None, 50257)),
+                                 ({"do_sample": True, "temperature": 0.7, "top_k": 40, "top_p": 0.9},
+                                  (0.7, 40, 0.9, 50257)),
+                                 ({"do_sample": True, "temperature": 1, "top_k": 3.0, "top_p": 1.0},
+                                  (1.0, 3, None, 50257))]:
+        assert lm._sampling(gen_kwargs) == sampling, gen_kwargs
+        assert all(type(a) is type(b) for a, b in zip(lm._sampling(gen_kwargs), sampling)), gen_kwargs
+    for vocab_size, limit in [(50304, 50257), (96, 96)]:
+        model = GPT(GPTConfig(block_size=64, vocab_size=vocab_size, n_layer=1, n_head=2, n_embd=32), nnx.Rngs(0))
+        assert lm_eval_py.JaxLM(model, sharding.make_mesh(), progress=False)._sampling({})[3] == limit
 
 
 def test_parity_with_lm_eval_hf_model_on_each_output_type(tiny_hf, capsys):
@@ -168,12 +239,18 @@ def test_eval_on_a_train_py_checkpoint_and_its_exports(bpe_run, tmp_path, capsys
     out = tmp_path / "results.json"
     assert lm_eval_py.main([f"--out_dir={bpe_run}", "--init_from=resume", "--tasks=hellaswag_local",
                             f"--include_path={TASKS}", "--limit=3", "--num_fewshot=1", "--log_samples=True",
-                            "--bootstrap_iters=0", "--batch_size=4", f"--output={out}"]) == 0
+                            "--bootstrap_iters=0", "--batch_size=4", f"--output={out}", "--seed=7"]) == 0
     printed = capsys.readouterr()
+    assert f"\nwrote {out}\n" in printed.err and "wrote" not in printed.out
+    lines = out.read_text().splitlines()
+    assert lines[0] == "{" and re.match(r'^  "\w', lines[1]), lines[:2]  # indented by 2
     assert "loglikelihood: 12 requests in 3 batches of 4 rows" in printed.err  # 3 examples x 4 endings
+    assert re.search(r"loglikelihood: 100%.* 12/12 ", printed.err), printed.err  # a progress bar
     assert "hellaswag_local" in printed.out and "acc_norm" in printed.out  # lm-eval's table
     results = json.loads(out.read_text())
     assert results["config"]["model_args"]["step"] == 2 and results["config"]["bootstrap_iters"] == 0
+    assert results["config"]["model"] == "nanogpt-jax"
+    assert [results["config"][f"{name}_seed"] for name in ("random", "numpy", "torch", "fewshot")] == [7] * 4
     assert results["config"]["model_args"]["model_config"]["n_embd"] == 32
     assert results["n-shot"]["hellaswag_local"] == 1 and results["n-samples"]["hellaswag_local"]["effective"] == 3
     sample = results["samples"]["hellaswag_local"][0]
@@ -186,7 +263,9 @@ def test_eval_on_a_train_py_checkpoint_and_its_exports(bpe_run, tmp_path, capsys
     assert f"(step 2): {n_params / 1e6:.2f}M params, block_size 64, loaded in " in printed.err, printed.err
     assert "mesh {'data': 1, 'fsdp': 1, 'tensor': 1}" in printed.err
     assert "compiled shapes so far: " in printed.err
-    assert re.search(r"\nevaluated in \d+\.\ds, [1-9]\d* compiled shapes\n", printed.err), printed.err
+    times = re.search(r"loaded in (\d+\.\d)s; .*\nevaluated in (\d+\.\d)s, [1-9]\d* compiled shapes\n", printed.err,
+                      re.S)
+    assert times and all(0 <= float(t) < 600 for t in times.groups()), printed.err
 
     export.main([f"--out_dir={bpe_run}", "--format=nanogpt", f"--to={tmp_path / 'nano'}"])
     export.main([f"--out_dir={bpe_run}", f"--to={tmp_path / 'hf'}"])
@@ -199,10 +278,13 @@ def test_eval_on_a_train_py_checkpoint_and_its_exports(bpe_run, tmp_path, capsys
                                             "  - {metric: acc, aggregation: mean, weight_by_size: true}\n")
     for exported, task in ((tmp_path / "nano" / "ckpt.pt", "hellaswag_local"), (tmp_path / "hf", "local_group")):
         assert lm_eval_py.main([f"--init_from={exported}", f"--tasks={task}", f"--include_path={tasks}", "--limit=3",
-                                "--num_fewshot=1", "--bootstrap_iters=0", f"--output={out}"]) == 0
+                                "--num_fewshot=1", "--bootstrap_iters=0", f"--output={out}", "--dtype=auto",
+                                "--seed=7"]) == 0
         again = json.loads(out.read_text())
         assert again["results"]["hellaswag_local"] == results["results"]["hellaswag_local"], exported
+        assert "samples" not in again  # log_samples off: lm-eval's default is on
     printed = capsys.readouterr()
+    assert printed.err.count("; jax float32 on 1 cpu device(s), mesh") == 2  # dtype auto: float32 on a CPU
     assert f"model {tmp_path / 'hf'}: {n_params / 1e6:.2f}M params" in printed.err  # no step: an HF directory
     assert len(re.findall(r"^\|\s*Groups\s*\|", printed.out, re.M)) == 1, printed.out
 
@@ -219,18 +301,36 @@ def test_parity_reads_our_checkpoint_by_its_own_path(bpe_run, monkeypatch, capsy
     assert "fp32 parity (loglikelihoods, is_greedy, rolling, texts, accuracies): NOT OK" in capsys.readouterr().out
 
 
-def test_bad_input_is_one_line(tiny_hf, tmp_path, capsys):
+def test_local_tasks_are_looked_up_among_the_local_yamls_alone():
+    """lm-eval's own ~15k tasks are indexed only where --include_path lacks a task named (that takes seconds)."""
+    local = lm_eval_py.task_manager(["hellaswag_local"], TASKS).all_tasks
+    assert "hellaswag_local" in local and "hellaswag" not in local and len(local) < 20, len(local)
+
+
+def test_bad_input_is_one_line(tiny_hf, tmp_path, capsys, monkeypatch):
     def fails(match, *argv):
         with pytest.raises(UsageError, match=match):
             lm_eval_py.main(list(argv))
 
-    fails(r"^unknown task 'hellaswag_locall' \(did you mean hellaswag_local", f"--init_from={tiny_hf}",
-          "--tasks=hellaswag_local,hellaswag_locall", f"--include_path={TASKS}")  # each task of the list looked up
+    fails(r"^unknown task 'hellaswag_locall' \(did you mean hellaswag_local(, [\w.-]+)*\?\) \(lm-eval's tasks",
+          f"--init_from={tiny_hf}", "--tasks=hellaswag_local,hellaswag_locall",
+          f"--include_path={TASKS}")  # each task of the list looked up
+    fails(r"^unknown task 'qqqzzz' \(lm-eval's tasks: python -m lm_eval ls tasks; local YAMLs: --include_path=DIR\)$",
+          "--tasks=qqqzzz")  # nothing close: no guess
     fails("batch_size must be an integer >= 1", "--tasks=hellaswag_local", "--batch_size=0")
-    fails("--tasks is required", f"--init_from={tiny_hf}")
+    fails(r"^--tasks is required: lm-eval task names, comma-separated \(e\.g\. --tasks=hellaswag,arc_easy\)$",
+          f"--init_from={tiny_hf}")
     fails("limit", "--tasks=x", "--limit=0")
     fails(r"fraction in \(0, 1\), got 1\.0$", "--tasks=x", "--limit=1.0")  # a float is a fraction: 1.0 is none
-    lm_eval_py.check_settings({**lm_eval_py.defaults, "tasks": "x", "limit": 0.5})  # half of each task: taken
+    fails(r"^--limit must be an integer >= 1 \(documents\) or a fraction in \(0, 1\), got 0\.0$", "--tasks=x",
+          "--limit=0.0")
+    fails(r"^--num_fewshot must be an integer >= 0, got -1$", "--tasks=x", "--num_fewshot=-1")
+    lm_eval_py.check_settings({**lm_eval_py.defaults, "tasks": "x", "num_fewshot": 0})  # zero-shot: taken
+    monkeypatch.setattr(sys, "argv", ["eval.py", "--batch_size=0", "--tasks=x"])  # as `python eval.py ...` runs
+    with pytest.raises(UsageError, match=r"^--batch_size must be an integer >= 1, got 0$"):
+        lm_eval_py.main()
+    for limit in (0.5, 1):  # half of each task, its first document: taken
+        lm_eval_py.check_settings({**lm_eval_py.defaults, "tasks": "x", "limit": limit})
     fails(rf"^--include_path {re.escape(str(tmp_path / 'none'))} is not a directory of task YAMLs$", "--tasks=x",
           f"--include_path={tmp_path / 'none'}")
     # more ways than this process's one device, each setting named as given
