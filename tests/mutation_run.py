@@ -45,8 +45,9 @@ def run(names, root, logs, preload, pytest_args, out):
         # mutmut's reading of pytest's exit codes: 1 (a test failed) and 3 (pytest's internal error) kill. 2 (a test
         # module that does not import) or 5 (no tests) say nothing of the mutant: a copy missing a module, a typo
         verdict = {0: "SURVIVED", 1: "killed", 3: "killed", -signal.SIGALRM: "timeout"}.get(code, "ERROR")
-        print(f"{verdict} {name} {time.time() - t0:.0f}s" + (f" (pytest exit {code}: see its log)" if verdict == "ERROR"
-                                                             else ""), file=out, flush=True)
+        detail = f" (pytest exit {code}: see its log)" if verdict == "ERROR" else ""
+        out.write(f"{verdict} {name} {time.time() - t0:.0f}s{detail}\n")  # one write: the jobs share the output
+        out.flush()
 
 
 def main(argv=None):
