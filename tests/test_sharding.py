@@ -213,6 +213,35 @@ def test_constraints_fit_the_mesh_and_pin_the_batch_rows():
     assert "sharding_constraint" in jaxpr and "P(('data', 'fsdp'), None)" in jaxpr
 
 
+def test_tensor_parallel_splits_qkv_and_fc_by_columns_and_the_projections_by_rows():
+    """Megatron's split, read off the model's jaxpr under a tensor mesh of 2: c_attn's and c_fc's kernels (and
+    biases) split by output columns, both c_proj kernels by input rows, so each block's two matmuls need one
+    all-reduce; the embedding tables gathered whole for the lookup, the tied head split by vocabulary. Any other
+    placement computes the same values, which every other test compares."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from helpers import tiny_config
+    from model import GPT
+
+    C = 64
+    model = GPT(tiny_config(n_embd=C), nnx.Rngs(0))
+    mesh = jax.sharding.AbstractMesh((1, 1, 2), sharding.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    with jax.sharding.use_abstract_mesh(mesh):
+        jaxpr = jax.make_jaxpr(lambda x: model(x)[0])(jnp.zeros((2, 8), jnp.int32))
+    specs = {}
+    for eqn in jaxpr.jaxpr.eqns:
+        if eqn.primitive.name == "sharding_constraint":
+            specs.setdefault(eqn.invars[0].aval.shape, set()).add(str(eqn.params["sharding"].spec))
+    column, row = {"P(None, 'tensor')"}, {"P('tensor', None)"}
+    assert specs[(C, 3 * C)] == specs[(C, 4 * C)] == column, specs  # c_attn, c_fc
+    assert specs[(3 * C,)] == specs[(4 * C,)] == {"P('tensor',)"}, specs  # their biases
+    assert specs[(C, C)] == specs[(4 * C, C)] == row, specs  # attn.c_proj, mlp.c_proj
+    V, T = model.config.vocab_size, model.config.block_size
+    assert specs[(T, C)] == {"P(None, None)"}, specs  # wpe: gathered whole for the lookup
+    assert specs[(V, C)] == {"P(None, None)", "P('tensor', None)"}, specs  # wte: that, and the head's vocabulary split
+
+
 def test_mesh_settings_are_checked():
     devices = jax.devices()
     with pytest.raises(ValueError, match="fsdp=3 x tensor_parallel=1 must be positive and divide the 1 device"):
