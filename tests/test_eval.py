@@ -194,7 +194,6 @@ def test_generate_until_ends_each_text_at_its_tasks_strings_and_cuts_long_contex
     assert re.match(r"generate_until: 100%.* 8/8 .*req/s", final), final
     assert err.endswith("compiled shapes so far: 2\n"), err  # greedy and sampled, each 64 long
     quiet = lm_eval_py.JaxLM(lm.model, sharding.make_mesh(), batch_size=2, progress=False)
-    quiet.max_gen_toks = 5
     for generator, disable_tqdm in [(quiet, False), (lm, True)]:
         assert generator.generate_until(requests[:1], disable_tqdm) == [" th"]
         assert "generate_until:" not in capsys.readouterr().err

@@ -12,14 +12,18 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import checkpoint
 import sharding
 import train
 from configurator import UsageError
-from helpers import REPO, TINY, assert_close, fake_devices, free_port, popen_train, read_log, run, settings
+from helpers import (REPO, TINY, assert_close, fake_devices, free_port, popen_train, read_log, run, settings,
+                     tiny_config)
+from model import GPT
 
 WIDE = ["--n_embd=64", "--max_iters=4", "--eval_interval=4", "--always_save_checkpoint=True"]
 ROWS = 8  # global micro-batch: every mesh below splits it differently
@@ -201,7 +205,6 @@ def test_two_processes_fsdp_spanning_both_stop_at_one_step_on_sigterm_and_resume
 def test_constraints_fit_the_mesh_and_pin_the_batch_rows():
     """fit drops an entry whose axes do not divide its dimension (a tuple of axes by their product), and
     constrain_batch pins activations' rows over data x fsdp under a mesh (it once skipped that tuple)."""
-    import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     mesh = jax.sharding.AbstractMesh((2, 2, 2), sharding.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
@@ -218,12 +221,6 @@ def test_tensor_parallel_splits_qkv_and_fc_by_columns_and_the_projections_by_row
     biases) split by output columns, both c_proj kernels by input rows, so each block's two matmuls need one
     all-reduce; the embedding tables gathered whole for the lookup, the tied head split by vocabulary. Any other
     placement computes the same values, which every other test compares."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from helpers import tiny_config
-    from model import GPT
-
     C = 64
     model = GPT(tiny_config(n_embd=C), nnx.Rngs(0))
     mesh = jax.sharding.AbstractMesh((1, 1, 2), sharding.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
