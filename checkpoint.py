@@ -3,10 +3,10 @@ Checkpoints, the one place that resolves `init_from` for train.py, sample.py and
 persistent compilation cache their processes share.
 
 On disk (orbax CheckpointManager): out_dir/ckpt/<iter>/{params, opt_state, meta, metrics}. `meta` is JSON:
-iter_num, best_val_loss, model_args (GPTConfig), config (the training settings), loader (data position),
-seed, and digests: a checksum of every array, which each restore verifies (orbax keeps none of the data). `metrics`:
-the val loss of the eval at that step, if any, which rotation keeps the best of (see manager). Orbax writes each
-step to a temporary directory and renames it when complete, so a crash mid-save leaves the previous checkpoint
+iter_num, best_val_loss, model_args (GPTConfig), config (the training settings, the seed among them), loader (data
+position), and digests: a checksum of every array, which each restore verifies (orbax keeps none of the data).
+`metrics`: the val loss of the eval at that step, if any, which rotation keeps the best of (see manager). Orbax writes
+each step to a temporary directory and renames it when complete, so a crash mid-save leaves the previous checkpoint
 loadable.
 """
 
@@ -413,7 +413,7 @@ def restore_state(out_dir, step, meta, config: GPTConfig, tx=None, mesh=None, mn
 
 def meta_for(model_config: GPTConfig, config: dict, iter_num, best_val_loss, loader_state):
     return {"iter_num": iter_num, "best_val_loss": best_val_loss, "model_args": asdict(model_config),
-            "config": config, "loader": loader_state, "seed": config.get("seed")}
+            "config": config, "loader": loader_state}
 
 
 def load_with_codec(init_from, out_dir, dtype):
@@ -424,7 +424,7 @@ def load_with_codec(init_from, out_dir, dtype):
         model, meta = load_checkpoint_model(out_dir, dtype=dtype)
         codec = tokenizer.codec_for(model.config.vocab_size, meta.get("vocab"), meta["config"].get("dataset"))
         return model, codec, meta["iter_num"]
-    model, train_config = load_model(init_from, out_dir, dtype)
+    model, train_config = load_model(init_from, dtype=dtype)
     beside = init_from if os.path.isdir(init_from) else os.path.dirname(init_from) if os.path.isfile(init_from) \
         else None  # a hub name
     dataset = (train_config or {}).get("dataset")

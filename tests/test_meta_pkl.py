@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import checkpoint
 import eval as lm_eval_py
 import export
 import hellaswag
@@ -160,7 +161,7 @@ def test_nanogpts_prepare_output_trains_and_samples_and_the_export_reads_without
     (data / "input.txt").write_text("".join(CHARS[i * 7 % 64] for i in range(20000)), encoding="utf-8")
     runpy.run_path(str(data / "prepare.py"))
     assert read_vocab(str(data / "meta.pkl")) == (64, CHARS)
-    run(str(data), tmp_path / "out", "--max_iters=2")
+    run(str(data), tmp_path / "out", "--max_iters=2", "--gelu=exact")  # exact: nanoGPT's, for its export
     capsys.readouterr()
     argv = ["--start=0123", "--num_samples=1", "--max_new_tokens=4", "--seed=1"]
     assert sample.main([f"--out_dir={tmp_path / 'out'}", *argv]) == 0
@@ -176,6 +177,15 @@ def test_nanogpts_prepare_output_trains_and_samples_and_the_export_reads_without
     assert sample.main([f"--init_from={hf}", *argv]) == 0
     out = capsys.readouterr()
     assert out.out == text and f"Loading meta from {hf / 'meta.json'}" in out.err
+    # a nanoGPT ckpt.pt named by its file: the vocabulary beside it, before its dataset's
+    nano = tmp_path / "nano"
+    assert export.main([f"--out_dir={tmp_path / 'out'}", "--format=nanogpt", f"--to={nano}"]) == 0
+    capsys.readouterr()
+    assert sample.main([f"--init_from={nano / 'ckpt.pt'}", *argv]) == 0
+    out = capsys.readouterr()
+    assert out.out == text and f"Loading meta from {nano / 'meta.json'}" in out.err
+    model, codec, step = checkpoint.load_with_codec(str(nano / "ckpt.pt"), "out", "bfloat16")  # sample's --dtype
+    assert (model.config.dtype, codec.n_vocab, step) == ("bfloat16", 64, None)
 
     # beside the twin, meta.pkl is never opened: a payload there neither runs nor stops the sample
     marker = tmp_path / "PWNED"

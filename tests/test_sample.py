@@ -113,6 +113,8 @@ def test_corrupt_checkpoints_are_one_line_errors(char_run, tmp_path):
 
 @pytest.mark.parametrize("argv, error, message", [
     (["--init_from=gpt7"], ValueError, "gpt7"),
+    (["--init_from=scratch"], ValueError, r"^init_from='scratch' has no weights to load: use resume, a gpt2\* name, an "
+                                          r"HF directory, a nanoGPT ckpt\.pt or a modded-nanogpt state_step\*\.pt$"),
     (["--init_from=resume", "--out_dir=no/such/dir"], FileNotFoundError, "no/such/dir"),
     (["--max_new_tokens=0"], ValueError, "max_new_tokens must be >= 1"),
     (["--num_samples=0"], ValueError, "num_samples must be >= 1"),

@@ -129,11 +129,15 @@ def test_a_checkpoint_restores_into_the_other_layout_bit_for_bit(tmp_path, saved
     mngr.wait_until_finished()
     mngr.close()
     other = tiny_config(scan_layers=not saved_scanned)
-    mesh = sharding.make_mesh()
-    got_params, got_opt = checkpoint.restore_state(tmp_path, None, meta, other, tx, mesh)
     want = relayout_blocks((params, opt_state), checkpoint_templates(other, tx))
-    for a, b in zip(jax.tree.leaves((got_params, got_opt)), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for mesh in (None, sharding.make_mesh()):  # the first device (sample.py's), or train.py's mesh
+        got_params, got_opt = checkpoint.restore_state(tmp_path, None, meta, other, tx, mesh)
+        assert jax.tree.structure((got_params, got_opt)) == jax.tree.structure(want)
+        assert all(x.sharding == (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None else
+                                  jax.sharding.NamedSharding(mesh, x.sharding.spec))
+                   for x in jax.tree.leaves((got_params, got_opt)))
+        for a, b in zip(jax.tree.leaves((got_params, got_opt)), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     def layer1(params, stacked):  # the MLP's c_fc kernel of layer 1
         return params["h"]["mlp"]["c_fc"]["kernel"][...][1] if stacked else params["h"][1]["mlp"]["c_fc"]["kernel"][...]
     np.testing.assert_array_equal(np.asarray(layer1(got_params, not saved_scanned)),
