@@ -361,8 +361,8 @@ def model_config_from_meta(meta, **settings):
     return GPTConfig(**{k: v for k, v in meta["model_args"].items() if k not in RUNTIME_FIELDS}, **settings)
 
 
-def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0, step=None):
-    """A GPT for inference from `init_from`: 'resume' (the latest checkpoint in out_dir, or `step`), a GPT-2
+def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0):
+    """A GPT for inference from `init_from`: 'resume' (the latest checkpoint in out_dir), a GPT-2
     name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), an HF directory, a nanoGPT ckpt.pt (or its out_dir) or a
     modded-nanogpt state_step*.pt (arch='speedrun').
     Returns (model, training config dict: ours, nanoGPT's, or None for HF weights)."""
@@ -371,7 +371,7 @@ def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0, step=None
                          "a nanoGPT ckpt.pt or a modded-nanogpt state_step*.pt")
     if init_from != "resume":
         return load_pretrained(init_from, dropout=dropout, dtype=dtype)
-    model, meta = load_checkpoint_model(out_dir, step, dtype, dropout)
+    model, meta = load_checkpoint_model(out_dir, None, dtype, dropout)
     return model, meta["config"]
 
 

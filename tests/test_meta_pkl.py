@@ -185,7 +185,7 @@ def test_nanogpts_prepare_output_trains_and_samples_and_the_export_reads_without
     out = capsys.readouterr()
     assert out.out == text and f"Loading meta from {nano / 'meta.json'}" in out.err
     model, codec, step = checkpoint.load_with_codec(str(nano / "ckpt.pt"), "out", "bfloat16")  # sample's --dtype
-    assert (model.config.dtype, codec.n_vocab, step) == ("bfloat16", 64, None)
+    assert (model.config.dtype, model.config.dropout, codec.n_vocab, step) == ("bfloat16", 0.0, 64, None)
 
     # beside the twin, meta.pkl is never opened: a payload there neither runs nor stops the sample
     marker = tmp_path / "PWNED"
