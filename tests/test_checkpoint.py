@@ -214,8 +214,9 @@ def test_a_bad_meta_is_one_line_in_train_sample_and_export(dataset, tmp_path, ca
         meta = json.loads(json.dumps(good))
         if callable(change):
             meta = change(meta)
-        for key, value in change.items() if isinstance(change, dict) else ():
-            meta[key] = {**meta[key], **value} if key == "model_args" else value
+        else:
+            for key, value in change.items():
+                meta[key] = {**meta[key], **value} if key == "model_args" else value
         meta_file.write_text(json.dumps(meta))
         message = re.escape(f"ckpt/4 did not restore ({reason}") + r".*\); move it away to resume from step 2$"
         for load in (lambda: checkpoint.load_model("resume", out),

@@ -23,6 +23,7 @@ import storage
 from configurator import RunStopped
 from helpers import REPO, TINY, one_line_error, run, train_cli
 
+
 def test_a_full_disk_during_a_save_is_one_line_on_stderr(dataset, tmp_path):
     """A disk that fills while tensorstore writes the array files: each write still in flight fails after orbax has
     closed its event loop, which was dozens of tracebacks before the one line. A tmpfs of 600 kB (where mount is
