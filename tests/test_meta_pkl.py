@@ -186,6 +186,7 @@ def test_nanogpts_prepare_output_trains_and_samples_and_the_export_reads_without
     assert out.out == text and f"Loading meta from {nano / 'meta.json'}" in out.err
     model, codec, step = checkpoint.load_with_codec(str(nano / "ckpt.pt"), "out", "bfloat16")  # sample's --dtype
     assert (model.config.dtype, model.config.dropout, codec.n_vocab, step) == ("bfloat16", 0.0, 64, None)
+    assert checkpoint.load_model(str(nano / "ckpt.pt"), dropout=0.1)[0].config.dropout == 0.1
 
     # beside the twin, meta.pkl is never opened: a payload there neither runs nor stops the sample
     marker = tmp_path / "PWNED"
