@@ -35,8 +35,8 @@ BUGS = {
         ["tests/test_numerics.py"]),
     "residual-bf16": (
         "the residual stream held in bf16", "model.py",
-        [("x = self.embed(idx, jnp.arange(T))  # (B, T, C), float32",
-          "x = self.embed(idx, jnp.arange(T)).astype(self.config.compute_dtype)  # (B, T, C)")],
+        [("x = self.embed(idx, jnp.arange(idx.shape[1]))  # (B, T, C), float32",
+          "x = self.embed(idx, jnp.arange(idx.shape[1])).astype(self.config.compute_dtype)  # (B, T, C)")],
         ["tests/test_numerics.py"]),
     "weight-map-swap": (
         "two rows of weights.WEIGHT_MAP swapped (ln_1.weight <-> ln_2.weight)", "weights.py",

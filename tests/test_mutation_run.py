@@ -1,13 +1,15 @@
 """python -m pytest tests/test_mutation_run.py -q
 
 tests/mutation_run.py, the by-hand mutation runner (docs/mutation.md): a mutant whose tests fail is killed, one they
-pass survives, one whose tests cannot run is an error, each in its own fork, with its pytest output kept."""
+pass survives, one whose tests cannot run is an error, each in its own fork, with its pytest output kept. And
+tests/plant_bugs.py's bugs still plant in the code as it is."""
 
 import os
 import subprocess
 import sys
 
 from helpers import REPO
+from plant_bugs import BUGS
 
 
 def test_each_mutant_runs_its_tests_in_its_own_process(tmp_path):
@@ -27,3 +29,13 @@ def test_each_mutant_runs_its_tests_in_its_own_process(tmp_path):
     assert "(pytest exit 2: see its log)" in out  # a test module that does not import is no kill
     assert "1 failed" in (tmp_path / "logs" / "m.x_f__mutmut_1.log").read_text()
     assert "1 passed" in (tmp_path / "logs" / "m.x_nothing.log").read_text()
+
+
+def test_each_planted_bugs_text_is_in_its_file_once():
+    """plant_bugs.py plants by exact text: code that moved on makes it refuse the bug, not test it."""
+    for name, (_, file, substitutions, tests) in BUGS.items():
+        with open(os.path.join(REPO, file)) as f:
+            text = f.read()
+        for old, _ in substitutions:
+            assert text.count(old) == 1, (name, old)
+        assert all(os.path.exists(os.path.join(REPO, t.split("::")[0])) for t in tests), name
