@@ -371,7 +371,7 @@ def load_model(init_from, out_dir="out", dtype="float32", dropout=0.0):
                          "a nanoGPT ckpt.pt or a modded-nanogpt state_step*.pt")
     if init_from != "resume":
         return load_pretrained(init_from, dropout=dropout, dtype=dtype)
-    model, meta = load_checkpoint_model(out_dir, None, dtype, dropout)
+    model, meta = load_checkpoint_model(out_dir, dtype=dtype, dropout=dropout)
     return model, meta["config"]
 
 
