@@ -8,10 +8,10 @@ from. On a GPU the ops are its kernels; on a CPU, the thunks XLA:CPU runs.
         --scan_layers off --steps 5                     # the H100's fastest row (docs/benchmarks.md)
     python bench_profile.py --preset tiny --steps 3     # any machine
 
-Two experiments, not settings of train.py, put back what the step did before: --logits float32, the head's logits
-for the loss in float32 (now in the compute dtype, as autocast's); --loss autodiff, the cross-entropy's gradient
-by autodiff (now its own, written once in the logits' dtype). Their times beside the default's say what each
-change gained. --xplane FILE keeps the raw trace (for TensorBoard's profile plugin or Perfetto) and FILE.hlo.txt
+Three experiments, not settings of train.py. Two put back what the step did before: --logits float32, the head's
+logits for the loss in float32 (now in the compute dtype, as autocast's); --loss autodiff, the cross-entropy's
+gradient by autodiff (now its own, written once in the logits' dtype). Their times beside the default's say what
+each change gained. One tries what it might do next: --qkv three, q, k and v as three matmuls (three_projections). --xplane FILE keeps the raw trace (for TensorBoard's profile plugin or Perfetto) and FILE.hlo.txt
 the step's program; --read FILE reports them again.
 """
 
@@ -71,16 +71,16 @@ def runs_apart(starts, ends, runs):
     return list(zip([0, *cuts], [*cuts, len(starts)]))
 
 
-def capture_program(train_step):
-    """Keeps the HLO text of each step train_step.compile_step compiles (bench_train's bench_jax calls it)."""
-    texts, compile_step = [], train_step.compile_step
+def capture_program(auto_settings):
+    """Keeps the HLO text of each step auto_settings compiles (bench_train's bench_jax has it compile the step): the
+    last is the step that ran."""
+    texts, step_peak = [], auto_settings.step_peak
 
-    def capturing(*args, **kwargs):
-        out = compile_step(*args, **kwargs)
-        texts.append(out[0].as_text())
-        return out
+    def capturing(compiled, mesh):
+        texts.append(compiled.as_text())
+        return step_peak(compiled, mesh)
 
-    train_step.compile_step = capturing
+    auto_settings.step_peak = capturing
     return texts
 
 
@@ -110,9 +110,42 @@ def as_before(logits, loss):
         layers.token_nll = token_nll
 
 
+def three_projections():
+    """The experiment --qkv three: q, k and v as three matmuls on c_attn's column blocks (the same params), so that
+    no (B, T, 3C) buffer is split apart in the forward pass nor joined from cuDNN's dq, dk and dv in the backward
+    (each its own weight-gradient matmul; the input's gradient their sum). Compiled for an H100 here, the step's
+    (B, T, 3C) slices and concatenates are gone; its time is for a GPU to say (docs/benchmarks.md)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
+
+    import layers
+    import model
+
+    def qkv(self, x, pos=0, length=None):
+        B, T, C = x.shape
+        linear, kernel = self.c_attn, self.c_attn.kernel[...]
+        bias = linear.bias[...] if linear.bias is not None else None
+        parts = []
+        for i in range(3):
+            cols = slice(i * C, (i + 1) * C)
+            xi, ki, bi = linear.promote_dtype((x, kernel[:, cols], None if bias is None else bias[cols]),
+                                              dtype=linear.dtype)
+            y = jax.lax.dot_general(xi, ki, (((2,), (0,)), ((), ())))  # (B, T, C)
+            parts.append(checkpoint_name((y if bi is None else y + bi).astype(linear.dtype), "qkv"))
+        q, k, v = (a.reshape(B, T, self.n_head, C // self.n_head) for a in parts)  # (B, T, nh, hs)
+        if self.rotary:
+            cos, sin = (jax.lax.dynamic_slice_in_dim(jnp.asarray(t), pos, T)
+                        for t in layers.rotary_tables(length or T, C // self.n_head))
+            q, k = layers.rms_norm(layers.rotary(q, cos, sin)), layers.rms_norm(layers.rotary(k, cos, sin))
+        return q, k, v
+
+    model.CausalSelfAttention.qkv = qkv
+
+
 def main():
+    import auto_settings
     import bench_train
-    import train_step
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     bench_train.step_options(p)
@@ -121,6 +154,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3, help="steps before them (the first compiles)")
     p.add_argument("--logits", default="compute", choices=["compute", "float32"], help="the experiment above")
     p.add_argument("--loss", default="custom", choices=["custom", "autodiff"], help="the experiment above")
+    p.add_argument("--qkv", default="one", choices=["one", "three"], help="the experiment above")
     p.add_argument("--top", type=int, default=25, help="ops printed")
     p.add_argument("--xplane", help="copy the raw trace (xplane.pb) here, and the step's program to XPLANE.hlo.txt")
     p.add_argument("--read", metavar="XPLANE", help="report a trace --xplane kept, instead of running (with the "
@@ -137,7 +171,9 @@ def main():
 
     s, source = bench_train.step_settings(args, steps=args.steps, warmup=args.warmup, accum=1)
     as_before(args.logits, args.loss)
-    programs = capture_program(train_step)
+    if args.qkv == "three":
+        three_projections()
+    programs = capture_program(auto_settings)
     with tempfile.TemporaryDirectory() as trace_dir:
         options = jax.profiler.ProfileOptions()
         options.python_tracer_level = 0  # Python's calls: millions of events, none of them the step's
@@ -147,12 +183,12 @@ def main():
         if args.xplane:
             shutil.copy(xplane, args.xplane)
             with open(args.xplane + ".hlo.txt", "w") as f:
-                f.write(programs[0])
+                f.write(programs[-1])
         ops, traced_ns = step_ops(xplane, args.steps, args.warmup + args.steps)
-    print(f"{args.preset}: {s}{source}, logits {args.logits}, loss's gradient {args.loss}")
+    print(f"{args.preset}: {s}{source}, logits {args.logits}, loss's gradient {args.loss}, q/k/v {args.qkv}")
     print(f"{r['device']}: {r['ms']:.2f} ms a step by the host clock (median, the profiler on), MFU "
           f"{'n/a' if r['mfu'] is None else format(r['mfu'], '.1%')}, peak {r['peak_mb'] / 1024:.2f} GiB")
-    report(ops, traced_ns, programs[0], args)
+    report(ops, traced_ns, programs[-1], args)
     return 0
 
 

@@ -5,7 +5,8 @@ Sampling speed, side by side in one run: our KV-cache generate, transformers' ge
     python bench_sample.py --size gpt2-medium --batch 1 --new-tokens 100
     python bench_sample.py --startup                         # whole processes: sample.py vs a transformers script
 
-Greedy decoding in float32 from an 8-token prompt, on whatever JAX and torch run on (CPU here). Compile
+Greedy decoding in float32 from an 8-token prompt, ours on JAX's default device and transformers on the same one
+(the GPU where there is one, else the CPU). Compile
 time is reported apart from speed: ours is the time the first call spends tracing and compiling (JAX's
 compile events), and its tokens/s is the rest of that call. transformers gets a warm-up that also picks
 its faster torch thread count (1 or all cores; shown in brackets).
@@ -38,6 +39,7 @@ from configurator import UsageError, exit_on_bad_input
 from parity.common import HF_SIZES, print_table, random_hf_model
 
 PROMPT = "Hello, I'm a language model,"  # 8 GPT-2 tokens
+SIZES = {**HF_SIZES, "tiny": dict(n_layer=2, n_head=2, n_embd=64)}  # tiny: bench_gpu.py --tiny, the tests
 
 
 class CompileTimer:
@@ -67,26 +69,27 @@ def time_ours(model, idx, new_tokens, timer, use_cache=True):
 
 
 def time_hf(hf_model, idx, new_tokens, probe_tokens=16):
-    """(threads, warm-up s, run s, tokens) of transformers' greedy generate. The warm-up also tries torch
-    on 1 thread and on all of them, and keeps the faster: on a busy machine torch's default (all
-    threads) can be several times slower than 1 thread."""
+    """(threads, warm-up s, run s, tokens) of transformers' greedy generate, on the model's device (the GPU where
+    there is one, as ours). On a CPU the warm-up also tries torch on 1 thread and on all of them, and keeps the
+    faster: on a busy machine torch's default (all threads) can be several times slower than 1 thread."""
     import torch
 
-    x = torch.from_numpy(idx.astype(np.int64))
+    device = next(hf_model.parameters()).device
+    x = torch.from_numpy(idx.astype(np.int64)).to(device)
     kw = dict(attention_mask=torch.ones_like(x), do_sample=False, min_new_tokens=0)
     t_warm, probes = time.perf_counter(), {}
     with torch.no_grad():
-        hf_model.generate(x, max_new_tokens=4, **kw)
-        for threads in sorted({1, os.cpu_count()}):
+        hf_model.generate(x, max_new_tokens=4, **kw).cpu()
+        for threads in sorted({1, os.cpu_count()}) if device.type == "cpu" else ():
             torch.set_num_threads(threads)
             t0 = time.perf_counter()
             hf_model.generate(x, max_new_tokens=probe_tokens, **kw)
             probes[threads] = time.perf_counter() - t0
-        threads = min(probes, key=probes.get)
+        threads = min(probes, key=probes.get) if probes else torch.get_num_threads()
         torch.set_num_threads(threads)
         warmup = time.perf_counter() - t_warm
         t0 = time.perf_counter()
-        out = hf_model.generate(x, max_new_tokens=new_tokens, **kw).numpy()
+        out = hf_model.generate(x, max_new_tokens=new_tokens, **kw).cpu().numpy()  # .cpu(): waits for the GPU
     return threads, warmup, time.perf_counter() - t0, out
 
 
@@ -120,7 +123,7 @@ def startup(size, repeats):
     rows, ratios = [], {"cold": [], "warm": []}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
-        random_hf_model(0, **HF_SIZES[size]).save_pretrained(model_dir)
+        random_hf_model(0, **SIZES[size]).save_pretrained(model_dir)
         for i in range(repeats):
             env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(tmp, f"jax-cache-{i}"))  # new: cold
             ours = [sys.executable, "sample.py", f"--init_from={model_dir}", *SAMPLE_ARGS]
@@ -154,7 +157,7 @@ def memory(args):
     else:
         devices, compiler = sharding.topology_devices(args.topology), "libtpu"
     mesh = sharding.make_mesh(devices=devices[:1])
-    config = GPTConfig(**HF_SIZES[args.size], vocab_size=50257, dtype=args.dtype, scan_layers=True)
+    config = GPTConfig(**SIZES[args.size], vocab_size=50257, dtype=args.dtype, scan_layers=True)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
     params = sharding.abstract(params, sharding.shardings_for(params, mesh))
     L = min(8 + args.new_tokens, config.block_size)  # an 8-token prompt (PROMPT's), then the samples
@@ -167,7 +170,7 @@ def memory(args):
                                                   sampling=(1.0, 200, None, None), use_cache=True, on_token=None,
                                                   return_logits=False).compile()
     peak = sharding.step_peak_bytes(compiled.compiled, sharding.platform_of(mesh))
-    limit = sharding.hbm_bytes(devices[0])
+    limit = sharding.usable_bytes(devices[0])
     print(f"{args.size}, batch {args.batch[0]}, {L} positions, {args.dtype}, KV cache, on {devices[0].device_kind}: "
           f"weights {sharding.bytes_per_device(params) / 2**30:.2f} GiB, generate peak {peak / 2**30:.2f} GiB of "
           f"{limit / 2**30:.2f} GiB: {'fits' if peak <= limit else 'does not fit'} (compiled by {compiler} in "
@@ -175,10 +178,17 @@ def memory(args):
     return 0
 
 
+def hf_device_name(hf_model):
+    import torch
+
+    device = next(hf_model.parameters()).device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", default="gpt2", choices=list(HF_SIZES), help="architecture; weights are random")
+    p.add_argument("--size", default="gpt2", choices=list(SIZES), help="architecture; weights are random")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--new-tokens", type=int, default=500)
     p.add_argument("--nocache-steps", type=int, default=1, help="steps timed on the no-cache path")
@@ -203,6 +213,20 @@ def main(argv=None):
     if args.nocache_steps > args.new_tokens:
         raise UsageError(f"--nocache-steps ({args.nocache_steps}) cannot exceed --new-tokens ({args.new_tokens})")
 
+    header, rows = compare(args.size, args.batch, args.new_tokens, args.nocache_steps, echo=True)
+    print()
+    print(header)
+    print_table([[str(r["batch"]), r["compile_s"], r["ours_tps"], r["hf_warmup_s"], f"{r['hf_tps']:.3g} ({r['threads']})",
+                  r["nocache_compile_s"], r["nocache_tps"], f"{r['ours_tps'] / r['hf_tps']:.2f}x",
+                  f"{r['ours_tps'] / r['nocache_tps']:.1f}x", "yes" if r["same"] else "NO"] for r in rows],
+                ["batch", "ours compile s", "ours tok/s", "HF warm-up s", "HF tok/s (threads)", "no-cache compile s",
+                 "no-cache tok/s", "ours / HF", "ours / no-cache", "same tokens"])
+    return 0
+
+
+def compare(size, batches, new_tokens, nocache_steps=1, echo=False):
+    """(a line naming the run, [{batch, ours_tps, hf_tps, ...}]): ours and transformers' greedy generate on the same
+    random weights of `size`, each batch size in `batches`; bench_gpu.py's sampling row."""
     import jax
     import torch
     import transformers
@@ -215,38 +239,36 @@ def main(argv=None):
     transformers.logging.disable_progress_bar()
     timer = CompileTimer()
     with tempfile.TemporaryDirectory() as tmp:
-        random_hf_model(0, **HF_SIZES[args.size]).save_pretrained(tmp)
+        random_hf_model(0, **SIZES[size]).save_pretrained(tmp)
         model = GPT.from_pretrained(tmp)
         hf_model = GPT2LMHeadModel.from_pretrained(tmp, dtype=torch.float32).eval()  # default attention (sdpa)
+    hf_model.to("cuda" if torch.cuda.is_available() else "cpu")  # ours runs on JAX's default device, the GPU
     hf_model.generation_config.eos_token_id = None  # decode every token, as ours
     hf_model.generation_config.pad_token_id = 0
     prompt = get_encoding().encode(PROMPT)
-    T, N = len(prompt), args.new_tokens
+    T, N = len(prompt), new_tokens
     if T + N > model.config.block_size:
         raise UsageError(f"prompt + new tokens = {T + N} > block_size {model.config.block_size}: HF would stop")
-    print(f"{args.size}-shaped, random weights, {model.num_params() / 1e6:.1f}M params; float32; greedy; "
-          f"{T}-token prompt + {N} new tokens; jax {jax.__version__} on {jax.devices()[0].device_kind} "
-          f"({os.cpu_count()} cores); torch {torch.__version__}, transformers {transformers.__version__}")
-
+    header = (f"{size}-shaped, random weights, {model.num_params() / 1e6:.1f}M params; float32; greedy; {T}-token "
+              f"prompt + {N} new tokens; jax {jax.__version__} on {jax.devices()[0].device_kind} ({os.cpu_count()} "
+              f"cores); torch {torch.__version__} on {hf_device_name(hf_model)}, transformers "
+              f"{transformers.__version__}")
     rows = []
-    for B in args.batch:
+    for B in batches:
         idx = np.tile(np.array(prompt, np.int32), (B, 1))
         compile_s, run_s, ours = time_ours(model, idx, N, timer)
         threads, warmup_s, hf_s, theirs = time_hf(hf_model, idx, N)
         # no cache: the same (B, T + N) compiled loop, run for its last k steps only
-        k = args.nocache_steps
+        k = nocache_steps
         long_prompt = np.tile(np.resize(np.array(prompt, np.int32), T + N - k), (B, 1))
         nc_compile_s, nc_s, _ = time_ours(model, long_prompt, k, timer, use_cache=False)
-        ours_tps, hf_tps, nc_tps = B * N / run_s, B * N / hf_s, B * k / nc_s
-        rows.append([str(B), compile_s, ours_tps, warmup_s, f"{hf_tps:.3g} ({threads})", nc_compile_s, nc_tps,
-                     f"{ours_tps / hf_tps:.2f}x", f"{ours_tps / nc_tps:.1f}x",
-                     "yes" if np.array_equal(ours, theirs) else "NO"])
-        print(f"batch {B}: ours {run_s:.1f}s (+{compile_s:.1f}s compile), transformers {hf_s:.1f}s, "
-              f"no-cache {nc_s:.1f}s for {k} steps", flush=True)
-    print()
-    print_table(rows, ["batch", "ours compile s", "ours tok/s", "HF warm-up s", "HF tok/s (threads)",
-                       "no-cache compile s", "no-cache tok/s", "ours / HF", "ours / no-cache", "same tokens"])
-    return 0
+        rows.append(dict(batch=B, compile_s=compile_s, ours_tps=B * N / run_s, hf_warmup_s=warmup_s,
+                         hf_tps=B * N / hf_s, threads=threads, nocache_compile_s=nc_compile_s,
+                         nocache_tps=B * k / nc_s, same=bool(np.array_equal(ours, theirs))))
+        if echo:
+            print(f"batch {B}: ours {run_s:.1f}s (+{compile_s:.1f}s compile), transformers {hf_s:.1f}s, "
+                  f"no-cache {nc_s:.1f}s for {k} steps", flush=True)
+    return header, rows
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ process, so peak memory is that run's alone.
     python bench_train.py                      # nanoGPT's CPU baby config (block 64, batch 12, 4x4x128)
     python bench_train.py --preset gpt2 --dtype bfloat16 --frameworks jax   # 124M, B=16, T=1024 (GPU)
     python bench_train.py --full-run           # the main training command (make shakespeare) vs nanoGPT's train.py loop, 3 pairs
-    python bench_train.py --memory --preset gpt2 --batch_size=64 --dtype=bfloat16   # config/train_gpt2.py's remat
+    python bench_train.py --memory --preset gpt2 --batch_size=64 --dtype=bfloat16   # config/train_gpt2.py's step
     python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 --remat=none
     python bench_train.py --memory --topology=v5e:2x4 --preset gpt2 --batch_size=16 --dtype=bfloat16   # a v5e-8 VM
     python bench_train.py --memory --gpu=h100 --preset gpt2 --batch_size=64 --dtype=bfloat16   # an H100, here
@@ -17,8 +17,8 @@ peak memory (the device's on GPU/TPU, the process's peak RSS on CPU) and, for ou
 memory (XLA's memory analysis); then ours with gradient accumulation 8 vs 1 (memory must stay flat: lax.scan over
 micro-batches). --full-run times whole runs instead, in pairs (--repeats): train.py with the main command's settings,
 then nanoGPT's training loop (nanogpt_run) on the same data: the wall time and final val loss of each, and the
-median ratio. --memory prints `memory per device: state, step peak` of one step on a mesh, as train.py does at
-start-up, compiled only (bench_memory). With --topology (v3:2x2, v5e:2x4, tpu7x:2x2x1...) libtpu's compiler
+median ratio. --memory prints `memory per device: state, step peak` of one step on a mesh and what its 'auto'
+settings became, as train.py does at start-up, compiled only (bench_memory). With --topology (v3:2x2, v5e:2x4, tpu7x:2x2x1...) libtpu's compiler
 (the tpu extras) compiles it here for that TPU, with --gpu (h100, a100-40...) and --gpus XLA:GPU
 (the cuda extras) for a node of those GPUs: its memory, compile time, and whether it fits.
 """
@@ -64,6 +64,7 @@ def bench_jax(s):
     import jax
     from flax import nnx
 
+    import auto_settings
     import runlog
     import sharding
     import train_step
@@ -78,8 +79,9 @@ def bench_jax(s):
     rows = s["batch_size"] * sharding.batch_shards(mesh)
     batch_sharding = sharding.batch_sharding(mesh)
     t_compile = time.perf_counter()
-    step, _, _ = train_step.compile_step(train_step.make_train_step(graphdef, tx, grad_clip=1.0), params,
-                                         opt_state, (s["accum"], rows, s["block_size"]), batch_sharding)
+    fit, auto_line = auto_settings.compile_train_step(graphdef, params, opt_state, tx,
+                                                      (s["accum"], rows, s["block_size"]), batch_sharding, s, 1.0)
+    step = fit.step
     compile_s = time.perf_counter() - t_compile
     # XLA's own account of the step's scratch memory (activations, grads in flight): exact, on any backend
     temp = step.memory_analysis().temp_size_in_bytes
@@ -99,18 +101,20 @@ def bench_jax(s):
     tokens = s["accum"] * rows * s["block_size"]
     return {"ms": dt * 1000, "compile_s": compile_s, "peak_mb": (peak or rss_bytes()) / 2**20,
             "memory": "device" if peak else "RSS", "mfu": runlog.mfu(flops_per_token * tokens, dt, jax.devices()),
-            "device": jax.devices()[0].device_kind, "temp_mb": temp / 2**20, "tokens": tokens}
+            "device": jax.devices()[0].device_kind, "temp_mb": temp / 2**20, "tokens": tokens, "auto": auto_line}
 
 
 def model_config(s, platform):
     """The GPTConfig of the preset's shape and our settings, scan_layers resolved for `platform` as train.py does."""
+    import auto_settings
     from model import GPTConfig
     from settings import resolve_scan_layers
 
-    fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dtype", "remat", "loss_chunk", "attention")
+    fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dtype", "attention")
     scan_layers = resolve_scan_layers(s["scan_layers"], platform)
     arch = s.get("arch", "gpt2")
-    return GPTConfig(**{k: s[k] for k in fields}, arch=arch, bias=arch == "gpt2", scan_layers=scan_layers)
+    return GPTConfig(**{k: s[k] for k in fields}, arch=arch, bias=arch == "gpt2", scan_layers=scan_layers,
+                     **auto_settings.first_candidate(s))  # remat, loss_chunk: compile_fitting picks where 'auto'
 
 
 def optimizer_settings(s, **c):
@@ -127,6 +131,7 @@ def bench_memory(s):
     back as the compiler's refusal. With a GPU, XLA:GPU compiles it for that GPU's spec (sharding.GPUS)."""
     import jax
 
+    import auto_settings
     import sharding
     import train_step
 
@@ -146,19 +151,13 @@ def bench_memory(s):
     # eval_shape returns no shardings: each array placed by the table again
     params, opt_state = (sharding.abstract(t, sharding.shardings_for(t, mesh)) for t in state)
     shape = (1, s["batch_size"] * sharding.batch_shards(mesh), s["block_size"])
-    r = {"state": sharding.bytes_per_device([params, opt_state]), "backend": platform, "mesh": dict(mesh.shape),
-         "scan_layers": config.scan_layers, "device_kind": devices[0].device_kind,
-         "hbm": sharding.hbm_bytes(devices[0])}
     t0 = time.perf_counter()
-    try:
-        step = train_step.make_train_step(graphdef, tx, grad_clip=1.0)
-        _, _, r["peak"] = train_step.compile_step(step, params, opt_state, shape, sharding.batch_sharding(mesh))
-    except jax.errors.JaxRuntimeError as e:
-        if (refusal := sharding.tpu_out_of_memory(e)) is None:
-            raise
-        r["needs"], r["available"] = refusal
-    r["compile_s"] = time.perf_counter() - t0
-    return r
+    fit, auto = auto_settings.compile_train_step(graphdef, params, opt_state, tx, shape, sharding.batch_sharding(mesh),
+                                                 s, 1.0)
+    return {"state": fit.state_bytes, "backend": platform, "mesh": dict(mesh.shape), "scan_layers": config.scan_layers,
+            "device_kind": devices[0].device_kind, "hbm": sharding.usable_bytes(devices[0]), "auto": auto,
+            "peak": fit.peak, "refused": fit.step is None, "available": fit.limit, "remat": fit.config.remat,
+            "loss_chunk": fit.config.loss_chunk, "compile_s": time.perf_counter() - t0}
 
 
 def step_options(p):
@@ -169,9 +168,10 @@ def step_options(p):
     p.add_argument("--preset", default="baby", choices=PRESETS)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batch_size", type=int, default=None)
-    p.add_argument("--remat", choices=list(REMAT), help="ours: train.py's remat (default: the preset's config "
+    p.add_argument("--remat", choices=["auto", *REMAT], help="ours: train.py's remat (default: the preset's config "
                    "file's: gpt2 config/train_gpt2.py, gpt2-xl config/finetune_shakespeare.py)")
-    p.add_argument("--loss_chunk", type=int, help="ours: train.py's loss_chunk (default: as --remat)")
+    p.add_argument("--loss_chunk", type=lambda v: v if v == "auto" else int(v),
+                   help="ours: train.py's loss_chunk, or auto (default: as --remat)")
     p.add_argument("--scan_layers", choices=list(SCAN_LAYERS),
                    help="ours: train.py's scan_layers (default: as --remat)")
     p.add_argument("--attention", default="auto", choices=attention.SETTINGS, help="ours: train.py's attention")
@@ -217,13 +217,13 @@ def memory(args):
     where = f" of {args.topology or args.gpu} ({r['device_kind']})" if args.topology or args.gpu else ""
     print(f"{args.preset}, batch {s['batch_size']} x {s['block_size']} per batch shard, {s['dtype']}, "
           f"{s['devices']} {r['backend']} device(s){where}, mesh data {m['data']} x fsdp {m['fsdp']} x tensor "
-          f"{m['tensor']}, remat {s['remat']}, loss_chunk {s['loss_chunk']}, scan_layers {r['scan_layers']}{source}, "
+          f"{m['tensor']}, remat {r['remat']}, loss_chunk {r['loss_chunk']}, scan_layers {r['scan_layers']}{source}, "
           f"attention {s['attention']}")
-    if "needs" in r:
-        print(f"memory per device: state {r['state'] / 2**30:.2f} GiB, step peak over the device's HBM "
-              f"(compiled in {r['compile_s']:.1f} s)")
-        print(f"does not fit: needs ~{r['needs'] / 2**30:.2f} GiB of {r['available'] / 2**30:.2f} GiB HBM "
-              f"(the TPU compiler's figure)")
+    if r["auto"]:
+        print(r["auto"])
+    if r["refused"]:  # by the TPU compiler, every candidate of remat and loss_chunk
+        print(f"memory per device: state {r['state'] / 2**30:.2f} GiB; does not fit: needs ~{r['peak'] / 2**30:.2f} "
+              f"GiB of {r['available'] / 2**30:.2f} GiB HBM (the TPU compiler's figure)")
         return 0
     print(f"memory per device: state {r['state'] / 2**30:.2f} GiB, step peak {r['peak'] / 2**30:.2f} GiB")
     if args.topology or args.gpu:  # the TPU compiler refuses a step that does not fit (above), XLA:GPU compiles any

@@ -164,7 +164,7 @@ def _checked(key, value, defaults, source, nullable=()):
         return value
     if type(default) is float and type(value) is int:  # --learning_rate=1 means 1.0
         return float(value)
-    if default == "auto" and type(value) is bool:  # an 'auto' choice made explicit: --scan_layers=True
+    if default == "auto" and type(value) in (bool, int):  # an 'auto' made explicit: --scan_layers=True, --loss_chunk=0
         return value
     if type(value) is not type(default):
         raise ConfigError(f"{key} must be {type(default).__name__} (default {default!r}), "

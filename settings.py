@@ -8,6 +8,7 @@ import os
 
 import runlog
 from configurator import UsageError
+from layers import REMAT
 from model import GPTConfig, resolve_dtype
 
 # -----------------------------------------------------------------------------
@@ -72,8 +73,9 @@ DEFAULTS = dict(
     # system
     dtype="auto",  # 'float32' | 'bfloat16' | 'auto' (bfloat16 on GPU/TPU, float32 on CPU)
     attention="auto",  # 'xla' | 'cudnn' (NVIDIA Ampere+, bf16) | 'splash' (TPU) | 'auto': the fused one where it runs
-    remat="none",  # recompute in the backward to save memory: 'none' | 'block' | 'dots' | 'qkv_proj' (model.REMAT)
-    loss_chunk=0,  # the loss's logits this many positions at a time (memory B x loss_chunk x vocab); 0: all at once
+    # 'auto': the least recompute whose compiled step fits the device (auto_settings; said at start-up)
+    remat="auto",  # recompute in the backward to save memory: 'none' | 'dots' | 'qkv_proj' | 'block' (layers.REMAT)
+    loss_chunk="auto",  # the loss's logits this many positions at a time (memory B x loss_chunk x vocab); 0: all
     scan_layers="auto",  # True: the blocks under one lax.scan (one compiled block) | False | 'auto' (on TPU)
     profile="",  # 'START:STOP': a jax.profiler trace of iterations START..STOP-1 to out_dir/profile
     seed=1337,
@@ -104,8 +106,9 @@ def validate(c):
             raise UsageError(f"{key} must be in [0, 1), got {c[key]}")
     resolve_dtype(c["dtype"], "cpu")
     resolve_scan_layers(c["scan_layers"], "cpu")
-    try:  # the model's own checks: arch (and its bias), n_embd % n_head, gelu, attention, remat, loss_chunk
-        GPTConfig(**{k: c[k] for k in ("arch", "bias", "n_head", "n_embd", "gelu", "attention", "remat", "loss_chunk")})
+    try:  # the model's own checks: arch (and its bias), n_embd % n_head, gelu, attention; remat, loss_chunk
+        check_memory_settings(c["remat"], c["loss_chunk"])
+        GPTConfig(**{k: c[k] for k in ("arch", "bias", "n_head", "n_embd", "gelu", "attention")})
     except ValueError as e:
         raise UsageError(str(e)) from None
     check_optimizer(c)
@@ -120,6 +123,14 @@ def validate(c):
     if os.path.isfile(c["dataset"]):
         raise UsageError(f"--dataset={c['dataset']} is a file: give the folder holding train.bin and val.bin "
                          "(or the .npy shards), or a name under data/")
+
+
+def check_memory_settings(remat, loss_chunk):
+    """ValueError naming the values remat and loss_chunk take ('auto': auto_settings picks), for anything else."""
+    if remat != "auto" and remat not in REMAT:
+        raise ValueError(f"remat must be 'auto' or one of {', '.join(map(repr, REMAT))}, got {remat!r}")
+    if loss_chunk != "auto" and not (type(loss_chunk) is int and loss_chunk >= 0):
+        raise ValueError(f"loss_chunk must be 'auto' or an integer >= 0 (0: no chunks), got {loss_chunk!r}")
 
 
 def check_optimizer(c):

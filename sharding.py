@@ -190,12 +190,6 @@ def target_size():
     return 1 if mesh.empty else mesh.size
 
 
-def device_memory_limit():
-    """The device's usable bytes where it reports them (GPU, TPU), else None (CPU)."""
-    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
-    return (stats or {}).get("bytes_limit")
-
-
 # Where the model computes under a mesh (jax.set_mesh around tracing; a no-op without one): activations keep
 # their rows over data x fsdp, and each weight is gathered over fsdp where it is used, still split over tensor.
 # Left to itself, XLA's partitioner resharded activations to match the fsdp-split weights instead (an
@@ -276,19 +270,19 @@ def topology_devices(name):
         raise UsageError(f"TPU topology {name}: {str(e).splitlines()[0]}") from None
 
 
-def hbm_bytes(device):
-    """A TPU's or an NVIDIA GPU's memory a program may use: what the device itself reports on a TPU VM or a GPU
-    machine, else its table's (a compile-only device reports nothing: TPUS, or GPUS less what JAX keeps back,
-    gpu_usable); None for other devices."""
-    if device.device_kind not in GENERATIONS and device.device_kind not in GPU_NAMES:
-        return None
+def usable_bytes(device):
+    """The bytes a program may use on `device`: what a TPU or an NVIDIA GPU reports on its own machine (bytes_limit),
+    else its table's (a compile-only device reports nothing: TPUS, or GPUS less what JAX keeps back, gpu_usable); a
+    CPU device's share of the host's RAM; None for other devices."""
+    if device.platform == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(jax.local_devices(backend="cpu"))
     try:
         limit = (device.memory_stats() or {}).get("bytes_limit")
     except jax.errors.JaxRuntimeError:  # a topology's compile-only device: "only supported for addressable" devices
         limit = None
     if limit or device.device_kind in GENERATIONS:
         return limit or TPUS[GENERATIONS[device.device_kind]].hbm
-    return gpu_usable(GPUS[GPU_NAMES[device.device_kind]].memory)
+    return gpu_usable(GPUS[GPU_NAMES[device.device_kind]].memory) if device.device_kind in GPU_NAMES else None
 
 
 # GPU programs without a GPU: XLA compiles for an NVIDIA GPU from a description of it (a GpuTargetConfigProto, as

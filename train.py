@@ -13,6 +13,7 @@ others on a TPU pod slice (gcloud ... tpu-vm ssh --worker=all --command="python 
 or Open MPI; elsewhere set JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=N JAX_PROCESS_ID=i.
 """
 
+import gc
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 import attention
+import auto_settings
 import checkpoint
 import hellaswag
 import runlog
@@ -38,8 +40,7 @@ from model import RUNTIME_FIELDS, GPTConfig, resolve_dtype
 from pretrained import read_pretrained
 from settings import DEFAULTS, accumulation_steps, fixed_by_checkpoint, profile_range, resolve_scan_layers, validate
 from tokenizer import vocab_file
-from train_step import (all_finite, compile_step, first_nonfinite, get_lr, init_state, make_eval_step, make_optimizer,
-                        make_train_step)
+from train_step import all_finite, first_nonfinite, get_lr, init_state, make_eval_step, make_optimizer
 
 
 def check_one_run(c):
@@ -63,6 +64,7 @@ class Trainer:
     def __init__(self, config: dict):
         validate(config)
         c = self.c = dict(config)
+        self.settings = dict(config)  # as given: what was 'auto' (auto_settings.line)
         self.master = jax.process_index() == 0
         self.mesh = sharding.make_mesh(c["fsdp"], c["tensor_parallel"])
         if jax.process_count() > 1:  # before anything reads out_dir: a resume reads what process 0 wrote
@@ -83,7 +85,7 @@ class Trainer:
         self.data_dir = data_dir_for(c["dataset"])
         data_vocab_size, self.vocab = data_meta(self.data_dir)
         self.iter_num, self.best_val_loss, self.last_saved = 0, float("inf"), None
-        runtime = {k: c[k] for k in RUNTIME_FIELDS}
+        runtime = {**{k: c[k] for k in RUNTIME_FIELDS}, **auto_settings.first_candidate(c)}  # until compiled
         meta = pretrained = self.mngr = None
         if c["init_from"] == "scratch":
             vocab_size = c["vocab_size"] or data_vocab_size
@@ -132,6 +134,16 @@ class Trainer:
         # out_dir is made and locked before the model is built, so that a second run on it is refused at once
         start_over = (checkpoint.CKPT_SUBDIR, runlog.LOG_FILE) if c["start_over"] else ()
         self.lock = runlog.claim_out_dir(c["out_dir"], start_over) if self.master else None
+        try:
+            self._build(model_config, pretrained, meta, hellaswag_path)
+        except BaseException:  # a failed start leaves out_dir to the next run (in this process too: a notebook's)
+            if self.lock is not None:
+                self.lock.close()
+            raise
+
+    def _build(self, model_config, pretrained, meta, hellaswag_path):
+        """The model, optimizer state and compiled steps, in out_dir's lock."""
+        c = self.c
         tx = make_optimizer(c)
         self.graphdef, params, opt_state = init_state(
             model_config, self.mesh, tx, seed=c["seed"], weights=pretrained, block_size=c["block_size"],
@@ -141,8 +153,7 @@ class Trainer:
         self.hellaswag_examples = None
         if hellaswag_path:
             self.hellaswag_examples = hellaswag.load_examples(hellaswag_path, max_len=self.model_config.block_size)
-        step = make_train_step(self.graphdef, tx, c["grad_clip"], lr_schedule=partial(get_lr, c=c))
-        self.train_step = self._compile_step(step, params, opt_state)
+        self.train_step = self._compile_step(tx, params, opt_state)
         self.eval_step = make_eval_step(self.graphdef, params)
         flops_per_iter = nnx.merge(self.graphdef, params).flops_per_token() * c["block_size"] * self.accum * self.rows
         self.out = runlog.RunLog(c, self.master, self.tokens_per_iter, flops_per_iter, list(self.mesh.devices.flat),
@@ -190,23 +201,19 @@ class Trainer:
         self.out.record({"iter": self.iter_num, "hellaswag_acc": score.acc, "hellaswag_acc_norm": score.acc_norm,
                   "hellaswag_count": score.count})
 
-    def _compile_step(self, step, params, opt_state):
-        """The jitted step, compiled now (not at step 0) so that its memory is known before anything runs:
-        `memory per device` is printed, logged, and checked against the device's limit."""
-        try:
-            compiled, self.state_bytes, self.step_peak_bytes = compile_step(
-                step, params, opt_state, (self.accum, self.rows, self.c["block_size"]), self.batch_sharding)
-            needs, limit = self.step_peak_bytes, sharding.device_memory_limit()
-        except jax.errors.JaxRuntimeError as e:  # a TPU's compiler refuses a step that does not fit
-            if (refusal := sharding.tpu_out_of_memory(e)) is None:
-                raise
-            needs, limit = refusal
-        if limit is not None and needs > limit:
-            raise UsageError(f"the train step needs {needs / 2**30:.2f} GiB per device, the device has "
-                             f"{limit / 2**30:.2f} GiB: lower --batch_size (raise gradient_accumulation_steps to keep "
-                             "the tokens per step; total_batch_size does it for you), choose a remat that recomputes "
-                             "more, or raise --fsdp / --tensor_parallel")
-        return compiled
+    def _compile_step(self, tx, params, opt_state):
+        """The jitted step, compiled now (not at step 0) so that its memory is known before anything runs: remat and
+        loss_chunk 'auto' take the least recompute that fits (auto_settings); `memory per device` is printed, logged,
+        and checked against the device's limit. Sets the graphdef and model config of the settings compiled."""
+        c = self.c
+        fit, self.auto_line = auto_settings.compile_train_step(
+            self.graphdef, params, opt_state, tx, (self.accum, self.rows, c["block_size"]), self.batch_sharding,
+            self.settings, c["grad_clip"], lr_schedule=partial(get_lr, c=c))
+        self.state_bytes, self.step_peak_bytes = fit.state_bytes, fit.peak
+        fit.check()
+        self.graphdef, self.model_config = fit.graphdef, fit.config
+        c["remat"], c["loss_chunk"] = fit.config.remat, fit.config.loss_chunk
+        return fit.step
 
     def _put(self, x, sharding):
         global_shape = x.shape[:-2] + (self.rows, x.shape[-1])
@@ -278,6 +285,8 @@ class Trainer:
         self.out.print(f"{jax.device_count()} device(s) ({jax.devices()[0].device_kind}) on {jax.process_count()} "
                        f"process(es); accumulation {self.accum} x micro-batch {self.rows} ({c['batch_size']} per batch "
                        f"shard)\ntokens per iteration will be: {self.tokens_per_iter:,}")
+        if self.auto_line:
+            self.out.print(self.auto_line)
         if c["attention"] == "splash" and sharding.platform_of(mesh) != "tpu":
             self.out.print("attention='splash' off a TPU: the same kernel in Pallas interpret mode (slow: for tests)")
         optimizer = (f"Muon (lr {c['muon_learning_rate']:g}) on the blocks' matrices, Adam (lr {c['learning_rate']:g})"
@@ -290,7 +299,7 @@ class Trainer:
         self.out.start_wandb(c)
         self.out.record({"iter": self.iter_num, "event": "resume" if self.last_saved is not None else "start",
                          "dataset": c["dataset"], "config": c, "state_bytes_per_device": self.state_bytes,
-                         "step_peak_bytes_per_device": self.step_peak_bytes})
+                         "step_peak_bytes_per_device": self.step_peak_bytes, "auto_settings": self.auto_line})
         # the run's one checkpoint manager: a resume's, which read its checkpoint, else a new one (makes ckpt/)
         self.mngr = self.mngr or checkpoint.manager(c["out_dir"], c["keep_checkpoints"])
         if started is not None:
@@ -299,10 +308,15 @@ class Trainer:
         if jax.process_count() == 1:
             signal.signal(signal.SIGTERM, self._request_stop)
 
+        # the start-up's objects (modules, traced programs) left out of the loop's garbage collections: a full one
+        # over them pauses the host (on an H200 one log line of 16 read 1,455 ms and the next 525 for ~990 ms steps)
+        gc.collect()
+        gc.freeze()
         self.batches = Prefetcher(self.train_loader, self.accum, partial(self._put, sharding=self.batch_sharding))
         try:
             self._loop()
         finally:
+            gc.unfreeze()  # collectable again once the loop is done (a notebook's next run)
             self.batches.close()
             self.out.stop_profile(self.iter_num - 1)
         checkpoint.wait_saved(self.mngr)
@@ -344,6 +358,7 @@ class Trainer:
                 out.stop_profile(self.iter_num - 1, metrics)
             if self.iter_num % c["log_interval"] == 0 or self.iter_num == c["max_iters"]:
                 self._unlogged = (self.iter_num - 1, metrics, self._first_nonfinite)
+                out.watch(self.iter_num - 1, metrics)
             # a step evaluated next is saved by its eval, with its val loss (for rotation to keep the best)
             if self._interval_save_due() and not self._evaluates_next():
                 self._log_unlogged()

@@ -258,16 +258,35 @@ def compile_step(step, params, opt_state, batch_shape, batch_sharding):
     """`step` jitted on the state's shardings (see on_leaves) and compiled for (accum, B, T) batches ->
     (compiled step, state bytes per device, XLA's step peak bytes per device). params and opt_state may be
     abstract (ShapeDtypeStructs with shardings): then nothing is materialized (bench_train.py --memory)."""
+    lowered = lower_step(step, params, opt_state, batch_shape, batch_sharding)
+    compiled = lowered.compile(compiler_options(batch_sharding.mesh))
+    return compiled, sharding.bytes_per_device([params, opt_state]), step_peak(compiled, batch_sharding.mesh)
+
+
+# XLA:GPU rewrites LayerNorm, forward and backward, into cuDNN's fused norm kernels: the 124M step at batch 64 took
+# 131.9 ms instead of 139.7 on an H200 (docs/benchmarks.md). Off by default in XLA, so set where the step compiles.
+GPU_OPTIONS = {"xla_gpu_enable_cudnn_layer_norm": True}
+
+
+def compiler_options(mesh):
+    """XLA's options for a step compiled for `mesh`'s devices: GPU_OPTIONS on an NVIDIA GPU."""
+    return GPU_OPTIONS if sharding.platform_of(mesh) in ("gpu", "cuda") else None
+
+
+def lower_step(step, params, opt_state, batch_shape, batch_sharding):
+    """compile_step's program, lowered (traced), not compiled."""
     jitted = on_leaves(step, params, opt_state, batch_sharding)
     batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding)
     # an abstract key: a concrete one made under (or placed on) a mesh of devices this process cannot address, a TPU
     # topology compiled for on a CPU, fails
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.replicated(batch_sharding.mesh))
     with jax.set_mesh(batch_sharding.mesh):  # the model pins its activations to it (sharding.constrain_batch)
-        lowered = jitted.lower(jax.tree.leaves(params), jax.tree.leaves(opt_state), batch, batch, key)
-    compiled = lowered.compile()
-    peak = sharding.step_peak_bytes(compiled, sharding.platform_of(batch_sharding.mesh))
-    return compiled, sharding.bytes_per_device([params, opt_state]), peak
+        return jitted.lower(jax.tree.leaves(params), jax.tree.leaves(opt_state), batch, batch, key)
+
+
+def step_peak(compiled, mesh):
+    """XLA's peak bytes per device of a step compiled for `mesh` (sharding.step_peak_bytes)."""
+    return sharding.step_peak_bytes(compiled, sharding.platform_of(mesh))
 
 
 @jax.jit

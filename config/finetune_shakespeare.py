@@ -24,9 +24,6 @@ learning_rate = 3e-5
 decay_lr = False
 
 # memory: gpt2-xl's step at batch 1 x 1024 needs 40.5 GiB per device as a replica, 25.2 GiB with --fsdp=8 (XLA:CPU's
-# analysis). With --fsdp=8 and these, on a v5e-8 (16 GB chips), by the TPU compiler (bench_train.py --memory
-# --topology=v5e:2x4 --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16): 4.92 GiB per chip, the layers
-# under one scan (scan_layers 'auto' on a TPU); XLA:CPU's analysis of the Python loop of layers: 9.7 GiB. The Linear
-# layers' outputs kept, the rest recomputed in the backward pass, the loss's logits 128 positions at a time
-remat = "dots"
-loss_chunk = 128
+# analysis). remat and loss_chunk 'auto' (the defaults) recompute as little as fits the device, said at start-up: on a
+# v5e-8 (16 GB chips) with --fsdp=8, check it with bench_train.py --memory --topology=v5e:2x4 --preset gpt2-xl
+# --fsdp=8 --batch_size=1 --dtype=bfloat16 (docs/tpu.md)

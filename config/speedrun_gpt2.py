@@ -25,12 +25,8 @@ learning_rate = 0.0036  # Adam's, on the tied embedding / head
 muon_learning_rate = 0.00036  # 0.1 x learning_rate, as the record
 muon_momentum = 0.95
 muon_ns_dtype = "bfloat16"
-# memory: batch 64 x 1024 per device on a v5e chip, by the TPU compiler (bench_train.py --memory --topology=v5e:2x4
-# --preset speedrun --dtype=bfloat16): remat 'qkv_proj' 10.61 GiB, 'dots' 14.97, 'none' 40.39 (refused); the logits
-# 128 positions at a time. docs/tpu.md. On a GPU --remat=none fits and recomputes nothing (24.19 GiB on an H100, as
-# the record's; 25.09 of an A100 40 GB's 29.57: XLA:GPU's figures, docs/gpu.md).
-remat = "qkv_proj"
-loss_chunk = 128
+# memory: remat and loss_chunk 'auto' (the defaults): the least recompute that fits the device, said at start-up
+# (docs/gpu.md, docs/tpu.md)
 beta1 = 0.9
 beta2 = 0.95
 weight_decay = 0.0

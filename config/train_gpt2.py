@@ -30,16 +30,10 @@ beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0
 dtype = "bfloat16"
-# memory: batch 64 x 1024 per device. On a v5e chip (16 GB), by the TPU compiler (bench_train.py --memory
-# --topology=v5e:2x2 --preset gpt2 --batch_size=64 --dtype=bfloat16): splash attention and the layers under one
-# scan (attention and scan_layers 'auto' on a TPU) with remat 'qkv_proj' need 11.85 GiB per chip; 'dots' needs
-# 16.63 GiB there (refused). qkv_proj keeps the attention's q, k, v and projection and recomputes the MLP's c_fc in
-# the backward pass (~11% more FLOPs than 'dots'). On a GPU (the blocks in a loop there) --remat=none fits an 80 GB
-# one (26.79 GiB with cuDNN attention on an H100, XLA:GPU's figure, docs/gpu.md) and recomputes nothing; --remat=none
-# --loss_chunk=0 (39.59 GiB measured) ran 1.25x faster than these settings on an H100 (docs/benchmarks.md). On an
-# A100 40 GB, --remat=dots. The loss's logits are computed 128 positions at a time.
-remat = "qkv_proj"
-loss_chunk = 128
+# memory: batch 64 x 1024 per device. remat and loss_chunk are 'auto' (the defaults): the least recompute whose
+# compiled step fits the device, said at start-up (`auto settings: ...`; check any device from a laptop with
+# bench_train.py --memory --gpu=h100 / --topology=v5e:2x2 --preset gpt2 --batch_size=64 --dtype=bfloat16). An 80 GB
+# GPU takes none/0; a 16 GB v5e chip recomputes (docs/gpu.md, docs/tpu.md).
 
 eval_interval = 250
 eval_iters = 20  # x batch_size x devices sequences of the val shard

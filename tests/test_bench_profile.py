@@ -65,3 +65,31 @@ def test_the_experiments_put_back_float32_logits_and_autodiffs_gradient(monkeypa
     bench_profile.as_before("float32", "autodiff")
     assert logits_dtypes() == ({"f32"}, False)
     assert jnp.allclose(layers.token_nll(logits, targets), before)
+
+
+def test_the_three_projections_experiment_computes_the_same(monkeypatch):
+    """--qkv three: q, k and v as three matmuls on the same kernel, for GPT-2 and the speedrun's rotary: the same
+    loss and gradients as the one (B, T, 3C) projection split apart, and no (B, T, 3C) array left, forward or
+    backward."""
+    monkeypatch.setattr(model_lib.CausalSelfAttention, "qkv", model_lib.CausalSelfAttention.qkv)
+    for config in (tiny_config(), tiny_config(arch="speedrun", bias=False)):
+        graphdef, params = nnx.split(GPT(config, nnx.Rngs(0)))
+        params = jax.tree.map(lambda p: p + 0.01 * jax.random.normal(jax.random.key(1), p.shape), params)
+        x = jax.random.randint(jax.random.key(2), (2, 16), 0, config.vocab_size)
+
+        def loss(params):
+            return nnx.merge(graphdef, params).loss(x, x)
+
+        def has_qkv_array():
+            return f"[2,16,{3 * config.n_embd}]" in str(jax.make_jaxpr(jax.grad(loss))(params))
+
+        one = jax.value_and_grad(loss)(params)
+        assert has_qkv_array()
+        monkeypatch.setattr(model_lib.CausalSelfAttention, "qkv", model_lib.CausalSelfAttention.qkv)
+        bench_profile.three_projections()
+        three = jax.value_and_grad(loss)(params)
+        assert not has_qkv_array()
+        monkeypatch.undo()
+        monkeypatch.setattr(model_lib.CausalSelfAttention, "qkv", model_lib.CausalSelfAttention.qkv)
+        for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(three)):
+            assert jnp.allclose(a, b, rtol=1e-5, atol=1e-6), (config.arch, jnp.abs(a - b).max())

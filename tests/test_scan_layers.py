@@ -174,5 +174,7 @@ def test_scan_layers_setting():
     assert train.resolve_scan_layers("auto", "gpu") is False and train.resolve_scan_layers("auto", "cpu") is False
     with pytest.raises(UsageError, match="scan_layers must be True, False or 'auto', got 'maybe'"):
         validate(configure(DEFAULTS, ["--scan_layers=maybe"]))
+    with pytest.raises(UsageError, match="scan_layers must be True, False or 'auto', got 1"):
+        validate(configure(DEFAULTS, ["--scan_layers=1"]))  # an int passes for an 'auto' (--loss_chunk=0), not here
     with pytest.raises(ConfigError, match="scan_layers must be str"):
-        configure(DEFAULTS, ["--scan_layers=1"])
+        configure(DEFAULTS, ["--scan_layers=1.5"])

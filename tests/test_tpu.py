@@ -21,12 +21,12 @@ import pytest
 from flax import nnx
 from jax._src import config as jax_config
 
+import auto_settings
 import bench_sample
 import bench_train
 import generate
 import helpers
 import sharding
-import train
 import train_step
 from helpers import tiny_config
 from configurator import UsageError
@@ -186,7 +186,7 @@ def test_every_generation_compiles_train_eval_and_generate(topology):
     with pytest.raises(jax.errors.JaxRuntimeError) as e:
         jax.jit(lambda x: x + 1, out_shardings=one).lower(too_big).compile()
     _, available = sharding.tpu_out_of_memory(str(e.value))
-    assert abs(available - sharding.hbm_bytes(devices[0])) < 0.005 * 2**30, (available, sharding.hbm_bytes(devices[0]))
+    assert abs(available - sharding.usable_bytes(devices[0])) < 0.005 * 2**30, (available, sharding.usable_bytes(devices[0]))
 
 
 def run(*args, env=None):
@@ -202,17 +202,37 @@ def test_bench_memory_for_a_topology(monkeypatch, capsys):
     assert p.returncode == 0 and p.stderr == "", p.stderr[-3000:]  # no libtpu banner either
     lines = p.stdout.splitlines()
     assert "4 tpu device(s) of v5e:2x2 (TPU v5 lite), mesh data 1 x fsdp 2 x tensor 2" in lines[0], lines[0]
-    assert re.fullmatch(r"memory per device: state \d+\.\d\d GiB, step peak \d+\.\d\d GiB", lines[1]), lines[1]
+    assert re.fullmatch(r"auto settings: attention=splash, scan_layers=on, remat=none, loss_chunk=0 \(step peak "
+                        r"\d+\.\d\d of 15\.75 GiB usable on TPU v5 lite\)", lines[1]), lines[1]
+    assert re.fullmatch(r"memory per device: state \d+\.\d\d GiB, step peak \d+\.\d\d GiB", lines[2]), lines[2]
     assert re.fullmatch(r"TPU v5 lite HBM 15\.75 GiB per device: fits, step peak \d+% of it \(compiled by libtpu for "
-                        r"v5e:2x2 in [\d.]+ s\)", lines[2]), lines[2]
+                        r"v5e:2x2 in [\d.]+ s\)", lines[3]), lines[3]
 
     worker = bench_train.WORKERS["memory"]
     monkeypatch.setattr(bench_train, "run_worker", lambda framework, s, env: worker(dict(s, framework=framework)))
     monkeypatch.setattr(sys, "argv", ["bench_train.py", "--memory", f"--topology={TOPOLOGY}", "--preset=tiny",
-                                      "--batch_size=32768"])
+                                      "--batch_size=32768", "--remat=block", "--loss_chunk=128"])
     assert bench_train.main() == 0
-    assert re.fullmatch(r"does not fit: needs ~\d+\.\d\d GiB of 15\.75 GiB HBM \(the TPU compiler's figure\)",
-                        capsys.readouterr().out.splitlines()[-1])
+    assert re.fullmatch(r"memory per device: state \d+\.\d\d GiB; does not fit: needs ~\d+\.\d\d GiB of 15\.75 GiB HBM "
+                        r"\(the TPU compiler's figure\)", capsys.readouterr().out.splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_the_124m_recipe_takes_what_fits_each_tpu():
+    """bench_train.py --memory for config/train_gpt2.py's batch 64 (remat and loss_chunk 'auto'; ~40 s and ~60 s of
+    libtpu compiles): a v5e chip takes the least recompute whose step fits its 15.75 GiB, a v6e chip (31.25 GiB)
+    recomputes less than a v5e; each line names the candidates the TPU compiler refused."""
+    chosen = {}
+    for topology, kind, hbm in (("v5e:2x2", "TPU v5 lite", 15.75), ("v6e:2x2", "TPU v6 lite", 31.25)):
+        p = run("bench_train.py", "--memory", f"--topology={topology}", "--preset=gpt2", "--batch_size=64",
+                "--dtype=bfloat16")
+        assert p.returncode == 0, p.stderr[-3000:]
+        auto = next(line for line in p.stdout.splitlines() if line.startswith("auto settings:"))
+        m = re.fullmatch(rf"auto settings: attention=splash, scan_layers=on, remat=(\w+), loss_chunk=(\d+) \(step "
+                         rf"peak (\d+\.\d\d) of {hbm:.2f} GiB usable on {kind}; too big: none/0 [\d.]+.*\)", auto)
+        assert m and float(m[3]) <= hbm, auto
+        chosen[topology] = auto_settings.CANDIDATES.index((m[1], int(m[2])))
+    assert chosen["v6e:2x2"] < chosen["v5e:2x2"], chosen
 
 
 def test_bench_sample_sizes_generation_for_a_tpu_chip(capsys):
@@ -243,18 +263,23 @@ def test_a_step_the_tpu_compiler_refuses_is_one_line(dataset, tmp_path, monkeypa
     """On a TPU the compiler itself refuses a step that does not fit (on a v2-8, config/train_gpt2.py's batch 32 per
     device: bench_train.py --memory --topology=v2:2x2): train.py turns that refusal into one line naming the fixes,
     before a step runs."""
-    def compile_error(message):
-        def compile_step(*args):
-            raise jax.errors.JaxRuntimeError(message)
-        return compile_step
+    class Refused:  # a lowered step whose compile the TPU compiler refuses
+        def __init__(self, message):
+            self.message = message
 
-    monkeypatch.setattr(train, "compile_step", compile_error(
+        def compile(self, options=None):
+            raise jax.errors.JaxRuntimeError(self.message)
+
+    def refused(message):
+        return lambda *args: Refused(message)
+
+    monkeypatch.setattr(auto_settings, "lower_step", refused(
         "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 8.62G of "
         "7.48G hbm. Exceeded hbm capacity by 1.14G."))
     with pytest.raises(UsageError, match=r"^the train step needs 8\.62 GiB per device, the device has 7\.48 GiB: "
                                          r"lower --batch_size .* or raise --fsdp / --tensor_parallel$"):
-        helpers.run(dataset, tmp_path / "out")
-    monkeypatch.setattr(train, "compile_step", compile_error("INTERNAL: something else"))
+        helpers.run(dataset, tmp_path / "out")  # every candidate of remat and loss_chunk 'auto' refused
+    monkeypatch.setattr(auto_settings, "lower_step", refused("INTERNAL: something else"))
     with pytest.raises(jax.errors.JaxRuntimeError, match="^INTERNAL"):  # any other error keeps its traceback
         helpers.run(dataset, tmp_path / "out2")
 

@@ -399,8 +399,8 @@ def test_bad_input_is_one_line_and_writes_nothing(dataset, tmp_path, capsys):
 
 
 def test_train_gpt2_config_runs_tiny_on_fixture_shards(tmp_path):
-    """The real config/train_gpt2.py, tiny model overrides, on .npy shards: tokens per step stay fixed; its remat
-    and (shortened to fit block_size 32) chunked loss run on 2 devices."""
+    """The real config/train_gpt2.py, tiny model overrides, on .npy shards: tokens per step stay fixed; its 'auto'
+    remat and a chunked loss (shortened to fit block_size 32) run on 2 devices."""
     d = tmp_path / "edu_fineweb10B"
     d.mkdir()
     rng = np.random.default_rng(0)
