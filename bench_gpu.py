@@ -41,8 +41,8 @@ GPT2 = {"real": dict(preset="gpt2", dtype="bfloat16", batch_size=64, steps=10, w
         "tiny": dict(preset="tiny", dtype="float32", batch_size=2, steps=2, warmup=1)}
 SPEEDRUN = {"real": [], "tiny": ["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=64", "--batch_size=2",
                                  "--total_batch_size=0", "--gradient_accumulation_steps=2"]}
-SAMPLE = {"real": dict(size="gpt2", batches=[1, 8], new_tokens=500), "tiny": dict(size="tiny", batches=[1],
-                                                                                new_tokens=8)}
+SAMPLE = {"real": dict(size="gpt2", batches=[1, 8], new_tokens=500),
+          "tiny": dict(size="tiny", batches=[1], new_tokens=8)}
 
 
 def gpt2_row(size):

@@ -7,10 +7,9 @@ process, so peak memory is that run's alone.
     python bench_train.py                      # nanoGPT's CPU baby config (block 64, batch 12, 4x4x128)
     python bench_train.py --preset gpt2 --dtype bfloat16 --frameworks jax   # 124M, B=16, T=1024 (GPU)
     python bench_train.py --full-run           # the main training command (make shakespeare) vs nanoGPT's train.py loop, 3 pairs
-    python bench_train.py --memory --preset gpt2 --batch_size=64 --dtype=bfloat16   # config/train_gpt2.py's step
     python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 --remat=none
     python bench_train.py --memory --topology=v5e:2x4 --preset gpt2 --batch_size=16 --dtype=bfloat16   # a v5e-8 VM
-    python bench_train.py --memory --gpu=h100 --preset gpt2 --batch_size=64 --dtype=bfloat16   # an H100, here
+    python bench_train.py --memory --gpu=h100 --preset gpt2 --batch_size=64 --dtype=bfloat16   # config/train_gpt2.py, H100
 
 Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's peak is known,
 peak memory (the device's on GPU/TPU, the process's peak RSS on CPU) and, for ours, the compiled step's scratch
@@ -157,7 +156,8 @@ def bench_memory(s):
     return {"state": fit.state_bytes, "backend": platform, "mesh": dict(mesh.shape), "scan_layers": config.scan_layers,
             "device_kind": devices[0].device_kind, "hbm": sharding.usable_bytes(devices[0]), "auto": auto,
             "peak": fit.peak, "refused": fit.step is None, "available": fit.limit, "remat": fit.config.remat,
-            "loss_chunk": fit.config.loss_chunk, "compile_s": time.perf_counter() - t0}
+            "loss_chunk": fit.config.loss_chunk, "attention": auto_settings.kernel(fit.config, devices[0]),
+            "compile_s": time.perf_counter() - t0}
 
 
 def step_options(p):
@@ -218,7 +218,7 @@ def memory(args):
     print(f"{args.preset}, batch {s['batch_size']} x {s['block_size']} per batch shard, {s['dtype']}, "
           f"{s['devices']} {r['backend']} device(s){where}, mesh data {m['data']} x fsdp {m['fsdp']} x tensor "
           f"{m['tensor']}, remat {r['remat']}, loss_chunk {r['loss_chunk']}, scan_layers {r['scan_layers']}{source}, "
-          f"attention {s['attention']}")
+          f"attention {r['attention']}")
     if r["auto"]:
         print(r["auto"])
     if r["refused"]:  # by the TPU compiler, every candidate of remat and loss_chunk

@@ -65,9 +65,9 @@ def test_the_first_candidate_that_fits_with_the_margin_is_compiled(monkeypatch):
     mesh = sharding.make_mesh()
     first = fitting(mesh)
     assert (first.config.remat, first.config.loss_chunk) == ("none", 0) and first.tried == []  # the RAM holds it
-    peaks = {pair: fitting(mesh, *pair).peak for pair in auto_settings.CANDIDATES[:3]}
+    peaks = {("none", 0): first.peak, **{pair: fitting(mesh, *pair).peak for pair in auto_settings.CANDIDATES[1:3]}}
     margin = auto_settings.MARGIN["cpu"]
-    assert peaks["none", 0] == first.peak and min(peaks.values()) < peaks["none", 0], peaks
+    assert min(peaks.values()) < peaks["none", 0], peaks
     limit = min(peaks.values()) * (1 + margin)  # what the smallest of the first three needs, and no more
     fits = [pair for pair in peaks if peaks[pair] * (1 + margin) <= limit]
     monkeypatch.setattr(sharding, "usable_bytes", lambda device: limit)
