@@ -11,8 +11,9 @@ from. On a GPU the ops are its kernels; on a CPU, the thunks XLA:CPU runs.
 Three experiments, not settings of train.py. Two put back what the step did before: --logits float32, the head's
 logits for the loss in float32 (now in the compute dtype, as autocast's); --loss autodiff, the cross-entropy's
 gradient by autodiff (now its own, written once in the logits' dtype). Their times beside the default's say what
-each change gained. One tries what it might do next: --qkv three, q, k and v as three matmuls (three_projections). --xplane FILE keeps the raw trace (for TensorBoard's profile plugin or Perfetto) and FILE.hlo.txt
-the step's program; --read FILE reports them again.
+each change gained. One tries what it might do next: --qkv three, q, k and v as three matmuls (three_projections).
+--xplane FILE keeps the raw trace (for TensorBoard's profile plugin or Perfetto) and FILE.hlo.txt the step's
+program; --read FILE reports them again.
 """
 
 import argparse

@@ -6,12 +6,11 @@ Sampling speed, side by side in one run: our KV-cache generate, transformers' ge
     python bench_sample.py --startup                         # whole processes: sample.py vs a transformers script
 
 Greedy decoding in float32 from an 8-token prompt, ours on JAX's default device and transformers on the same one
-(the GPU where there is one, else the CPU). Compile
-time is reported apart from speed: ours is the time the first call spends tracing and compiling (JAX's
-compile events), and its tokens/s is the rest of that call. transformers gets a warm-up that also picks
-its faster torch thread count (1 or all cores; shown in brackets).
-Our no-cache path forwards the same fixed window of min(prompt + new, block_size) tokens every step, so
-its tokens/s is timed over its last --nocache-steps steps at the full length and holds for every step.
+(the GPU where there is one, else the CPU). Compile time is reported apart from speed: ours is the time the
+first call spends tracing and compiling (JAX's compile events), and its tokens/s is the rest of that call.
+transformers gets a warm-up that also picks its faster torch thread count (1 or all cores; shown in brackets).
+Our no-cache path forwards the same fixed window of min(prompt + new, block_size) tokens every step, so its
+tokens/s is timed over its last --nocache-steps steps at the full length and holds for every step.
 
 --startup times whole processes, one after the other, in --repeats rounds: `python sample.py --init_from=DIR
 --max_new_tokens=200 --num_samples=1 --temperature=1.0 --top_k=200` on a cold JAX compilation cache (a new,
@@ -213,12 +212,12 @@ def main(argv=None):
     if args.nocache_steps > args.new_tokens:
         raise UsageError(f"--nocache-steps ({args.nocache_steps}) cannot exceed --new-tokens ({args.new_tokens})")
 
-    header, rows = compare(args.size, args.batch, args.new_tokens, args.nocache_steps, echo=True)
+    _, rows = compare(args.size, args.batch, args.new_tokens, args.nocache_steps, echo=True)
     print()
-    print(header)
-    print_table([[str(r["batch"]), r["compile_s"], r["ours_tps"], r["hf_warmup_s"], f"{r['hf_tps']:.3g} ({r['threads']})",
-                  r["nocache_compile_s"], r["nocache_tps"], f"{r['ours_tps'] / r['hf_tps']:.2f}x",
-                  f"{r['ours_tps'] / r['nocache_tps']:.1f}x", "yes" if r["same"] else "NO"] for r in rows],
+    print_table([[str(r["batch"]), r["compile_s"], r["ours_tps"], r["hf_warmup_s"],
+                  f"{r['hf_tps']:.3g} ({r['threads']})", r["nocache_compile_s"], r["nocache_tps"],
+                  f"{r['ours_tps'] / r['hf_tps']:.2f}x", f"{r['ours_tps'] / r['nocache_tps']:.1f}x",
+                  "yes" if r["same"] else "NO"] for r in rows],
                 ["batch", "ours compile s", "ours tok/s", "HF warm-up s", "HF tok/s (threads)", "no-cache compile s",
                  "no-cache tok/s", "ours / HF", "ours / no-cache", "same tokens"])
     return 0
@@ -253,6 +252,8 @@ def compare(size, batches, new_tokens, nocache_steps=1, echo=False):
               f"prompt + {N} new tokens; jax {jax.__version__} on {jax.devices()[0].device_kind} ({os.cpu_count()} "
               f"cores); torch {torch.__version__} on {hf_device_name(hf_model)}, transformers "
               f"{transformers.__version__}")
+    if echo:
+        print(header, flush=True)
     rows = []
     for B in batches:
         idx = np.tile(np.array(prompt, np.int32), (B, 1))

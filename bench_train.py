@@ -9,17 +9,17 @@ process, so peak memory is that run's alone.
     python bench_train.py --full-run           # the main training command (make shakespeare) vs nanoGPT's train.py loop, 3 pairs
     python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 --remat=none
     python bench_train.py --memory --topology=v5e:2x4 --preset gpt2 --batch_size=16 --dtype=bfloat16   # a v5e-8 VM
-    python bench_train.py --memory --gpu=h100 --preset gpt2 --batch_size=64 --dtype=bfloat16   # config/train_gpt2.py, H100
+    python bench_train.py --memory --gpu=h100 --preset gpt2 --batch_size=64 --dtype=bfloat16   # an H100, here
 
 Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's peak is known,
 peak memory (the device's on GPU/TPU, the process's peak RSS on CPU) and, for ours, the compiled step's scratch
 memory (XLA's memory analysis); then ours with gradient accumulation 8 vs 1 (memory must stay flat: lax.scan over
-micro-batches). --full-run times whole runs instead, in pairs (--repeats): train.py with the main command's settings,
-then nanoGPT's training loop (nanogpt_run) on the same data: the wall time and final val loss of each, and the
-median ratio. --memory prints `memory per device: state, step peak` of one step on a mesh and what its 'auto'
-settings became, as train.py does at start-up, compiled only (bench_memory). With --topology (v3:2x2, v5e:2x4, tpu7x:2x2x1...) libtpu's compiler
-(the tpu extras) compiles it here for that TPU, with --gpu (h100, a100-40...) and --gpus XLA:GPU
-(the cuda extras) for a node of those GPUs: its memory, compile time, and whether it fits.
+micro-batches). --full-run times whole runs instead, in pairs (--repeats): train.py with the main command's
+settings, then nanoGPT's training loop (nanogpt_run) on the same data: the wall time and final val loss of each, and
+the median ratio. --memory prints `memory per device: state, step peak` of one step on a mesh and what its 'auto'
+settings became, as train.py does at start-up, compiled only (bench_memory). With --topology (v3:2x2, v5e:2x4,
+tpu7x:2x2x1...) libtpu's compiler (the tpu extras) compiles it here for that TPU, with --gpu (h100, a100-40...) and
+--gpus XLA:GPU (the cuda extras) for a node of those GPUs: its memory, compile time, and whether it fits.
 """
 
 import argparse

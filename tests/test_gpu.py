@@ -105,7 +105,8 @@ def test_bench_sample_sizes_generation_for_a_gpu(capsys):
                         capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("gpu, picks", [("h100", r"remat=none, loss_chunk=0"), ("a100-40", r"remat=\w+, loss_chunk=\d+")])
+@pytest.mark.parametrize("gpu, picks", [("h100", r"remat=none, loss_chunk=0"),
+                                        ("a100-40", r"remat=\w+, loss_chunk=\d+")])
 def test_the_124m_recipe_takes_what_fits_each_gpu(gpu, picks):
     """bench_train.py --memory for config/train_gpt2.py's batch 64 (remat and loss_chunk 'auto'): an H100 recomputes
     nothing (none/0), an A100 40 GB takes what fits its 29.57 GiB; the same line train.py prints at start-up, naming

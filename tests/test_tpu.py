@@ -186,7 +186,8 @@ def test_every_generation_compiles_train_eval_and_generate(topology):
     with pytest.raises(jax.errors.JaxRuntimeError) as e:
         jax.jit(lambda x: x + 1, out_shardings=one).lower(too_big).compile()
     _, available = sharding.tpu_out_of_memory(str(e.value))
-    assert abs(available - sharding.usable_bytes(devices[0])) < 0.005 * 2**30, (available, sharding.usable_bytes(devices[0]))
+    usable = sharding.usable_bytes(devices[0])
+    assert abs(available - usable) < 0.005 * 2**30, (available, usable)
 
 
 def run(*args, env=None):
@@ -213,8 +214,8 @@ def test_bench_memory_for_a_topology(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench_train.py", "--memory", f"--topology={TOPOLOGY}", "--preset=tiny",
                                       "--batch_size=32768", "--remat=block", "--loss_chunk=128"])
     assert bench_train.main() == 0
-    assert re.fullmatch(r"memory per device: state \d+\.\d\d GiB; does not fit: needs ~\d+\.\d\d GiB of 15\.75 GiB HBM "
-                        r"\(the TPU compiler's figure\)", capsys.readouterr().out.splitlines()[-1])
+    assert re.fullmatch(r"memory per device: state \d+\.\d\d GiB; does not fit: needs ~\d+\.\d\d GiB of 15\.75 GiB "
+                        r"HBM \(the TPU compiler's figure\)", capsys.readouterr().out.splitlines()[-1])
 
 
 @pytest.mark.slow
