@@ -1,5 +1,6 @@
 """Shared test helpers: tiny settings, train.py in-process and as a command, what a run leaves behind."""
 
+import contextlib
 import json
 import os
 import re
@@ -8,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import train
 from configurator import configure
@@ -23,6 +25,41 @@ def assert_close(actual, expected, rtol=0.0, atol=0.0, what=""):
     bad = diff > atol + rtol * np.abs(e)
     assert not bad.any(), (f"{what} not close: max abs diff {diff.max():.3g}, mean abs diff {diff.mean():.3g}, "
                            f"{bad.sum()} of {bad.size} beyond atol={atol:g} rtol={rtol:g}")
+
+
+def rel_diff(a, b):
+    """max |a - b| / max |b|, in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Torch on one thread, and the pythons a test starts too (OMP_NUM_THREADS): its OpenMP threads spin at barriers,
+    and on 2 shared cores they slow the tiny model 10x (test_check_train.py)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+
+def save_ours(out_dir, model, config=None, iter_num=5):
+    """A checkpoint of `model` as train.py writes it, its settings `config` (the optimizer state is not what an
+    export reads)."""
+    import checkpoint
+    from flax import nnx
+
+    mngr = checkpoint.manager(out_dir)
+    meta = checkpoint.meta_for(model.config, {"dataset": "x"} if config is None else config, iter_num, 1.5, {})
+    checkpoint.save(mngr, iter_num, nnx.state(model), {"count": np.zeros((), np.int32)}, meta)
+    mngr.wait_until_finished()
+    mngr.close()
 
 
 def random_nanogpt(seed=0, bias=True, flash=True, **kw):

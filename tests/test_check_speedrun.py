@@ -12,21 +12,16 @@ import jax
 import pytest
 
 import train_step
+from helpers import one_torch_thread
 from parity import check_speedrun, check_train
 
 pytestmark = pytest.mark.xla_defaults  # as test_check_train: held to check_train's tolerances at XLA's defaults
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the tiny model on 2 shared cores: one thread is faster (test_check_train)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
+def one_thread():
+    with one_torch_thread():  # the tiny model on 2 shared cores: one thread is faster (test_check_train)
         yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

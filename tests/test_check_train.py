@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import train_step
-from helpers import assert_close
+from helpers import assert_close, one_torch_thread
 from parity import check_train
 
 pytestmark = pytest.mark.xla_defaults  # conftest: quick compilation moves 10 steps to the edge of the tolerances
@@ -27,16 +27,11 @@ TINY = ["--steps", "10", "--batch-size", "16"]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Torch's OpenMP threads spin at barriers: on 2 shared cores they slow the tiny model 10x; one thread is enough."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")  # the 8-device run's fresh python
+def one_thread():
+    """Torch's OpenMP threads spin at barriers: on 2 shared cores they slow the tiny model 10x; one thread is enough
+    (the 8-device run's fresh python too)."""
+    with one_torch_thread():
         yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

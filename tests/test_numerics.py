@@ -16,7 +16,7 @@ from flax import nnx
 import layers
 import model as model_lib
 import train_step
-from helpers import equations, tiny_config
+from helpers import equations, one_torch_thread, tiny_config
 from model import GPT
 from parity import check_train
 from settings import DEFAULTS
@@ -207,17 +207,12 @@ def test_the_cross_entropys_own_gradient_is_autodiffs():
 
 
 @pytest.fixture
-def one_torch_thread():
-    """Torch's OpenMP threads spin at barriers: on 2 shared cores they slow the tiny model 10x (test_check_train.py)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def one_thread():
+    with one_torch_thread():  # the tiny model on 2 shared cores: one thread is faster (test_check_train)
+        yield
 
 
-def test_bf16_training_is_within_2x_of_torch_autocast(tmp_path, one_torch_thread, capsys):
+def test_bf16_training_is_within_2x_of_torch_autocast(tmp_path, one_thread, capsys):
     """docs/parity.md's bf16 training row, on the tiny random GPT-2 for 10 steps: ours in bf16 and torch autocast-bf16,
     each against torch fp32 from the same weights on the same batches; our mean |Δloss|/loss, mean |Δgnorm|/gnorm and
     worst ||Δparam||/||param|| at most check_train.BF16_FACTOR (2) times autocast's."""

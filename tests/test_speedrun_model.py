@@ -25,7 +25,7 @@ import sample
 import sharding
 import train
 from configurator import UsageError, exit_on_bad_input
-from helpers import assert_close, tiny_config
+from helpers import assert_close, rel_diff, save_ours, tiny_config
 from layers import rms_norm, rotary, rotary_tables
 from model import GPT, GPTConfig, model_from
 from parity import speedrun_reference as record
@@ -63,10 +63,6 @@ def ours_of(ref, **settings):
     return model_from(GPTConfig(**{**modded_config(state, n_head=RECORD["n_head"]), "block_size": 32, **settings}),
                       state)
 
-
-def rel_diff(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.abs(a - b).max() / np.abs(b).max()
 
 
 def record_logits(ref, tokens, targets=None):
@@ -298,14 +294,6 @@ def test_train_py_trains_on_from_a_record_file(tmp_path, dataset):
     losses = [loss for _, loss in helpers.read_log(tmp_path / "out", "loss")]
     assert len(losses) == 4 and losses[-1] < losses[0], losses
 
-
-def save_ours(out_dir, model, iter_num=5):
-    """A checkpoint as train.py writes it (the optimizer state is not what an export reads)."""
-    mngr = checkpoint.manager(out_dir)
-    meta = checkpoint.meta_for(model.config, {"dataset": "x"}, iter_num, 1.5, {})
-    checkpoint.save(mngr, iter_num, nnx.state(model), {"count": np.zeros((), np.int32)}, meta)
-    mngr.wait_until_finished()
-    mngr.close()
 
 
 def test_export_modded_loads_in_the_record_and_round_trips(tmp_path):

@@ -27,7 +27,7 @@ import checkpoint
 import export
 import sample
 import sharding
-from helpers import Call, random_nanogpt, tiny_config
+from helpers import Call, random_nanogpt, rel_diff, save_ours, tiny_config
 from model import GPT, model_from
 from parity import nanogpt_reference as nanogpt
 from parity.check_logits import FP32_MAX_REL_TOL as FP32_LOGITS_TOL  # max |Δlogit| / max |logit|
@@ -41,10 +41,6 @@ from weights import (MASK_BUFFERS, TIED_KEY, config_from_hf, hf_config_for, hf_d
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_HF = dict(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
 
-
-def rel_diff(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.abs(a - b).max() / np.abs(b).max()
 
 
 def test_hf_directories_load_without_torch_bit_identical_to_transformers(tmp_path):
@@ -185,14 +181,6 @@ def test_nanogpt_ckpt_in_gives_its_logits(tmp_path, bias, flash, compiled):
     tokens = np.random.default_rng(0).integers(0, 65, (2, 32))
     assert rel_diff(model(tokens)[0], nanogpt_logits(ref, tokens)) < FP32_LOGITS_TOL
 
-
-def save_ours(out_dir, model, config, iter_num=5):
-    """A checkpoint as train.py writes it (the optimizer state is not what an export reads)."""
-    mngr = checkpoint.manager(out_dir)
-    meta = checkpoint.meta_for(model.config, config, iter_num, 1.5, {})
-    checkpoint.save(mngr, iter_num, nnx.state(model), {"count": np.zeros((), np.int32)}, meta)
-    mngr.wait_until_finished()
-    mngr.close()
 
 
 def test_export_nanogpt_loads_in_nanogpt_with_the_same_logits(tmp_path):
