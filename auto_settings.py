@@ -55,7 +55,6 @@ class Fit:
     state_bytes: int  # params + optimizer state per device
     peak: int  # the compiled step's peak per device (the bytes the refusal names, where refused)
     limit: int | None  # bytes a program may use per device; None where nothing says
-    margin: float  # MARGIN of the platform
     tried: list  # [(remat, loss_chunk, bytes needed)] of the candidates passed over, in order
 
     def check(self):
@@ -65,6 +64,11 @@ class Fit:
                              f"{self.limit / 2**30:.2f} GiB: lower --batch_size (raise gradient_accumulation_steps "
                              "to keep the tokens per step; total_batch_size does it for you), choose a remat that "
                              "recomputes more, or raise --fsdp / --tensor_parallel")
+
+
+def margin_of(device):
+    """MARGIN for `device`'s platform (a GPU compiled for without one: 'gpu' too)."""
+    return MARGIN.get(device.platform, MARGIN["gpu"])
 
 
 def with_settings(graphdef, params, **settings):
@@ -81,7 +85,7 @@ def compile_fitting(make_step, graphdef, params, opt_state, batch_shape, batch_s
     refuse in one line. params and opt_state may be abstract (bench_train.py --memory)."""
     mesh = batch_sharding.mesh
     device = mesh.devices.flat[0]
-    limit, margin = sharding.usable_bytes(device), MARGIN.get(device.platform, MARGIN["gpu"])
+    limit, margin = sharding.usable_bytes(device), margin_of(device)
     if limit is not None and jax.process_count() > 1:  # one decision for all: the least memory of any host's, in MiB
         limit = int(np.min(multihost_utils.process_allgather(np.int32(limit >> 20)))) << 20  # (int32: JAX's default)
     record, pairs, tried = refusal_record(device), candidates(remat, loss_chunk), []
@@ -102,12 +106,12 @@ def compile_fitting(make_step, graphdef, params, opt_state, batch_shape, batch_s
         if refusal is not None:
             needs, limit = refusal
             if i == len(pairs) - 1:
-                return Fit(None, g, config, state_bytes, needs, limit, margin, tried)
+                return Fit(None, g, config, state_bytes, needs, limit, tried)
             tried.append((r, chunk, needs))
             continue
         peak = step_peak(step, mesh)
         if i == len(pairs) - 1 or limit is None or peak * (1 + margin) <= limit:
-            return Fit(step, g, config, state_bytes, peak, limit, margin, tried)
+            return Fit(step, g, config, state_bytes, peak, limit, tried)
         tried.append((r, chunk, peak))
 
 
@@ -174,8 +178,8 @@ def line(settings, fit, device):
     gib = lambda n: f"{n / 2**30:.2f}"  # noqa: E731
     usable = f" of {gib(fit.limit)} GiB usable" if fit.limit is not None else " GiB"
     why = f"step peak {gib(fit.peak)}{usable} on {device.device_kind}"
-    if fit.margin and fit.limit is not None:
-        why += f", +{fit.margin:.0%} margin"
+    if margin_of(device) and fit.limit is not None:
+        why += f", +{margin_of(device):.0%} margin"
     if fit.tried:
         why += "; too big: " + ", ".join(f"{r}/{c} {gib(n)}" for r, c, n in fit.tried)
     return f"auto settings: {', '.join(autos)} ({why})"
