@@ -46,7 +46,7 @@ $(VENV_GPU)/.requirements: pyproject.toml constraints.txt
 test-gpu-compile: $(VENV_GPU)/.requirements
 	$(VENV_GPU)/bin/python -m pytest -q -n auto -m gpu_compile tests/test_gpu.py
 
-# mutation testing (docs/mutation.md): mutmut mutates the core modules ([tool.mutmut] in pyproject.toml) and reruns
+# mutation testing (docs/notes/mutation.md): mutmut mutates the core modules ([tool.mutmut] in pyproject.toml) and reruns
 # the tests that reach each change; hours on 2 cores, so neither make test nor CI runs it. One module's mutants:
 # make mutants MUTANTS='generate.*'. Then the score of each module.
 $(VENV)/.mutants: pyproject.toml constraints.txt | $(BIN)/activate
@@ -55,7 +55,7 @@ $(VENV)/.mutants: pyproject.toml constraints.txt | $(BIN)/activate
 
 mutants: $(VENV)/.mutants
 	$(BIN)/mutmut run $(MUTANTS)
-	$(BIN)/python tests/mutation_report.py
+	$(BIN)/python tools/mutation_report.py
 
 # the bundled default: nanoGPT's CPU Shakespeare run (char-level baby GPT, 2000 iters), then samples. Each time it
 # starts over: the last run's checkpoints and log are moved to out-shakespeare-char/previous-<time>/ (--start_over)

@@ -82,7 +82,7 @@ def with_settings(graphdef, params, **settings):
 def compile_fitting(make_step, graphdef, params, opt_state, batch_shape, batch_sharding, remat, loss_chunk):
     """Compile make_step(graphdef) for each candidate (remat, loss_chunk) until one fits the usable memory of the
     mesh's devices with MARGIN to spare -> Fit. Where none does, the last (the least memory), for the caller to
-    refuse in one line. params and opt_state may be abstract (bench_train.py --memory)."""
+    refuse in one line. params and opt_state may be abstract (bench/train.py --memory)."""
     mesh = batch_sharding.mesh
     device = mesh.devices.flat[0]
     limit, margin = sharding.usable_bytes(device), margin_of(device)

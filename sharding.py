@@ -166,7 +166,7 @@ def step_peak_bytes(compiled, platform="cpu"):
 
 def target_platform():
     """The platform the program being traced is for: that of the mesh in context (jax.set_mesh), else the default
-    backend's. A step compiled on a CPU for a TPU topology (bench_train.py --topology) is then the program a TPU VM
+    backend's. A step compiled on a CPU for a TPU topology (bench/train.py --topology) is then the program a TPU VM
     would run: its attention kernel, remat and workarounds are the TPU's, not the host's."""
     device = jax.sharding.get_abstract_mesh().abstract_device
     return device.platform if device is not None else jax.default_backend()

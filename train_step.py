@@ -257,7 +257,7 @@ def on_leaves(step, params, opt_state, batch_sharding=None):
 def compile_step(step, params, opt_state, batch_shape, batch_sharding):
     """`step` jitted on the state's shardings (see on_leaves) and compiled for (accum, B, T) batches ->
     (compiled step, state bytes per device, XLA's step peak bytes per device). params and opt_state may be
-    abstract (ShapeDtypeStructs with shardings): then nothing is materialized (bench_train.py --memory)."""
+    abstract (ShapeDtypeStructs with shardings): then nothing is materialized (bench/train.py --memory)."""
     lowered = lower_step(step, params, opt_state, batch_shape, batch_sharding)
     compiled = lowered.compile(compiler_options(batch_sharding.mesh))
     return compiled, sharding.bytes_per_device([params, opt_state]), step_peak(compiled, batch_sharding.mesh)

@@ -32,7 +32,7 @@ grad_clip = 1.0
 dtype = "bfloat16"
 # memory: batch 64 x 1024 per device. remat and loss_chunk are 'auto' (the defaults): the least recompute whose
 # compiled step fits the device, said at start-up (`auto settings: ...`; check any device from a laptop with
-# bench_train.py --memory --gpu=h100 / --topology=v5e:2x2 --preset gpt2 --batch_size=64 --dtype=bfloat16). An 80 GB
+# bench/train.py --memory --gpu=h100 / --topology=v5e:2x2 --preset gpt2 --batch_size=64 --dtype=bfloat16). An 80 GB
 # GPU takes none/0; a 16 GB v5e chip recomputes (docs/gpu.md, docs/tpu.md).
 
 eval_interval = 250

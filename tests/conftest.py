@@ -24,6 +24,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # the last bits (tanh by 5e-7); every parity test holds its tolerance either way, but for check_train's: its 10 training
 # steps amplify them to its grad-norm tolerance (|Δgnorm|/gnorm vs PyTorch 1.04e-4 with 4 micro-batches, over 1e-4;
 # 2.9e-5 at XLA's defaults). Tests marked xla_defaults compile at XLA's defaults, as users do.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK_COMPILE = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
 XLA_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
 # the user's XLA_FLAGS (a worker inherits this process's, QUICK_COMPILE included)
@@ -110,17 +111,17 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def gcs():
-    """A Cloud Storage emulator on loopback (tests/gcs_emulator.py), one per pytest worker, in memory: this process
+    """A Cloud Storage emulator on loopback (tools/gcs_emulator.py), one per pytest worker, in memory: this process
     and the commands the tests start reach it through the environment it sets. Yields that environment."""
     import subprocess
     import sys
     import uuid
 
-    from gcs_emulator import client_env
+    from tools.gcs_emulator import client_env
     from helpers import free_port
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "gcs_emulator.py"), str(port)],
+    server = subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "gcs_emulator.py"), str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # its per-request noise
     assert server.stdout.readline().strip() == "ready", "the GCS emulator did not start"
     env = client_env(port)
@@ -139,7 +140,7 @@ def gcs():
 @pytest.fixture
 def gcs_dir(gcs, request):
     """A folder of its own in the emulator's bucket: gs://nanogpt-test/<worker run>/<test>."""
-    from gcs_emulator import BUCKET
+    from tools.gcs_emulator import BUCKET
 
     name = "".join(ch if ch.isalnum() else "-" for ch in request.node.name)
     return f"gs://{BUCKET}/{gcs['GCS_TEST_RUN']}/{name}"

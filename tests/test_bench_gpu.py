@@ -1,6 +1,6 @@
 """python -m pytest tests/test_bench_gpu.py -q
 
-bench_gpu.py, the GPU check in one command, at its tiny sizes on the CPU so that it does not rot: its three rows
+bench/gpu.py, the GPU check in one command, at its tiny sizes on the CPU so that it does not rot: its three rows
 (GPT-2's step against nanoGPT's, the speedrun through train.py, sampling against transformers), each with a ratio,
 the auto settings each run took, the packages' versions; record 5's own file run through torchrun with its
 Hyperparameters pointed at the shards (a stand-in file with the record's Hyperparameters lines); bad input in one
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-import bench_gpu
+from bench import gpu as bench_gpu
 from configurator import UsageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +38,7 @@ for step in range(args.num_iterations):
 
 
 def test_the_three_rows_at_tiny_sizes():
-    p = subprocess.run([sys.executable, "bench_gpu.py", "--tiny", "--speedrun_steps=4"], cwd=REPO,
+    p = subprocess.run([sys.executable, "-m", "bench.gpu", "--tiny", "--speedrun_steps=4"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = p.stdout

@@ -1,6 +1,6 @@
 """python -m pytest tests/test_bench_profile.py -q
 
-bench_profile.py: the train step's ops from a jax.profiler trace, the runs of the step told apart on a GPU (whose
+bench/profile.py: the train step's ops from a jax.profiler trace, the runs of the step told apart on a GPU (whose
 kernels carry no run number), and the experiments that put back what the step computed before."""
 
 import re
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import bench_profile
+from bench import profile as bench_profile
 import layers
 import model as model_lib
 from helpers import REPO, tiny_config
@@ -33,7 +33,7 @@ def test_a_tiny_steps_profile_names_its_ops_and_reads_back(tmp_path):
     reports the same."""
     xplane = str(tmp_path / "step.xplane.pb")
     common = ["--preset=tiny", "--steps=2", "--warmup=2", "--top=5"]
-    p = subprocess.run([sys.executable, "bench_profile.py", *common, f"--xplane={xplane}"], cwd=REPO,
+    p = subprocess.run([sys.executable, "-m", "bench.profile", *common, f"--xplane={xplane}"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = p.stdout[p.stdout.index("traced: "):]
@@ -41,7 +41,7 @@ def test_a_tiny_steps_profile_names_its_ops_and_reads_back(tmp_path):
     ops = out[out.index("op  (source)"):].splitlines()[1:]
     assert len(ops) == 5 and all(re.match(r" +[\d.]+ +[\d.]+% +\d+  \S+  \(.*\)$", line) for line in ops), ops
     assert any("jit(leaves_step)/" in line for line in ops), ops  # the source, from the program kept beside it
-    r = subprocess.run([sys.executable, "bench_profile.py", *common, f"--read={xplane}"], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "bench.profile", *common, f"--read={xplane}"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout == out, r.stderr[-3000:]
 

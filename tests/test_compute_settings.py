@@ -23,7 +23,7 @@ from model import GPT, GPTConfig
 
 def step_memory(config, batch_size):
     """{temp, peak} bytes of jit(value_and_grad(GPT.loss)) on (batch_size, block_size) tokens: XLA's analysis of
-    the compiled computation, from ShapeDtypeStructs (train.py's whole step: bench_train.py --memory)."""
+    the compiled computation, from ShapeDtypeStructs (train.py's whole step: bench/train.py --memory)."""
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
     tokens = jax.ShapeDtypeStruct((batch_size, config.block_size), jnp.int32)
 

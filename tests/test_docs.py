@@ -26,7 +26,7 @@ import pytest
 from configurator import ConfigError, configure
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 # modules from elsewhere that the docs may run with `python -m`
 EXTERNAL_MODULES = {"pytest", "pip", "venv", "pyflakes", "jupyter", "nbclient", "papermill"}
 # a value that stands for the reader's own (`--init_from=DIR`, `--remat=R`, `--dataset=gs://$BUCKET/...`): not checked
@@ -193,9 +193,12 @@ def repo_imports(tree):
             for a in node.names:
                 if module_file(a.name):
                     names[(a.asname or a.name).split(".")[0]] = (module_file(a.name), None)
-        elif isinstance(node, ast.ImportFrom) and node.module and module_file(node.module):
+        elif isinstance(node, ast.ImportFrom) and node.module:
             for a in node.names:
-                names[a.asname or a.name] = (module_file(node.module), a.name)
+                if module_file(f"{node.module}.{a.name}"):  # a module of a package: from bench import train
+                    names[a.asname or a.name] = (module_file(f"{node.module}.{a.name}"), None)
+                elif module_file(node.module):
+                    names[a.asname or a.name] = (module_file(node.module), a.name)
     return names
 
 

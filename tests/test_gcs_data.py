@@ -1,6 +1,6 @@
 """python -m pytest tests/test_gcs_data.py -q
 
---dataset=gs://bucket/folder, on the Cloud Storage emulator (tests/gcs_emulator.py): each token-file format the loaders
+--dataset=gs://bucket/folder, on the Cloud Storage emulator (tools/gcs_emulator.py): each token-file format the loaders
 read (nanoGPT's train.bin/val.bin, llm.c .bin shards, .npy shards) gives over gs:// the batches of the same files on
 local disk (next, eval_batches, a resumed position), by ranged reads; a missing shard, a bad header or a file changed
 under the run is the local error's one line, naming the URL; and train.py on gs:// logs the losses of the same run on

@@ -1,6 +1,6 @@
 """python -m pytest tests/test_gcs_run.py -q
 
-A run whose out_dir is on Cloud Storage (gs:// on the emulator of tests/gcs_emulator.py, on loopback): checkpoints,
+A run whose out_dir is on Cloud Storage (gs:// on the emulator of tools/gcs_emulator.py, on loopback): checkpoints,
 log and lock there, a kill -9 and a resume bit for bit, sample.py, export.py, plot.py and hellaswag.py reading the
 run; rotation keeping the best and checksums refusing other arrays; a second run refused by the lock; a bucket
 missing, refused or unreachable and no credentials, each one line before anything is written; and hosts that share
@@ -28,7 +28,7 @@ import sample
 import storage
 import train
 from configurator import RunStopped, UsageError
-from gcs_emulator import FORBIDDEN, client_env
+from tools.gcs_emulator import FORBIDDEN, client_env
 from helpers import (HELLASWAG_FIXTURE, REPO, TINY, fake_devices, free_port, one_line_error, settings, tiny_config,
                      train_cli)
 
@@ -288,7 +288,7 @@ def test_the_network_gone_mid_run_is_one_line_and_the_last_checkpoint_restores(d
     env = {**{k: v for k, v in os.environ.items() if k not in client_env(0)}, **client_env(port)}
 
     def emulator():
-        server = subprocess.Popen([sys.executable, "tests/gcs_emulator.py", str(port), str(tmp_path)], cwd=REPO,
+        server = subprocess.Popen([sys.executable, "tools/gcs_emulator.py", str(port), str(tmp_path)], cwd=REPO,
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert server.stdout.readline().strip() == "ready"
         return server

@@ -2,7 +2,7 @@
 
 NVIDIA GPU programs without a GPU: XLA:GPU, through JAX's CUDA plugin (the cuda extras), compiles the tiny
 model's train and eval steps and sample.py's generation here on the CPU for an H100 and an A100 described by their
-specs (sharding.GPUS, sharding.gpu_devices), as bench_train.py --memory --gpu does. The program is the GPU's: with
+specs (sharding.GPUS, sharding.gpu_devices), as bench/train.py --memory --gpu does. The program is the GPU's: with
 attention='auto' in bf16 it holds cuDNN's fused attention, picked from the mesh's device and not the host's; a bad GPU
 name is one line; no CUDA start-up warning reaches the terminal. Marked gpu_compile: the default suite, whose venv has
 no CUDA plugin, skips it."""
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import attention
-import bench_sample
+from bench import sample as bench_sample
 import sharding
 import train_step
 from configurator import UsageError
@@ -80,10 +80,10 @@ def test_gpu_table():
 
 
 def test_bench_memory_for_a_gpu():
-    """bench_train.py --memory --gpu: the memory line, the GPU's memory and whether the step fits; with nothing on
+    """bench/train.py --memory --gpu: the memory line, the GPU's memory and whether the step fits; with nothing on
     stderr (no CUDA plugin's complaint about a missing GPU, no libtpu banner)."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")}
-    p = subprocess.run([sys.executable, "bench_train.py", "--memory", "--gpu=a100-40", "--gpus=2", "--preset=tiny",
+    p = subprocess.run([sys.executable, "-m", "bench.train", "--memory", "--gpu=a100-40", "--gpus=2", "--preset=tiny",
                         "--dtype=bfloat16"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0 and p.stderr == "", p.stderr[-3000:]
     lines = p.stdout.splitlines()
@@ -96,7 +96,7 @@ def test_bench_memory_for_a_gpu():
 
 
 def test_bench_sample_sizes_generation_for_a_gpu(capsys):
-    """bench_sample.py --memory --gpu: sample.py's generation for an H100, from abstract weights, and whether it
+    """bench/sample.py --memory --gpu: sample.py's generation for an H100, from abstract weights, and whether it
     fits the memory JAX lets a program use there."""
     assert bench_sample.main(["--memory", "--gpu=h100", "--size=gpt2", "--batch", "2", "--new-tokens", "8"]) == 0
     assert re.fullmatch(r"gpt2, batch 2, 16 positions, bfloat16, KV cache, on NVIDIA H100 80GB HBM3: weights "
@@ -108,11 +108,11 @@ def test_bench_sample_sizes_generation_for_a_gpu(capsys):
 @pytest.mark.parametrize("gpu, picks", [("h100", r"remat=none, loss_chunk=0"),
                                         ("a100-40", r"remat=\w+, loss_chunk=\d+")])
 def test_the_124m_recipe_takes_what_fits_each_gpu(gpu, picks):
-    """bench_train.py --memory for config/train_gpt2.py's batch 64 (remat and loss_chunk 'auto'): an H100 recomputes
+    """bench/train.py --memory for config/train_gpt2.py's batch 64 (remat and loss_chunk 'auto'): an H100 recomputes
     nothing (none/0), an A100 40 GB takes what fits its 29.57 GiB; the same line train.py prints at start-up, naming
     the attention kernel compiled in (cuDNN's). XLA:GPU's cuDNN LayerNorm is in the step (train_step.GPU_OPTIONS)."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")}
-    p = subprocess.run([sys.executable, "bench_train.py", "--memory", f"--gpu={gpu}", "--preset=gpt2",
+    p = subprocess.run([sys.executable, "-m", "bench.train", "--memory", f"--gpu={gpu}", "--preset=gpt2",
                         "--batch_size=64", "--dtype=bfloat16"], cwd=REPO, capture_output=True, text=True,
                        timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -1,15 +1,15 @@
 """python -m pytest tests/test_mutation_run.py -q
 
-tests/mutation_run.py, the by-hand mutation runner (docs/mutation.md): a mutant whose tests fail is killed, one they
+tools/mutation_run.py, the by-hand mutation runner (docs/notes/mutation.md): a mutant whose tests fail is killed, one they
 pass survives, one whose tests cannot run is an error, each in its own fork, with its pytest output kept. And
-tests/plant_bugs.py's bugs still plant in the code as it is."""
+tools/plant_bugs.py's bugs still plant in the code as it is."""
 
 import os
 import subprocess
 import sys
 
 from helpers import REPO
-from plant_bugs import BUGS
+from tools.plant_bugs import BUGS
 
 
 def test_each_mutant_runs_its_tests_in_its_own_process(tmp_path):
@@ -19,7 +19,7 @@ def test_each_mutant_runs_its_tests_in_its_own_process(tmp_path):
                                         "if os.environ['MUTANT_UNDER_TEST'] == 'm.x_g__mutmut_1':\n"
                                         "    import no_such_module\n\n\ndef test_f():\n    assert f() == 1\n")
     (tmp_path / "names").write_text("m.x_f__mutmut_1\nm.x_nothing\nm.x_g__mutmut_1\n")
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "mutation_run.py"), str(tmp_path / "names"),
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tools", "mutation_run.py"), str(tmp_path / "names"),
                           "--jobs", "2", "--root", str(tmp_path), "--logs", str(tmp_path / "logs"),
                           "--preload", "numpy", "--", "test_m.py"],
                          capture_output=True, text=True, check=True).stdout

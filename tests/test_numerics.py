@@ -91,7 +91,7 @@ def bf16_step_jaxpr(**settings):
 def test_bf16_step_keeps_layernorm_softmax_residual_and_loss_in_float32(settings):
     """Each claim's equations, forward and backward, have only float32 operands and results; the matmuls do run in
     bf16 (else the test would prove nothing). Planted in model.py, LayerNorm(dtype=bf16) (its input rounded to bf16)
-    and a residual stream held in bf16 each fail it (tests/plant_bugs.py)."""
+    and a residual stream held in bf16 each fail it (tools/plant_bugs.py)."""
     eqns = bf16_step_jaxpr(vocab_size=VOCAB, **settings)
     bf16_dots = [e for e in eqns if e.primitive.name == "dot_general" and "bfloat16" in float_dtypes(e)]
     assert len(bf16_dots) >= 4, "the step runs no matmul in bf16: not a bf16 step"

@@ -151,7 +151,7 @@ def test_two_processes_fsdp_spanning_both_stop_at_one_step_on_sigterm_and_resume
     the second only: both stop at one step, saved (meanwhile a second run on the same out_dir is refused: the lock).
     Resumed on both, nothing lost, nothing repeated: the same losses as 1 process x 8 devices with fsdp 8, and as
     the same global batches straight through on this process's one device. On local disk, and on gs:// (Cloud
-    Storage's emulator, tests/gcs_emulator.py: checkpoints, log and lock as a pod keeps them)."""
+    Storage's emulator, tools/gcs_emulator.py: checkpoints, log and lock as a pod keeps them)."""
     tmp, _, _ = mesh_runs
     out = tmp_path / "multi" if disk == "local" else f"{request.getfixturevalue('gcs_dir')}/multi"
     args = [*TINY, "--n_embd=64", *mesh_args(8, 1), f"--dataset={dataset}", f"--out_dir={out}"]

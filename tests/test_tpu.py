@@ -1,7 +1,7 @@
 """python -m pytest tests/test_tpu.py -q
 
 TPU programs without a TPU: libtpu's ahead-of-time compiler (the tpu extras) compiles the train step and
-sample.py's generation for a v5e:2x2 topology here on the CPU (sharding.topology_devices), as bench_train.py
+sample.py's generation for a v5e:2x2 topology here on the CPU (sharding.topology_devices), as bench/train.py
 --memory --topology does, and the train, eval and generate steps for one topology of every generation
 (sharding.TPUS: v2 and v3, the free Colab/Kaggle TPUs, to TPU7x). The compiled step holds on each chip what the
 state's shardings say; the program is the TPU's (its tiled layouts, the attention kernel its compiler takes, none
@@ -22,8 +22,8 @@ from flax import nnx
 from jax._src import config as jax_config
 
 import auto_settings
-import bench_sample
-import bench_train
+from bench import sample as bench_sample
+from bench import train as bench_train
 import generate
 import helpers
 import sharding
@@ -196,10 +196,10 @@ def run(*args, env=None):
 
 
 def test_bench_memory_for_a_topology(monkeypatch, capsys):
-    """bench_train.py --memory --topology: the memory line, then the chip's HBM and whether the step fits; a step
+    """bench/train.py --memory --topology: the memory line, then the chip's HBM and whether the step fits; a step
     too big for the chip is the compiler's refusal, reported as a measurement, exit 0 (the refusal with
     bench_train's worker in this process: the command itself runs above)."""
-    p = run("bench_train.py", "--memory", f"--topology={TOPOLOGY}", "--preset=tiny", "--fsdp=2", "--tensor_parallel=2")
+    p = run("-m", "bench.train", "--memory", f"--topology={TOPOLOGY}", "--preset=tiny", "--fsdp=2", "--tensor_parallel=2")
     assert p.returncode == 0 and p.stderr == "", p.stderr[-3000:]  # no libtpu banner either
     lines = p.stdout.splitlines()
     assert "4 tpu device(s) of v5e:2x2 (TPU v5 lite), mesh data 1 x fsdp 2 x tensor 2" in lines[0], lines[0]
@@ -211,7 +211,7 @@ def test_bench_memory_for_a_topology(monkeypatch, capsys):
 
     worker = bench_train.WORKERS["memory"]
     monkeypatch.setattr(bench_train, "run_worker", lambda framework, s, env: worker(dict(s, framework=framework)))
-    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--memory", f"--topology={TOPOLOGY}", "--preset=tiny",
+    monkeypatch.setattr(sys, "argv", ["bench/train.py", "--memory", f"--topology={TOPOLOGY}", "--preset=tiny",
                                       "--batch_size=32768", "--remat=block", "--loss_chunk=128"])
     assert bench_train.main() == 0
     assert re.fullmatch(r"memory per device: state \d+\.\d\d GiB; does not fit: needs ~\d+\.\d\d GiB of 15\.75 GiB "
@@ -220,12 +220,12 @@ def test_bench_memory_for_a_topology(monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_the_124m_recipe_takes_what_fits_each_tpu():
-    """bench_train.py --memory for config/train_gpt2.py's batch 64 (remat and loss_chunk 'auto'; ~40 s and ~60 s of
+    """bench/train.py --memory for config/train_gpt2.py's batch 64 (remat and loss_chunk 'auto'; ~40 s and ~60 s of
     libtpu compiles): a v5e chip takes the least recompute whose step fits its 15.75 GiB, a v6e chip (31.25 GiB)
     recomputes less than a v5e; each line names the candidates the TPU compiler refused."""
     chosen = {}
     for topology, kind, hbm in (("v5e:2x2", "TPU v5 lite", 15.75), ("v6e:2x2", "TPU v6 lite", 31.25)):
-        p = run("bench_train.py", "--memory", f"--topology={topology}", "--preset=gpt2", "--batch_size=64",
+        p = run("-m", "bench.train", "--memory", f"--topology={topology}", "--preset=gpt2", "--batch_size=64",
                 "--dtype=bfloat16")
         assert p.returncode == 0, p.stderr[-3000:]
         auto = next(line for line in p.stdout.splitlines() if line.startswith("auto settings:"))
@@ -237,7 +237,7 @@ def test_the_124m_recipe_takes_what_fits_each_tpu():
 
 
 def test_bench_sample_sizes_generation_for_a_tpu_chip(capsys):
-    """bench_sample.py --memory: sample.py's generation (KV cache, top-k) for one chip of a topology, from abstract
+    """bench/sample.py --memory: sample.py's generation (KV cache, top-k) for one chip of a topology, from abstract
     weights; without a target, or with two, one line."""
     args = ["--memory", "--topology=v5e:2x2", "--size=gpt2", "--batch", "2", "--new-tokens", "8"]
     assert bench_sample.main(args) == 0
@@ -262,7 +262,7 @@ def test_tpu_out_of_memory_reads_both_refusals():
 
 def test_a_step_the_tpu_compiler_refuses_is_one_line(dataset, tmp_path, monkeypatch):
     """On a TPU the compiler itself refuses a step that does not fit (on a v2-8, config/train_gpt2.py's batch 32 per
-    device: bench_train.py --memory --topology=v2:2x2): train.py turns that refusal into one line naming the fixes,
+    device: bench/train.py --memory --topology=v2:2x2): train.py turns that refusal into one line naming the fixes,
     before a step runs."""
     class Refused:  # a lowered step whose compile the TPU compiler refuses
         def __init__(self, message):
@@ -286,7 +286,7 @@ def test_a_step_the_tpu_compiler_refuses_is_one_line(dataset, tmp_path, monkeypa
 
 
 def test_unknown_topology_is_one_line():
-    p = run("bench_train.py", "--memory", "--topology=v9:2x2", "--preset=tiny")
+    p = run("-m", "bench.train", "--memory", "--topology=v9:2x2", "--preset=tiny")
     assert p.returncode == 2, p.stderr[-3000:]
     assert p.stderr.startswith("error: unknown TPU topology 'v9:2x2': give one of v2:2x2, v3:2x2, v4:2x2x1, v5e:2x4, "
                                "v5p:2x2x1, v6e:2x4, tpu7x:2x2x1 (one host; XxY chips for v2, v3, v5e, v6e, XxYxZ")
@@ -301,8 +301,8 @@ def test_unknown_topology_is_one_line():
 @pytest.mark.parametrize("topology", ["v2:2x2", "v3:2x2"])
 def test_splash_in_bf16_on_v2_and_v3_is_one_line(topology, monkeypatch):
     """Their compiler refuses the splash kernel in bf16 (test_every_generation_...): an explicit attention='splash'
-    is refused before anything compiles, naming the fixes; bench_train.py exits 2 on it (exit_on_bad_input)."""
-    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--memory", f"--topology={topology}", "--preset=tiny",
+    is refused before anything compiles, naming the fixes; bench/train.py exits 2 on it (exit_on_bad_input)."""
+    monkeypatch.setattr(sys, "argv", ["bench/train.py", "--memory", f"--topology={topology}", "--preset=tiny",
                                       "--dtype=bfloat16", "--attention=splash"])
     monkeypatch.setattr(bench_train, "run_worker", lambda *a: pytest.fail("a worker started"))
     with pytest.raises(UsageError) as e:

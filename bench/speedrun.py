@@ -5,8 +5,8 @@ val loss is the target; then config/speedrun_shakespeare_char.py, the same model
 each: the first eval at or under the target (iterations, tokens, wall seconds from the command's start, imports and
 compilation included), from evals every --eval_interval iterations (the same cadence for both).
 
-    python bench_speedrun.py                      # seeds 1337 (make shakespeare's), 1, 2
-    python bench_speedrun.py --seeds 1337 --eval_interval 100
+    python -m bench.speedrun                      # seeds 1337 (make shakespeare's), 1, 2
+    python -m bench.speedrun --seeds 1337 --eval_interval 100
 
 Prints a row per run and, last, the speedrun's wall time over the baseline's (median over seeds).
 """
@@ -21,7 +21,7 @@ import time
 
 from configurator import UsageError, exit_on_bad_input
 
-REPO = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 # make shakespeare's train.py command (Makefile), the shape both runs share
 BASELINE = ["config/train_shakespeare_char.py", "--eval_iters=20", "--log_interval=100", "--block_size=64",
             "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--max_iters=2000",

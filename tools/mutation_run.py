@@ -1,4 +1,4 @@
-"""python tests/mutation_run.py NAMES_FILE [--jobs 2] [--root mutants] [--logs DIR] [--preload M,...] -- PYTEST_ARGS
+"""python tools/mutation_run.py NAMES_FILE [--jobs 2] [--root mutants] [--logs DIR] [--preload M,...] -- PYTEST_ARGS
 
 Runs each mutant named in NAMES_FILE (mutmut's names, one per line) as `MUTANT_UNDER_TEST=NAME pytest -x PYTEST_ARGS` in
 mutmut's copy of the repository (mutants/, made by any `make mutants` run), and prints `killed NAME`, `SURVIVED NAME`,

@@ -4,7 +4,7 @@ a lock object is created only if absent), the generation in a read's headers (te
 concurrent connections served one at a time, objects.move (gcsfs's mv), a bucket that refuses this account
 (FORBIDDEN, 403) as IAM would, and an index on disk that a kill cannot leave half written.
 
-    python tests/gcs_emulator.py PORT [DIR]     # in memory, or kept in DIR (a restart finds it again)
+    python tools/gcs_emulator.py PORT [DIR]     # in memory, or kept in DIR (a restart finds it again)
 
 prints `ready` once it serves. The real clients reach it by the environment of `client_env(port)`."""
 

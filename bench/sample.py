@@ -1,9 +1,9 @@
 """
 Sampling speed, side by side in one run: our KV-cache generate, transformers' generate, our no-cache path.
 
-    python bench_sample.py                                   # gpt2-shaped random weights, batch 1 and 8, 500 tokens
-    python bench_sample.py --size gpt2-medium --batch 1 --new-tokens 100
-    python bench_sample.py --startup                         # whole processes: sample.py vs a transformers script
+    python -m bench.sample                                   # gpt2-shaped random weights, batch 1 and 8, 500 tokens
+    python -m bench.sample --size gpt2-medium --batch 1 --new-tokens 100
+    python -m bench.sample --startup                         # whole processes: sample.py vs a transformers script
 
 Greedy decoding in float32 from an 8-token prompt, ours on JAX's default device and transformers on the same one
 (the GPU where there is one, else the CPU). Compile time is reported apart from speed: ours is the time the
@@ -18,11 +18,11 @@ empty one) and on a warm one (the same command again), and a transformers proces
 generate(max_new_tokens=200, do_sample=True, top_k=200); the medians of ours / transformers.
 
 --memory compiles sample.py's generation (the prompt prefilled into the KV cache, then --new-tokens sampled with
-top-k, in one jit) for a device it need not have, as bench_train.py --memory does the train step: --gpu=NAME
+top-k, in one jit) for a device it need not have, as bench/train.py --memory does the train step: --gpu=NAME
 (XLA:GPU, jax[cuda12]: docs/gpu.md) or --topology=T (one chip of a TPU topology, libtpu: docs/tpu.md). It prints the
 weights' bytes, the compiled program's peak and whether it fits the device's memory:
 
-    python bench_sample.py --memory --gpu=h100 --size gpt2-xl --batch 8 --new-tokens 1000 --dtype bfloat16
+    python -m bench.sample --memory --gpu=h100 --size gpt2-xl --batch 8 --new-tokens 1000 --dtype bfloat16
 """
 
 import argparse
@@ -38,7 +38,7 @@ from configurator import UsageError, exit_on_bad_input
 from parity.common import HF_SIZES, print_table, random_hf_model
 
 PROMPT = "Hello, I'm a language model,"  # 8 GPT-2 tokens
-SIZES = {**HF_SIZES, "tiny": dict(n_layer=2, n_head=2, n_embd=64)}  # tiny: bench_gpu.py --tiny, the tests
+SIZES = {**HF_SIZES, "tiny": dict(n_layer=2, n_head=2, n_embd=64)}  # tiny: bench/gpu.py --tiny, the tests
 
 
 class CompileTimer:
@@ -225,7 +225,7 @@ def main(argv=None):
 
 def compare(size, batches, new_tokens, nocache_steps=1, echo=False):
     """(a line naming the run, [{batch, ours_tps, hf_tps, ...}]): ours and transformers' greedy generate on the same
-    random weights of `size`, each batch size in `batches`; bench_gpu.py's sampling row."""
+    random weights of `size`, each batch size in `batches`; bench/gpu.py's sampling row."""
     import jax
     import torch
     import transformers

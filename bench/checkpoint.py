@@ -1,9 +1,9 @@
 """
 What the checksums of a checkpoint cost: saving and restoring a training state with and without them.
 
-    python bench_checkpoint.py                             # GPT-2 124M: params + AdamW state in fp32, 3 rounds
-    python bench_checkpoint.py --preset tiny --rounds 1    # a smoke test
-    python bench_checkpoint.py --dir /mnt/disk             # the checkpoints on another disk (default: the temp dir)
+    python -m bench.checkpoint                             # GPT-2 124M: params + AdamW state in fp32, 3 rounds
+    python -m bench.checkpoint --preset tiny --rounds 1    # a smoke test
+    python -m bench.checkpoint --dir /mnt/disk             # the checkpoints on another disk (default: the temp dir)
 
 The state is train.py's from scratch (train_step.init_state, make_optimizer) on every device of the mesh, after one
 AdamW update with random gradients: at init Adam's moments are zeros, which compress to next to nothing, where a
@@ -31,7 +31,7 @@ import checkpoint
 import sharding
 import settings
 import train_step
-from bench_train import PRESETS
+from bench.train import PRESETS
 from configurator import UsageError, configure, exit_on_bad_input
 from model import GPTConfig
 from parity.common import print_table

@@ -2,8 +2,8 @@
 Tokenization throughput: fineweb.py's pipeline with 1, 2, ... processes against one process calling tiktoken's
 encode_ordinary_batch (its own thread pool), on the same documents, in the same run.
 
-    python bench_tokenize.py                          # data/shakespeare_char/input.txt, repeated to 4 MB
-    python bench_tokenize.py --mb 16 --procs 1 2 4 8
+    python -m bench.tokenize                          # data/shakespeare_char/input.txt, repeated to 4 MB
+    python -m bench.tokenize --mb 16 --procs 1 2 4 8
 
 Documents: the text's paragraphs (split at blank lines) grouped into documents of at least --doc_chars
 characters (3000: about 1000 GPT-2 tokens here, FineWeb-Edu's mean). The cases run round-robin; each figure is

@@ -1,4 +1,4 @@
-"""python tests/mutation_report.py [--survivors] [--sample K MODULE]   (after mutmut run: make mutants)
+"""python tools/mutation_report.py [--survivors] [--sample K MODULE]   (after mutmut run: make mutants)
 
 The mutation score of each mutated module, from mutmut's records (mutants/<module>.py.meta): how many of its
 mutants the tests killed (a test failed, or hung past mutmut's timeout), how many survived (every test passed) and

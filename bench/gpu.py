@@ -2,19 +2,19 @@
 The GPU check in one command: what a user's own commands cost on the GPU at hand, each against the PyTorch original
 on the same GPU, as a ratio of times (below 1: ours is faster), with the device's name and the packages' versions.
 
-    python bench_gpu.py                                  # on a GPU: (a) and (c), and (b) ours alone; 255 s on an H200
-    python bench_gpu.py --record ../modded-nanogpt       # (b) against record 5's own code too: ~4 minutes more
-    python bench_gpu.py --tiny                           # any machine: the same three rows at tiny sizes (the tests)
+    python -m bench.gpu                                  # on a GPU: (a) and (c), and (b) ours alone; 255 s on an H200
+    python -m bench.gpu --record ../modded-nanogpt       # (b) against record 5's own code too: ~4 minutes more
+    python -m bench.gpu --tiny                           # any machine: the same three rows at tiny sizes (the tests)
 
 (a) GPT-2 124M at config/train_gpt2.py's own settings (batch 64 x 1024, bf16, remat and loss_chunk as its 'auto'
-    picks them): bench_train.py's step, ours against nanoGPT's model as its train.py runs it on a GPU
+    picks them): bench/train.py's step, ours against nanoGPT's model as its train.py runs it on a GPU
     (torch.compile, fused AdamW, TF32, autocast), each in its own process; ms a step, median after warm-up.
 (b) The speedrun: `python train.py config/speedrun_gpt2.py` (524,288 tokens a step) on llm.c shards of random
     tokens, ms a step (train.py's own log, after its first steps); with --record, a checkout of
     KellerJordan/modded-nanogpt, its record 5 (records/track_1_short/2024-10-14_ModernArch/train_gpt2.py) run as it
     is under torchrun on the same shards: a copy in a temporary folder, its Hyperparameters pointed at the shards
     and --speedrun_steps iterations, timed by its own step_avg (its first 10 steps untimed, as it does).
-(c) Sampling: bench_sample.py's greedy generate, 500 tokens at batch 1 and 8, ours against transformers' generate,
+(c) Sampling: bench/sample.py's greedy generate, 500 tokens at batch 1 and 8, ours against transformers' generate,
     both on the GPU (float32, random gpt2-shaped weights).
 """
 
@@ -30,10 +30,10 @@ from importlib import metadata
 
 import numpy as np
 
-import bench_train
+from bench import train as bench_train
 from configurator import UsageError, exit_on_bad_input
 
-REPO = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 RECORD_5 = os.path.join("records", "track_1_short", "2024-10-14_ModernArch", "train_gpt2.py")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "torch", "transformers")
 # the two sizes of each row: the real ones on a GPU, tiny ones anywhere (the suite runs them on the CPU)
@@ -108,7 +108,7 @@ def speedrun_record(checkout, data_dir, steps):
 
 def sample_row(size):
     """(c): bench_sample.compare in a process of its own (JAX takes 75% of the GPU's memory when it starts)."""
-    p = subprocess.run([sys.executable, __file__, "--worker-sample", json.dumps(SAMPLE[size])], cwd=REPO,
+    p = subprocess.run([sys.executable, "-m", "bench.gpu", "--worker-sample", json.dumps(SAMPLE[size])], cwd=REPO,
                        capture_output=True, text=True)
     if p.returncode:
         raise SystemExit(f"sampling failed:\n{p.stderr[-3000:]}")
@@ -128,7 +128,7 @@ def versions():
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker-sample"]:  # sample_row's process
-        import bench_sample
+        from bench import sample as bench_sample
 
         header, rows = bench_sample.compare(**json.loads(argv[1]))
         print(json.dumps({"header": header, "rows": rows}))
@@ -185,7 +185,7 @@ def main(argv=None):
     print(f"\n{'':<52} {'ours':>14} {'PyTorch original':>32} {'ours / theirs (time)':>21}")
     for what, a, b, ratio in rows:
         print(f"{what:<52} {a:>14} {b:>32} {f'{ratio:.2f}' if ratio is not None else '-':>21}")
-    print(f"\n(bench_gpu.py took {time.time() - t_start:.0f} s)")
+    print(f"\n(bench/gpu.py took {time.time() - t_start:.0f} s)")
     return 0
 
 

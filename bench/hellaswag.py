@@ -2,9 +2,9 @@
 HellaSwag scoring speed, examples/s: our JAX scorer vs the torch reference (transformers' GPT2LMHeadModel,
 build-nanogpt's loop), same weights (gpt2-124M-shaped, random), same examples, same run, fp32.
 
-    python bench_hellaswag.py                           # 32 synthetic examples with HellaSwag-like lengths
-    python bench_hellaswag.py --path data/hellaswag/hellaswag_val.jsonl --limit 64   # the real val set, once downloaded
-    python bench_hellaswag.py --size gpt2-medium --limit 32
+    python -m bench.hellaswag                           # 32 synthetic examples with HellaSwag-like lengths
+    python -m bench.hellaswag --path data/hellaswag/hellaswag_val.jsonl --limit 64   # the real val set, once downloaded
+    python -m bench.hellaswag --size gpt2-medium --limit 32
 
 JAX is timed twice: the first pass includes compiling each batch shape, the second is the steady state (what
 train.py's repeated evals see). Both backends must also agree: identical predictions, losses within 1e-5.

@@ -1,12 +1,12 @@
 """
 What reading the data from Cloud Storage costs: the loader's tokens/s over the same token files on local disk and on
-gs://, through the Cloud Storage emulator (tests/gcs_emulator.py, in memory, on loopback), at GPT-2 124M's shapes;
+gs://, through the Cloud Storage emulator (tools/gcs_emulator.py, in memory, on loopback), at GPT-2 124M's shapes;
 and saving and restoring GPT-2 124M's training state (train.py's checkpoints) on each.
 
-    python bench_storage.py                                # 50M tokens of fineweb-style .npy shards
-    python bench_storage.py --format=bin --tokens=20_000_000   # llm.c .bin shards (raw: one train.bin, random windows)
-    python bench_storage.py --step_ms=100                  # a step of 100 ms beside the Prefetcher: what it hides
-    python bench_storage.py --skip=data --preset=tiny      # checkpoints only, of a tiny model (a smoke test)
+    python -m bench.storage                                # 50M tokens of fineweb-style .npy shards
+    python -m bench.storage --format=bin --tokens=20_000_000   # llm.c .bin shards (raw: one train.bin, random windows)
+    python -m bench.storage --step_ms=100                  # a step of 100 ms beside the Prefetcher: what it hides
+    python -m bench.storage --skip=data --preset=tiny      # checkpoints only, of a tiny model (a smoke test)
 
 The files are written to a temporary folder, then uploaded to the emulator's bucket. Each source is timed twice:
 make_loader(...).next(accum) in a loop (each batch read while the loop waits), then through the Prefetcher (train.py's
@@ -29,9 +29,8 @@ import storage
 from configurator import UsageError, exit_on_bad_input
 from dataloader import LLMC_HEADER, LLMC_MAGIC, LLMC_VERSION, Prefetcher, make_loader
 from parity.common import print_table
+from tools import gcs_emulator  # the tests' emulator, the one the suite runs against
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
-import gcs_emulator  # noqa: E402 - the tests' emulator, the one the suite runs against
 
 FORMATS = ("npy", "bin", "raw")
 
@@ -132,8 +131,8 @@ def measure_checkpoints(places, args):
     import settings
     import sharding
     import train_step
-    from bench_checkpoint import save_and_restore, training_state
-    from bench_train import PRESETS
+    from bench.checkpoint import save_and_restore, training_state
+    from bench.train import PRESETS
     from configurator import configure
     from model import GPTConfig
 
@@ -172,7 +171,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=1000, help="timed batches per measurement")
     p.add_argument("--step_ms", type=float, default=0.0, help="the work of a step beside the Prefetcher (sleep)")
     p.add_argument("--dir", default=None, help="where the temporary data folder goes")
-    p.add_argument("--preset", default="gpt2", help="the checkpoints' model (bench_train.py's presets; gpt2: 124M)")
+    p.add_argument("--preset", default="gpt2", help="the checkpoints' model (bench/train.py's presets; gpt2: 124M)")
     p.add_argument("--rounds", type=int, default=2, help="timed checkpoint rounds (a save and a restore each)")
     p.add_argument("--skip", choices=("data", "checkpoints"), default=None, help="leave one part out")
     args = p.parse_args(argv)

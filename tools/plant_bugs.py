@@ -1,4 +1,4 @@
-"""python tests/plant_bugs.py [BUG ...]
+"""python tools/plant_bugs.py [BUG ...]
 
 Does the suite catch the bugs it claims to (issue 34)? Each bug below is planted alone, by an exact text substitution,
 in a copy of the repository (the files git tracks and those it does not ignore; the venv used where it is), and the

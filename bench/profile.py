@@ -1,12 +1,12 @@
 """
-Where the train step's time goes, op by op: bench_train.py's step (its presets and settings) run in this process
+Where the train step's time goes, op by op: bench/train.py's step (its presets and settings) run in this process
 under jax.profiler, then the trace read back (jax.profiler.ProfileData) and the compiled ops of the last --steps
 executions of the step summed by name, longest first, with each op's share of the step and the JAX source it came
 from. On a GPU the ops are its kernels; on a CPU, the thunks XLA:CPU runs.
 
-    python bench_profile.py --preset gpt2 --dtype bfloat16 --batch_size 64 --remat none --loss_chunk 0 \
+    python -m bench.profile --preset gpt2 --dtype bfloat16 --batch_size 64 --remat none --loss_chunk 0 \
         --scan_layers off --steps 5                     # the H100's fastest row (docs/benchmarks.md)
-    python bench_profile.py --preset tiny --steps 3     # any machine
+    python -m bench.profile --preset tiny --steps 3     # any machine
 
 Three experiments, not settings of train.py. Two put back what the step did before: --logits float32, the head's
 logits for the loss in float32 (now in the compute dtype, as autocast's); --loss autodiff, the cross-entropy's
@@ -146,7 +146,7 @@ def three_projections():
 
 def main():
     import auto_settings
-    import bench_train
+    from bench import train as bench_train
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     bench_train.step_options(p)

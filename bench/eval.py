@@ -2,8 +2,8 @@
 lm-eval loglikelihood speed, requests/s: our model (eval.JaxLM) vs lm-eval's own hf model (transformers'
 GPT2LMHeadModel), same random weights, same requests, same batch size, same run, fp32, pairs alternated.
 
-    python bench_eval.py                                  # 500 requests of mixed lengths, a small GPT-2, 3 pairs
-    python bench_eval.py --size gpt2 --requests 200 --pairs 1
+    python -m bench.eval                                  # 500 requests of mixed lengths, a small GPT-2, 3 pairs
+    python -m bench.eval --size gpt2 --requests 200 --pairs 1
 
 The requests are a multiple-choice task's: 125 Shakespeare contexts of 8 to 700 tokens, 4 continuations each of
 1 to 24 tokens. Ours is timed twice a pair: compiling (jax's caches cleared first) and compiled (the same requests
@@ -32,7 +32,7 @@ def requests(n_docs, seed=0):
     from tokenizer import get_encoding
 
     enc = get_encoding()
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "shakespeare_char", "input.txt")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "shakespeare_char", "input.txt")
     with open(path) as f:
         tokens = enc.encode_ordinary(f.read())
     rng = np.random.default_rng(seed)

@@ -4,12 +4,12 @@ nanoGPT's own model (its model.py: exact GELU, scaled_dot_product_attention) and
 GPT2LMHeadModel, each with torch.optim.AdamW, same shapes, fp32 on CPU. Each measurement runs in its own
 process, so peak memory is that run's alone.
 
-    python bench_train.py                      # nanoGPT's CPU baby config (block 64, batch 12, 4x4x128)
-    python bench_train.py --preset gpt2 --dtype bfloat16 --frameworks jax   # 124M, B=16, T=1024 (GPU)
-    python bench_train.py --full-run           # the main training command (make shakespeare) vs nanoGPT's train.py loop, 3 pairs
-    python bench_train.py --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 --remat=none
-    python bench_train.py --memory --topology=v5e:2x4 --preset gpt2 --batch_size=16 --dtype=bfloat16   # a v5e-8 VM
-    python bench_train.py --memory --gpu=h100 --preset gpt2 --batch_size=64 --dtype=bfloat16   # an H100, here
+    python -m bench.train                      # nanoGPT's CPU baby config (block 64, batch 12, 4x4x128)
+    python -m bench.train --preset gpt2 --dtype bfloat16 --frameworks jax   # 124M, B=16, T=1024 (GPU)
+    python -m bench.train --full-run           # the main training command (make shakespeare) vs nanoGPT's train.py loop, 3 pairs
+    python -m bench.train --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 --remat=none
+    python -m bench.train --memory --topology=v5e:2x4 --preset gpt2 --batch_size=16 --dtype=bfloat16   # a v5e-8 VM
+    python -m bench.train --memory --gpu=h100 --preset gpt2 --batch_size=64 --dtype=bfloat16   # an H100, here
 
 Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's peak is known,
 peak memory (the device's on GPU/TPU, the process's peak RSS on CPU) and, for ours, the compiled step's scratch
@@ -38,6 +38,8 @@ from dataloader import data_meta
 
 # jax, and our modules on it, are imported in the functions that use them: this file is also each measurement's
 # worker process (run_worker), and a torch worker's peak RSS must be torch's own
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 
 PRESETS = {
     "baby": dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128, vocab_size=65),
@@ -382,8 +384,8 @@ def rss_bytes():
 
 
 def run_worker(framework, settings, env=None):
-    out = subprocess.run([sys.executable, __file__, "--worker", framework, json.dumps(settings)],
-                         capture_output=True, text=True, env={**os.environ, **(env or {})})
+    out = subprocess.run([sys.executable, "-m", "bench.train", "--worker", framework, json.dumps(settings)],
+                         cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if out.returncode:
         raise SystemExit(f"{framework} worker failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
