@@ -23,8 +23,11 @@ $(VENV)/.test: pyproject.toml constraints.txt | $(BIN)/activate
 	$(BIN)/$(INSTALL) -e ".[test]"
 	touch $@
 
+# first the style (ruff: the formatter's layout, then the linter), then the suite; the wall time of both at the end
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q -n auto
+	@start=$$(date +%s); \
+	$(BIN)/ruff format --check . && $(BIN)/ruff check . && $(BIN)/python -m pytest -q -n auto; \
+	status=$$?; echo "make test: $$(($$(date +%s) - start)) s"; exit $$status
 
 # the tests marked slow, which make test leaves out to stay within 5 minutes on 2 cores: golden runs, and the larger
 # repeats of claims make test checks (more devices, processes, TPU generations). CI runs them after make test.

@@ -1,17 +1,18 @@
 """
 The data loaders. Each step reads one *global* batch of token windows, (accum, rows, T) with rows =
-batch_size * device_count, and each process materializes only its own rows. The global batch depends on
-(seed, position) alone, never on how many processes or devices there are, so 1 device, 8 devices and
-2 hosts x 4 devices train on the same tokens.
+batch_size * device_count, and each process materializes only its own rows. The global batch depends
+on (seed, position) alone, never on how many processes or devices there are, so 1 device, 8 devices
+and 2 hosts x 4 devices train on the same tokens.
 
 - BinLoader (nanoGPT): random windows from a uint16 `{split}.bin`.
 - ShardLoader (build-nanogpt): sequential over sorted uint16 `*{split}*.npy` shards.
-- BinShardLoader (llm.c, modded-nanogpt's speedrun): sequential over sorted `*_{split}_*.bin` shards (a 256-int32
-  header, then uint16 tokens), as the record's DistributedDataLoader reads them.
-The data folder is local or a URL (gs://bucket/folder, any fsspec URL); every file is read through token_files
-(pread, or ranged reads at a URL; no memory map, no download). Each loader's state (`state_dict()`) goes into the
-checkpoint so that resume neither skips nor repeats data. Prefetcher reads the training batches on a background
-thread, ahead of the step (from a URL, the network's latency with them).
+- BinShardLoader (llm.c, modded-nanogpt's speedrun): sequential over sorted `*_{split}_*.bin` shards
+  (a 256-int32 header, then uint16 tokens), as the record's DistributedDataLoader reads them.
+The data folder is local or a URL (gs://bucket/folder, any fsspec URL); every file is read through
+token_files (pread, or ranged reads at a URL; no memory map, no download). Each loader's state
+(`state_dict()`) goes into the checkpoint so that resume neither skips nor repeats data. Prefetcher
+reads the training batches on a background thread, ahead of the step (from a URL, the network's
+latency with them).
 """
 
 import itertools
@@ -23,24 +24,50 @@ import numpy as np
 
 import storage
 from configurator import InputNotFound, UsageError
-from token_files import (LLMC_HEADER, LLMC_MAGIC, LLMC_VERSION, llmc_counts, llmc_fault, prepare_hint, stopped,
-                         token_file)
+from token_files import (
+    LLMC_HEADER,
+    LLMC_MAGIC,
+    LLMC_VERSION,
+    llmc_counts,
+    llmc_fault,
+    prepare_hint,
+    stopped,
+    token_file,
+)
 from tokenizer import read_vocab, vocab_file
 
-# the token files' names, here where scripts and tests have always found them (token_files.py holds them)
-__all__ = ["LLMC_HEADER", "LLMC_MAGIC", "LLMC_VERSION", "llmc_fault", "check_ids", "BinLoader", "ShardLoader",
-           "BinShardLoader", "val_batches_for", "make_loader", "data_meta", "data_dir_for", "Prefetcher"]
+# the token files' names, here where scripts and tests have always found them (token_files.py holds
+# them)
+__all__ = [
+    "LLMC_HEADER",
+    "LLMC_MAGIC",
+    "LLMC_VERSION",
+    "llmc_fault",
+    "check_ids",
+    "BinLoader",
+    "ShardLoader",
+    "BinShardLoader",
+    "val_batches_for",
+    "make_loader",
+    "data_meta",
+    "data_dir_for",
+    "Prefetcher",
+]
 
 
 def check_ids(tokens, vocab_size, where):
-    """Ids the model has no embedding for would turn into NaN (jnp.take fills), far from their cause."""
+    """Ids the model has no embedding for would turn into NaN (jnp.take fills), far from their
+    cause."""
     if vocab_size is not None and tokens.size and tokens.max() >= vocab_size:
-        raise UsageError(f"{where} holds token id {tokens.max()}, outside the model's vocabulary (vocab_size "
-                         f"{vocab_size}): set --vocab_size, or prepare the data with the model's tokenizer")
+        raise UsageError(
+            f"{where} holds token id {tokens.max()}, outside the model's vocabulary (vocab_size "
+            f"{vocab_size}): set --vocab_size, or prepare the data with the model's tokenizer"
+        )
 
 
 class BinLoader:
-    """nanoGPT's random windows; the windows of step `it` come from a generator seeded with (seed, it)."""
+    """nanoGPT's random windows; the windows of step `it` come from a generator seeded with (seed,
+    it)."""
 
     def __init__(self, path, block_size, rows, seed, row_slice=None, vocab_size=None):
         size = storage.size(path)
@@ -50,18 +77,26 @@ class BinLoader:
         self.path = path
         self.file = token_file(path)
         if self.file.count <= block_size + 1:
-            raise UsageError(f"{path} holds {self.file.count} tokens: too few for block_size {block_size}")
+            raise UsageError(
+                f"{path} holds {self.file.count} tokens: too few for block_size {block_size}"
+            )
         self.block_size, self.rows, self.seed = block_size, rows, seed
         self.row_slice = row_slice or slice(0, rows)
         self.vocab_size = vocab_size  # the model's: ids at or above it are an error (check_ids)
         self.step = 0
 
     def batches(self, keys, accum):
-        """(x, y), each (len(keys), accum, this process's rows, T) int32: a batch for each integer key tuple, their
-        windows read together (at a URL, one set of concurrent requests)."""
+        """(x, y), each (len(keys), accum, this process's rows, T) int32: a batch for each integer
+        key tuple, their windows read together (at a URL, one set of concurrent requests)."""
         self.file.check()
-        starts = np.stack([np.random.default_rng([self.seed, *key]).integers(
-            0, self.file.count - self.block_size - 1, (accum, self.rows)) for key in keys])[..., self.row_slice]
+        starts = np.stack(
+            [
+                np.random.default_rng([self.seed, *key]).integers(
+                    0, self.file.count - self.block_size - 1, (accum, self.rows)
+                )
+                for key in keys
+            ]
+        )[..., self.row_slice]
         tokens = self.file.read(starts.ravel().tolist(), self.block_size + 1)
         tokens = tokens.reshape(*starts.shape, self.block_size + 1).astype(np.int32)  # (..., T+1)
         check_ids(tokens, self.vocab_size, self.path)
@@ -73,7 +108,8 @@ class BinLoader:
         return x[0], y[0]
 
     def eval_batches(self, n, tag):
-        """n batches of (rows, T) for estimate_loss; the same for the same tag (the iteration number)."""
+        """n batches of (rows, T) for estimate_loss; the same for the same tag (the iteration
+        number)."""
         x, y = self.batches([(1, tag, k) for k in range(n)], 1)
         for k in range(n):
             yield x[k, 0], y[k, 0]
@@ -86,11 +122,13 @@ class BinLoader:
 
 
 class ShardLoader:
-    """build-nanogpt's DataLoaderLite: consecutive windows over the shards in sorted order, wrapping around.
-    Position = (shard, offset) of the global batch; process p reads the rows its devices hold.
-    With shuffle_shards, each epoch visits the shards in an order seeded by (seed, epoch)."""
+    """build-nanogpt's DataLoaderLite: consecutive windows over the shards in sorted order, wrapping
+    around. Position = (shard, offset) of the global batch; process p reads the rows its devices
+    hold. With shuffle_shards, each epoch visits the shards in an order seeded by (seed, epoch)."""
 
-    def __init__(self, paths, block_size, rows, seed, row_slice=None, shuffle_shards=False, vocab_size=None):
+    def __init__(
+        self, paths, block_size, rows, seed, row_slice=None, shuffle_shards=False, vocab_size=None
+    ):
         self.paths = sorted(paths)
         self.vocab_size = vocab_size  # the model's: ids at or above it are an error (check_ids)
         self.block_size, self.rows, self.seed = block_size, rows, seed
@@ -100,10 +138,13 @@ class ShardLoader:
         self._file = None  # the TokenFile of the shard read last
 
     def _shard(self, epoch, shard):
-        """The shard's TokenFile. Shards open as the run reaches them: one deleted or broken by then stops the run
-        (RunStopped)."""
-        order = (np.random.default_rng([self.seed, epoch]).permutation(len(self.paths)) if self.shuffle_shards
-                 else range(len(self.paths)))
+        """The shard's TokenFile. Shards open as the run reaches them: one deleted or broken by then
+        stops the run (RunStopped)."""
+        order = (
+            np.random.default_rng([self.seed, epoch]).permutation(len(self.paths))
+            if self.shuffle_shards
+            else range(len(self.paths))
+        )
         path = self.paths[order[shard]]
         if self._file is None or self._file.path != path:
             try:
@@ -113,8 +154,9 @@ class ShardLoader:
         return self._file
 
     def _read(self, position, n):
-        """n + 1 tokens from position, crossing shard ends (and epochs): a batch and its last target, the next
-        batch's first input, in one read of each shard; returns (tokens, the position after the n)."""
+        """n + 1 tokens from position, crossing shard ends (and epochs): a batch and its last
+        target, the next batch's first input, in one read of each shard; returns (tokens, the
+        position after the n)."""
         epoch, shard, offset = position
         parts, left = [], n + 1
         while True:
@@ -128,7 +170,8 @@ class ShardLoader:
 
     def next(self, accum):
         if self._file is not None:
-            self._file.check()  # the shard read last, where this batch begins (a shard it opens is fresh)
+            # the shard read last, where this batch begins (a shard it opens is fresh)
+            self._file.check()
         buf, self.position = self._read(self.position, accum * self.rows * self.block_size)
         check_ids(buf, self.vocab_size, storage.dirname(self.paths[0]))
         x = buf[:-1].reshape(accum, self.rows, self.block_size)[:, self.row_slice]
@@ -154,14 +197,16 @@ class ShardLoader:
 
 
 class BinShardLoader:
-    """modded-nanogpt's DistributedDataLoader (record 5) over llm.c `.bin` shards in sorted order. One micro-batch is
-    one of the record's next_batch() over all its processes: the next rows*T + 1 tokens of the shard (x: the first
-    rows*T as (rows, T), y: shifted by one), after which the position advances rows*T, and moves to the next
-    shard's start (dropping this one's tail) when the next batch and its one extra token would not fit; after the
-    last shard, the first again. Position = (shard, offset) of the global batch; process p reads only its rows.
-    (The record's rank r tests its own position, r*B*T further on, for that move: where a shard's tail after its last
-    batch is under (W-1)*B*T + 1 tokens, its ranks r > 0 leave the shard one batch before rank 0. We follow rank 0:
-    the record exactly on one process, and on W wherever the tails are long enough.)"""
+    """modded-nanogpt's DistributedDataLoader (record 5) over llm.c `.bin` shards in sorted order.
+    One micro-batch is one of the record's next_batch() over all its processes: the next rows*T + 1
+    tokens of the shard (x: the first rows*T as (rows, T), y: shifted by one), after which the
+    position advances rows*T, and moves to the next shard's start (dropping this one's tail) when
+    the next batch and its one extra token would not fit; after the last shard, the first again.
+    Position = (shard, offset) of the global batch; process p reads only its rows. (The record's
+    rank r tests its own position, r*B*T further on, for that move: where a shard's tail after its
+    last batch is under (W-1)*B*T + 1 tokens, its ranks r > 0 leave the shard one batch before rank
+    0. We follow rank 0: the record exactly on one process, and on W wherever the tails are long
+    enough.)"""
 
     def __init__(self, paths, block_size, rows, row_slice=None, vocab_size=None):
         self.paths = sorted(paths)
@@ -170,18 +215,23 @@ class BinShardLoader:
         need = rows * block_size + 1
         for path, count in zip(self.paths, self.counts):
             if count < need:  # the record: assert shard_ntok >= num_processes * B * T + 1
-                raise UsageError(f"{path} holds {count} tokens, fewer than one batch of {rows} rows x {block_size} "
-                                 f"+ 1 = {need}: lower batch_size or block_size")
+                raise UsageError(
+                    f"{path} holds {count} tokens, fewer than one batch of {rows} rows x "
+                    f"{block_size} + 1 = {need}: lower batch_size or block_size"
+                )
         lo, hi, stride = (row_slice or slice(0, rows)).indices(rows)
-        assert stride == 1 and hi > lo, f"a process reads one contiguous range of rows, not {row_slice}"
+        assert stride == 1 and hi > lo, (
+            f"a process reads one contiguous range of rows, not {row_slice}"
+        )
         self.lo, self.hi = lo, hi
         self.vocab_size = vocab_size  # the model's: ids at or above it are an error (check_ids)
         self.position = (0, 0)  # (shard, offset)
         self._file = None  # the TokenFile of the shard read last
 
     def _shard(self, shard):
-        """The shard's TokenFile, opened as the run reaches it and checked once per batch after that: a shard
-        deleted, broken or changed since the run listed it stops the run (RunStopped)."""
+        """The shard's TokenFile, opened as the run reaches it and checked once per batch after
+        that: a shard deleted, broken or changed since the run listed it stops the run
+        (RunStopped)."""
         path = self.paths[shard]
         if self._file is not None and self._file.path == path:
             self._file.check()
@@ -191,13 +241,17 @@ class BinShardLoader:
         except FileNotFoundError:
             raise stopped(path, "is gone (deleted after the run listed the shards)") from None
         if file.count != self.counts[shard]:
-            raise stopped(path, f"changed since the run listed the shards (now {file.count} tokens, was "
-                                f"{self.counts[shard]})")
+            raise stopped(
+                path,
+                f"changed since the run listed the shards (now {file.count} tokens, was "
+                f"{self.counts[shard]})",
+            )
         self._file = file
         return file
 
     def _advance(self, position):
-        """The position after the global batch at `position`: the record's advance() drops a shard's tail."""
+        """The position after the global batch at `position`: the record's advance() drops a shard's
+        tail."""
         shard, offset = position
         offset += self.rows * self.block_size
         if offset + self.rows * self.block_size + 1 > self.counts[shard]:
@@ -205,27 +259,32 @@ class BinShardLoader:
         return shard, offset
 
     def _batches(self, position, k):
-        """This process's (x, y), each (k, its rows, T) int32, of the k global batches from `position`, those in one
-        shard in one read of it; the position after."""
+        """This process's (x, y), each (k, its rows, T) int32, of the k global batches from
+        `position`, those in one shard in one read of it; the position after."""
         T, positions, parts = self.block_size, [], []
         for _ in range(k):
             positions.append(position)
             position = self._advance(position)
         for shard, run in itertools.groupby(positions, key=lambda p: p[0]):
-            # rows lo..hi of each batch and the one token after them (the next process's first, or the extra one)
-            buf = self._shard(shard).read([offset + self.lo * T for _, offset in run], (self.hi - self.lo) * T + 1)
+            # rows lo..hi of each batch and the one token after them (the next process's first, or
+            # the extra one)
+            buf = self._shard(shard).read(
+                [offset + self.lo * T for _, offset in run], (self.hi - self.lo) * T + 1
+            )
             parts.append(buf.astype(np.int32))
             check_ids(parts[-1], self.vocab_size, self.paths[shard])
         buf = np.concatenate(parts)  # (k, its rows * T + 1)
         return buf[:, :-1].reshape(k, -1, T), buf[:, 1:].reshape(k, -1, T), position
 
     def next(self, accum):
-        """(x, y), each (accum, this process's rows, T) int32: `accum` consecutive global batches."""
+        """(x, y), each (accum, this process's rows, T) int32: `accum` consecutive global
+        batches."""
         x, y, self.position = self._batches(self.position, accum)
         return x, y
 
     def eval_batches(self, n, tag=None):
-        """The record's validation: n batches from the start of the shards, the same every time (read as one)."""
+        """The record's validation: n batches from the start of the shards, the same every time
+        (read as one)."""
         x, y, _ = self._batches((0, 0), n)
         for k in range(n):
             yield x[k], y[k]
@@ -235,68 +294,97 @@ class BinShardLoader:
 
     def load_state_dict(self, state):
         shard, offset = int(state["shard"]), int(state["offset"])
-        if not (0 <= shard < len(self.paths) and 0 <= offset
-                and offset + self.rows * self.block_size + 1 <= self.counts[shard]):
-            raise UsageError(f"the checkpoint's data position (shard {shard}, offset {offset}) is past the end of "
-                             f"the {len(self.paths)} shards in {storage.dirname(self.paths[0])} at {self.rows} rows "
-                             f"x {self.block_size}: resume on the data and batch size it was saved with")
+        if not (
+            0 <= shard < len(self.paths)
+            and 0 <= offset
+            and offset + self.rows * self.block_size + 1 <= self.counts[shard]
+        ):
+            raise UsageError(
+                f"the checkpoint's data position (shard {shard}, offset {offset}) is past the end "
+                f"of the {len(self.paths)} shards in {storage.dirname(self.paths[0])} at "
+                f"{self.rows} rows x {self.block_size}: resume on the data and batch size it was "
+                "saved with"
+            )
         self.position = (shard, offset)
 
 
 def val_batches_for(val_tokens, rows, block_size):
-    """The record's val_steps: how many eval batches of rows x block_size tokens make val_tokens (10,485,760 in
-    record 5: 20 batches of 8 GPUs x 64 x 1024); 0 for val_tokens 0 (off: eval_iters batches)."""
+    """The record's val_steps: how many eval batches of rows x block_size tokens make val_tokens
+    (10,485,760 in record 5: 20 batches of 8 GPUs x 64 x 1024); 0 for val_tokens 0 (off: eval_iters
+    batches)."""
     per = rows * block_size
     if val_tokens < 0 or val_tokens % per:
         fit = max(1, round(val_tokens / per)) * per
-        raise UsageError(f"val_tokens={val_tokens} is not a multiple of one eval batch, {rows} rows x {block_size} "
-                         f"= {per} tokens: set --val_tokens={fit}, or 0 to evaluate eval_iters batches")
+        raise UsageError(
+            f"val_tokens={val_tokens} is not a multiple of one eval batch, {rows} rows x "
+            f"{block_size} = {per} tokens: set --val_tokens={fit}, or 0 to evaluate eval_iters "
+            "batches"
+        )
     return val_tokens // per
 
 
 def shards_in(data_dir, pattern):
-    """The files of data_dir that match, sorted; none in a bucket that does not exist (what gcsfs says of it)."""
+    """The files of data_dir that match, sorted; none in a bucket that does not exist (what gcsfs
+    says of it)."""
     try:
         return storage.glob(storage.join(data_dir, pattern))
     except FileNotFoundError:
         return []
 
 
-def make_loader(data_dir, split, block_size, rows, seed, row_slice=None, shuffle_shards=False, vocab_size=None):
-    """The loader for what `data_dir` (a folder, or a URL: gs://bucket/folder) holds: `{split}.bin` (nanoGPT), llm.c
-    `*_{split}_*.bin` shards (modded-nanogpt) or `*{split}*.npy` shards (build-nanogpt). vocab_size: the model's,
-    which no token id may reach."""
+def make_loader(
+    data_dir, split, block_size, rows, seed, row_slice=None, shuffle_shards=False, vocab_size=None
+):
+    """The loader for what `data_dir` (a folder, or a URL: gs://bucket/folder) holds: `{split}.bin`
+    (nanoGPT), llm.c `*_{split}_*.bin` shards (modded-nanogpt) or `*{split}*.npy` shards
+    (build-nanogpt). vocab_size: the model's, which no token id may reach."""
     bin_path = storage.join(data_dir, f"{split}.bin")
     if storage.exists(bin_path):
         return BinLoader(bin_path, block_size, rows, seed, row_slice, vocab_size)
     bin_shards = shards_in(data_dir, f"*_{split}_*.bin")
     if bin_shards:
         if shuffle_shards and split == "train":
-            raise UsageError(f"shuffle_shards is for .npy shards: the .bin shards in {data_dir} are read in order, "
-                             "as modded-nanogpt reads them; drop --shuffle_shards")
+            raise UsageError(
+                f"shuffle_shards is for .npy shards: the .bin shards in {data_dir} are read in "
+                "order, as modded-nanogpt reads them; drop --shuffle_shards"
+            )
         return BinShardLoader(bin_shards, block_size, rows, row_slice, vocab_size)
     shards = shards_in(data_dir, f"*{split}*.npy")
     if shards:
-        return ShardLoader(shards, block_size, rows, seed, row_slice, shuffle_shards and split == "train", vocab_size)
-    todo = (f"write them with `{prepare_hint(data_dir)}`, then copy them there (gcloud storage cp)"
-            if storage.is_url(data_dir) else f"run `{prepare_hint(data_dir)}` first")
-    raise InputNotFound(f"no {split}.bin or {split} shards (*_{split}_*.bin, *{split}*.npy) in {data_dir}: {todo}")
+        return ShardLoader(
+            shards,
+            block_size,
+            rows,
+            seed,
+            row_slice,
+            shuffle_shards and split == "train",
+            vocab_size,
+        )
+    todo = (
+        f"write them with `{prepare_hint(data_dir)}`, then copy them there (gcloud storage cp)"
+        if storage.is_url(data_dir)
+        else f"run `{prepare_hint(data_dir)}` first"
+    )
+    raise InputNotFound(
+        f"no {split}.bin or {split} shards (*_{split}_*.bin, *{split}*.npy) in {data_dir}: {todo}"
+    )
 
 
 def data_meta(data_dir):
-    """(vocab_size, vocab) of the data's characters (nanoGPT's char-level datasets write a meta.pkl; a meta.json is
-    read first), read by tokenizer.read_vocab, which runs nothing: vocab_size and the characters, which each
-    checkpoint saves as what decodes its tokens; (0, 'gpt2') where there is neither: GPT-2's BPE. data_dir may be a
-    URL."""
+    """(vocab_size, vocab) of the data's characters (nanoGPT's char-level datasets write a meta.pkl;
+    a meta.json is read first), read by tokenizer.read_vocab, which runs nothing: vocab_size and the
+    characters, which each checkpoint saves as what decodes its tokens; (0, 'gpt2') where there is
+    neither: GPT-2's BPE. data_dir may be a URL."""
     path = vocab_file(data_dir)
     return read_vocab(path) if path else (0, "gpt2")
 
 
 def data_dir_for(dataset):
-    """A dataset's folder: a URL as it is (its bucket reachable); else data/<dataset> here, else the path `dataset`,
-    else data/<dataset> of the project (a run started from another directory). None of them: one line naming where
-    it looked and the datasets the project prepares."""
-    if storage.is_url(dataset):  # as it is: credentials, the bucket and access checked, each a line naming it
+    """A dataset's folder: a URL as it is (its bucket reachable); else data/<dataset> here, else the
+    path `dataset`, else data/<dataset> of the project (a run started from another directory). None
+    of them: one line naming where it looked and the datasets the project prepares."""
+    # as it is: credentials, the bucket and access checked, each a line naming it
+    if storage.is_url(dataset):
         storage.check_reachable(dataset, "dataset")
         return dataset
     project_data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -305,20 +393,26 @@ def data_dir_for(dataset):
         if os.path.isdir(candidate):
             return candidate
     looked = ", ".join(dict.fromkeys(os.path.abspath(c) for c in candidates))
-    prepared = sorted(n for n in os.listdir(project_data)
-                      if os.path.isfile(os.path.join(project_data, n, "prepare.py")))
-    raise InputNotFound(f"no dataset {dataset!r}: no such folder ({looked}): give --dataset a folder of train.bin and "
-                        f"val.bin (or token shards), or one the project prepares ({', '.join(prepared)}: python "
-                        "data/NAME/prepare.py; edu_fineweb10B: python fineweb.py)")
+    prepared = sorted(
+        n
+        for n in os.listdir(project_data)
+        if os.path.isfile(os.path.join(project_data, n, "prepare.py"))
+    )
+    raise InputNotFound(
+        f"no dataset {dataset!r}: no such folder ({looked}): give --dataset a folder of train.bin "
+        f"and val.bin (or token shards), or one the project prepares ({', '.join(prepared)}: "
+        "python data/NAME/prepare.py; edu_fineweb10B: python fineweb.py)"
+    )
 
 
 class Prefetcher:
-    """The training batches, read and put on the devices by a background thread `depth` batches ahead of the
-    step, so that the devices never wait for the host's reads and copies. `put` makes a device array of one
-    process-local (accum, rows, T) array. Each batch carries the loader's state after it: `state` is that of
-    the last batch taken, what a checkpoint saves, so a resume continues after it, whatever was read ahead.
-    An error while reading (a bad token id, a data file that changed: RunStopped) is raised, itself, by the next()
-    that would have returned its batch; the thread prints nothing."""
+    """The training batches, read and put on the devices by a background thread `depth` batches
+    ahead of the step, so that the devices never wait for the host's reads and copies. `put` makes a
+    device array of one process-local (accum, rows, T) array. Each batch carries the loader's state
+    after it: `state` is that of the last batch taken, what a checkpoint saves, so a resume
+    continues after it, whatever was read ahead. An error while reading (a bad token id, a data file
+    that changed: RunStopped) is raised, itself, by the next() that would have returned its batch;
+    the thread prints nothing."""
 
     def __init__(self, loader, accum, put, depth=2):
         self.loader, self.accum, self.put = loader, accum, put

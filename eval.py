@@ -1,15 +1,19 @@
 """
-Any lm-evaluation-harness task on our model: lm-eval does the tasks, prompts, few-shot and metrics; this file is the
-model side (loglikelihood, loglikelihood_rolling, generate_until), batched on the mesh.
+Any lm-evaluation-harness task on our model: lm-eval does the tasks, prompts, few-shot and metrics;
+this file is the model side (loglikelihood, loglikelihood_rolling, generate_until), batched on the
+mesh.
 
-    python eval.py --init_from=gpt2 --tasks=hellaswag,arc_easy,piqa,lambada_openai          # hub tasks: online
-    python eval.py --init_from=resume --out_dir=out --tasks=hellaswag_local --include_path=eval_tasks --limit=10
-    python eval.py --init_from=DIR --tasks=shakespeare_rolling --include_path=eval_tasks --output=results.json
+    # hub tasks: online
+    python eval.py --init_from=gpt2 --tasks=hellaswag,arc_easy,piqa,lambada_openai
+    python eval.py --init_from=resume --out_dir=out --tasks=hellaswag_local \
+        --include_path=eval_tasks --limit=10
+    python eval.py --init_from=DIR --tasks=shakespeare_rolling --include_path=eval_tasks \
+        --output=results.json
 
-Settings as nanoGPT (configurator.py): --key=value. init_from as sample.py's: resume (from out_dir), gpt2*, an HF
-GPT-2 directory, a nanoGPT ckpt.pt. Prints lm-eval's results table; --output writes its JSON with the model's
-settings and checkpoint step. The PyTorch reference (lm-eval's own hf model) is parity/check_eval.py.
-Exit code: 0 evaluated, 2 bad input.
+Settings as nanoGPT (configurator.py): --key=value. init_from as sample.py's: resume (from out_dir),
+gpt2*, an HF GPT-2 directory, a nanoGPT ckpt.pt. Prints lm-eval's results table; --output writes its
+JSON with the model's settings and checkpoint step. The PyTorch reference (lm-eval's own hf model)
+is parity/check_eval.py. Exit code: 0 evaluated, 2 bad input.
 """
 
 import collections
@@ -24,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 import sharding
@@ -38,16 +43,27 @@ from tokenizer import EOT, GPT2_VOCAB, BPECodec
 try:  # without the eval extras, one line naming them
     import lm_eval
     from lm_eval.api.model import TemplateLM
-    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+    from lm_eval.models.utils import (
+        handle_stop_sequences,
+        normalize_gen_kwargs,
+        postprocess_generated_text,
+    )
     from lm_eval.tasks import TaskManager
-    from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window, make_table
+    from lm_eval.utils import (
+        get_rolling_token_windows,
+        handle_non_serializable,
+        make_disjoint_window,
+        make_table,
+    )
 except ImportError as e:
     exit_without_extras(e, group="eval")
 
 defaults = dict(
-    init_from="gpt2",  # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory, a ckpt.pt
+    # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory, a ckpt.pt
+    init_from="gpt2",
     out_dir="out",  # for init_from='resume'
-    tasks="",  # lm-eval task (or group) names, comma-separated: hellaswag,arc_easy,piqa,lambada_openai
+    # lm-eval task (or group) names, comma-separated: hellaswag,arc_easy,piqa,lambada_openai
+    tasks="",
     include_path="",  # a directory of local task YAMLs (eval_tasks/ has offline ones)
     num_fewshot=None,  # None: each task's own
     limit=None,  # an int: the first N documents of each task; a float < 1: that fraction
@@ -64,7 +80,7 @@ MAX_SHAPES = 8  # padded lengths per call: one compilation each
 SCORE_CHUNK = 128  # continuation positions whose logits (rows, chunk, vocab) exist at once
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # shapes: requests sorted by length, batches padded to at most MAX_SHAPES lengths
 
 
@@ -73,14 +89,15 @@ def round_up(n, multiple):
 
 
 def padded_lengths(needs, max_shapes=MAX_SHAPES):
-    """Each batch's padded length, given each batch's need (ascending): at most max_shapes distinct lengths, chosen
-    among the needs (the largest included) to pad as little as possible in all (dynamic programming over the
-    distinct needs)."""
+    """Each batch's padded length, given each batch's need (ascending): at most max_shapes distinct
+    lengths, chosen among the needs (the largest included) to pad as little as possible in all
+    (dynamic programming over the distinct needs)."""
     values = sorted(set(needs))
     count = collections.Counter(needs)
     below = np.cumsum([count[v] for v in values])  # batches needing at most values[j]
     m, k_max = len(values), min(max_shapes, len(values))
-    cost = np.full((k_max + 1, m), np.inf)  # cost[k, j]: batches up to values[j], k lengths, the last values[j]
+    # cost[k, j]: batches up to values[j], k lengths, the last values[j]
+    cost = np.full((k_max + 1, m), np.inf)
     back = np.zeros((k_max + 1, m), int)
     cost[1] = [values[j] * below[j] for j in range(m)]
     for k in range(2, k_max + 1):
@@ -98,14 +115,14 @@ def padded_lengths(needs, max_shapes=MAX_SHAPES):
     return [next(c for c in chosen if c >= n) for n in needs]
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # the JAX side
 
 
 def continuation_scores(model, tokens, pos, targets):
-    """tokens (R, L); the logits at pos (R, E) predict targets (R, E) (-1: padding) -> (summed log-probability of
-    each row's targets (R,), whether each target is the argmax (R,)). Logits only at the continuation positions,
-    SCORE_CHUNK of them at a time."""
+    """tokens (R, L); the logits at pos (R, E) predict targets (R, E) (-1: padding) -> (summed
+    log-probability of each row's targets (R,), whether each target is the argmax (R,)). Logits only
+    at the continuation positions, SCORE_CHUNK of them at a time."""
     _, x = model.hidden_states(tokens)
     x = jnp.take_along_axis(x, pos[..., None], axis=1)  # (R, E, C)
 
@@ -113,7 +130,9 @@ def continuation_scores(model, tokens, pos, targets):
         logits = model.logits(x)  # (R, c, vocab) float32
         valid = t >= 0
         t = jnp.where(valid, t, 0)
-        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), t[..., None], axis=-1)[..., 0]
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), t[..., None], axis=-1)[
+            ..., 0
+        ]
         greedy = (jnp.argmax(logits, axis=-1) == t) | ~valid
         return jnp.sum(jnp.where(valid, logp, 0.0), axis=-1), jnp.all(greedy, axis=-1)
 
@@ -127,8 +146,8 @@ def continuation_scores(model, tokens, pos, targets):
 
 
 class JaxLM(TemplateLM):
-    """Our GPT as an lm-eval model. Contexts and continuations split into tokens as lm-eval's hf model splits them
-    (TemplateLM); too-long inputs cut from the left as it cuts them."""
+    """Our GPT as an lm-eval model. Contexts and continuations split into tokens as lm-eval's hf
+    model splits them (TemplateLM); too-long inputs cut from the left as it cuts them."""
 
     max_gen_toks = 256  # lm-eval's hf model's default
 
@@ -139,7 +158,8 @@ class JaxLM(TemplateLM):
         self.mesh, self.config = mesh, model.config
         self.rows = batch_size * sharding.batch_shards(mesh)
         self.key = jax.random.key(seed)
-        self.multiple = 128 if sharding.platform_of(mesh) == "tpu" else 8  # splash attention's block on TPU
+        # splash attention's block on TPU
+        self.multiple = 128 if sharding.platform_of(mesh) == "tpu" else 8
         self.progress = progress and jax.process_index() == 0
         self.enc = BPECodec()
         self.shapes = set()  # every compiled shape: its count is said after each call
@@ -150,7 +170,8 @@ class JaxLM(TemplateLM):
         return EOT
 
     def tok_encode(self, string, add_special_tokens=None, **kwargs):
-        return self.enc.encode(string)  # <|endoftext|> in the text is the token, as HF's tokenizer has it
+        # <|endoftext|> in the text is the token, as HF's tokenizer has it
+        return self.enc.encode(string)
 
     def tok_decode(self, tokens):
         return self.enc.decode(tokens)
@@ -164,27 +185,40 @@ class JaxLM(TemplateLM):
         rows, cut = [], 0
         for _, context, continuation in requests:
             if not continuation or len(continuation) > bs:
-                raise UsageError(f"a continuation of {len(continuation)} tokens: it must be 1 to block_size "
-                                 f"{bs}")
+                raise UsageError(
+                    f"a continuation of {len(continuation)} tokens: it must be 1 to block_size {bs}"
+                )
             whole = context + continuation
             cut += len(whole) > bs + 1
-            inp = whole[-(bs + 1):][:-1]  # the last token is only a target
+            inp = whole[-(bs + 1) :][:-1]  # the last token is only a target
             rows.append((inp, continuation))
         if cut:
-            self._say(f"{cut} of {len(rows)} requests longer than block_size {bs}: context cut from the left, as "
-                      "lm-eval's hf model cuts it")
+            self._say(
+                f"{cut} of {len(rows)} requests longer than block_size {bs}: context cut from the "
+                "left, as lm-eval's hf model cuts it"
+            )
         order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
-        batches = [order[i: i + R] for i in range(0, len(order), R)]
+        batches = [order[i : i + R] for i in range(0, len(order), R)]
         needs = [min(round_up(len(rows[b[-1]][0]), self.multiple), bs) for b in batches]
         lengths = padded_lengths(needs)
         E = round_up(max(len(c) for _, c in rows), self.multiple)
-        self._say(f"loglikelihood: {len(rows)} requests in {len(batches)} batches of {R} rows, padded to "
-                  f"{len(set(lengths))} lengths {sorted(set(lengths))} (a compilation each)")
+        self._say(
+            f"loglikelihood: {len(rows)} requests in {len(batches)} batches of {R} rows, padded to "
+            f"{len(set(lengths))} lengths {sorted(set(lengths))} (a compilation each)"
+        )
 
         total, greedy = np.zeros(len(rows)), np.zeros(len(rows), bool)
-        pending = None  # batch k + 1 is dispatched before batch k is read back: packing overlaps compute
-        with jax.set_mesh(self.mesh), tqdm(total=len(rows), desc="loglikelihood", unit="req",
-                                           disable=disable_tqdm or not self.progress) as bar:
+        # batch k + 1 is dispatched before batch k is read back: packing overlaps compute
+        pending = None
+        with (
+            jax.set_mesh(self.mesh),
+            tqdm(
+                total=len(rows),
+                desc="loglikelihood",
+                unit="req",
+                disable=disable_tqdm or not self.progress,
+            ) as bar,
+        ):
             for item in list(zip(batches, lengths)) + [None]:
                 launched = None
                 if item is not None:
@@ -202,7 +236,8 @@ class JaxLM(TemplateLM):
         return [(float(t), bool(g)) for t, g in zip(total, greedy)]
 
     def _pack(self, rows, L, E):
-        tokens = np.zeros((self.rows, L), np.int32)  # right padding: causal attention keeps it out of every row
+        # right padding: causal attention keeps it out of every row
+        tokens = np.zeros((self.rows, L), np.int32)
         pos = np.zeros((self.rows, E), np.int32)
         targets = np.full((self.rows, E), -1, np.int32)
         for r, (inp, cont) in enumerate(rows):
@@ -213,13 +248,20 @@ class JaxLM(TemplateLM):
         return tokens, pos, targets
 
     def loglikelihood_rolling(self, requests, disable_tqdm=False):
-        """A document's log-likelihood in windows of block_size tokens, each conditioned on the one before (lm-eval's
-        rolling windows, as its hf model makes them), all windows of all documents batched together."""
+        """A document's log-likelihood in windows of block_size tokens, each conditioned on the one
+        before (lm-eval's rolling windows, as its hf model makes them), all windows of all documents
+        batched together."""
         windows, owner = [], []
         for i, (string,) in enumerate(req.args for req in requests):
-            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=self.tok_encode(string), prefix_token=EOT, max_seq_len=self.config.block_size,
-                    context_len=1)):
+            for context, continuation in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=EOT,
+                    max_seq_len=self.config.block_size,
+                    context_len=1,
+                ),
+            ):
                 windows.append((None, context, continuation))
                 owner.append(i)
         scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
@@ -228,8 +270,9 @@ class JaxLM(TemplateLM):
         return [float(t) for t in totals]
 
     def generate_until(self, requests, disable_tqdm=False):
-        """Greedy or sampled KV-cache generation, as the task asks, cut at its `until` strings and max_gen_toks.
-        Rows of one batch share their prompt length (the cache's positions), so requests are grouped by it."""
+        """Greedy or sampled KV-cache generation, as the task asks, cut at its `until` strings and
+        max_gen_toks. Rows of one batch share their prompt length (the cache's positions), so
+        requests are grouped by it."""
         bs, R = self.config.block_size, self.rows
         groups, cut = collections.defaultdict(list), 0
         for i, (context, gen_kwargs) in enumerate(req.args for req in requests):
@@ -237,21 +280,33 @@ class JaxLM(TemplateLM):
             until = handle_stop_sequences(kwargs.pop("until", None), eos="<|endoftext|>")
             max_gen = kwargs.pop("max_gen_toks")
             if max_gen >= bs:
-                raise UsageError(f"a task asks for {max_gen} new tokens: it must be less than block_size {bs}")
+                raise UsageError(
+                    f"a task asks for {max_gen} new tokens: it must be less than block_size {bs}"
+                )
             tokens = self.tok_encode(context)
             cut += len(tokens) > bs - max_gen
-            tokens = tokens[-(bs - max_gen):]  # lm-eval's hf model's cut: room for max_gen new tokens
+            # lm-eval's hf model's cut: room for max_gen new tokens
+            tokens = tokens[-(bs - max_gen) :]
             groups[(len(tokens), max_gen, self._sampling(kwargs))].append((i, tokens, until))
         if cut:
-            self._say(f"{cut} of {len(requests)} contexts longer than block_size {bs} minus the tokens to "
-                      "generate: cut from the left, as lm-eval's hf model cuts them")
+            self._say(
+                f"{cut} of {len(requests)} contexts longer than block_size {bs} minus the tokens "
+                "to generate: cut from the left, as lm-eval's hf model cuts them"
+            )
         out = [""] * len(requests)
-        with jax.set_mesh(self.mesh), tqdm(total=len(requests), desc="generate_until", unit="req",
-                                           disable=disable_tqdm or not self.progress) as bar:
+        with (
+            jax.set_mesh(self.mesh),
+            tqdm(
+                total=len(requests),
+                desc="generate_until",
+                unit="req",
+                disable=disable_tqdm or not self.progress,
+            ) as bar,
+        ):
             for (T, max_gen, sampling), group in sorted(groups.items(), key=lambda kv: kv[0][:2]):
                 L = min(round_up(T + max_gen, 64), bs)  # T is traced: few lengths compile
                 for k in range(0, len(group), R):
-                    chunk = group[k: k + R]
+                    chunk = group[k : k + R]
                     buf = np.zeros((R, L), np.int32)
                     buf[:, :T] = chunk[0][1]  # filler rows repeat the first
                     for r, (_, tokens, _) in enumerate(chunk):
@@ -259,9 +314,19 @@ class JaxLM(TemplateLM):
                     self.key, key = jax.random.split(self.key)
                     self.shapes.add(("generate", R, L, sampling))
                     (buf,) = sharding.put_rows([buf], self.mesh)
-                    new, _ = generate_in_jit(self.model, buf, jnp.int32(T), key, sampling=sampling,
-                                             use_cache=True, on_token=None, return_logits=False)
-                    new = np.asarray(multihost_utils.process_allgather(new, tiled=True))[:, T: T + max_gen]
+                    new, _ = generate_in_jit(
+                        self.model,
+                        buf,
+                        jnp.int32(T),
+                        key,
+                        sampling=sampling,
+                        use_cache=True,
+                        on_token=None,
+                        return_logits=False,
+                    )
+                    new = np.asarray(multihost_utils.process_allgather(new, tiled=True))[
+                        :, T : T + max_gen
+                    ]
                     for r, (i, _, until) in enumerate(chunk):
                         ids = new[r].tolist()
                         ids = ids[: ids.index(EOT)] if EOT in ids else ids
@@ -271,29 +336,43 @@ class JaxLM(TemplateLM):
         return out
 
     def _sampling(self, kwargs):
-        """generate_in_jit's static sampling tuple: (temperature, top_k, top_p, vocab_limit); greedy is 0."""
+        """generate_in_jit's static sampling tuple: (temperature, top_k, top_p, vocab_limit); greedy
+        is 0."""
         temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
         top_k, top_p = kwargs.get("top_k"), kwargs.get("top_p")
         # ids past GPT-2's 50257 (a padded vocabulary) are no tokens: never generated
-        return (temperature, None if top_k is None else int(top_k),
-                None if top_p in (None, 1.0) else float(top_p), min(self.config.vocab_size, GPT2_VOCAB))
+        return (
+            temperature,
+            None if top_k is None else int(top_k),
+            None if top_p in (None, 1.0) else float(top_p),
+            min(self.config.vocab_size, GPT2_VOCAB),
+        )
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # the command line
 
 
 def check_settings(cfg):
     """Every bad setting fails here, in one line, before a model is loaded."""
     if not cfg["tasks"]:
-        raise UsageError("--tasks is required: lm-eval task names, comma-separated (e.g. --tasks=hellaswag,arc_easy)")
+        raise UsageError(
+            "--tasks is required: lm-eval task names, comma-separated (e.g. "
+            "--tasks=hellaswag,arc_easy)"
+        )
     for key in ("batch_size", "fsdp", "tensor_parallel"):
         if not (type(cfg[key]) is int and cfg[key] >= 1):
             raise UsageError(f"--{key} must be an integer >= 1, got {cfg[key]!r}")
     limit = cfg["limit"]
-    if limit is not None and not ((type(limit) is int and limit >= 1) or (type(limit) is float and 0 < limit < 1)):
-        raise UsageError(f"--limit must be an integer >= 1 (documents) or a fraction in (0, 1), got {limit!r}")
-    if cfg["num_fewshot"] is not None and not (type(cfg["num_fewshot"]) is int and cfg["num_fewshot"] >= 0):
+    if limit is not None and not (
+        (type(limit) is int and limit >= 1) or (type(limit) is float and 0 < limit < 1)
+    ):
+        raise UsageError(
+            f"--limit must be an integer >= 1 (documents) or a fraction in (0, 1), got {limit!r}"
+        )
+    if cfg["num_fewshot"] is not None and not (
+        type(cfg["num_fewshot"]) is int and cfg["num_fewshot"] >= 0
+    ):
         raise UsageError(f"--num_fewshot must be an integer >= 0, got {cfg['num_fewshot']!r}")
     if cfg["include_path"] and not os.path.isdir(cfg["include_path"]):
         raise UsageError(f"--include_path {cfg['include_path']} is not a directory of task YAMLs")
@@ -303,8 +382,8 @@ def check_settings(cfg):
 
 
 def task_manager(tasks, include_path):
-    """lm-eval's TaskManager for `tasks`: the local YAMLs alone when they hold them all (indexing lm-eval's own
-    ~15k takes seconds); an unknown name is one line naming the closest."""
+    """lm-eval's TaskManager for `tasks`: the local YAMLs alone when they hold them all (indexing
+    lm-eval's own ~15k takes seconds); an unknown name is one line naming the closest."""
     if include_path:
         local = TaskManager(include_path=include_path, include_defaults=False)
         if all(t in local.all_tasks for t in tasks):
@@ -313,8 +392,11 @@ def task_manager(tasks, include_path):
     for t in tasks:
         if t not in manager.all_tasks:
             close = difflib.get_close_matches(t, manager.all_tasks, n=3)
-            raise UsageError(f"unknown task {t!r}" + (f" (did you mean {', '.join(close)}?)" if close else "") +
-                             " (lm-eval's tasks: python -m lm_eval ls tasks; local YAMLs: --include_path=DIR)")
+            raise UsageError(
+                f"unknown task {t!r}"
+                + (f" (did you mean {', '.join(close)}?)" if close else "")
+                + " (lm-eval's tasks: python -m lm_eval ls tasks; local YAMLs: --include_path=DIR)"
+            )
     return manager
 
 
@@ -325,9 +407,18 @@ def evaluate(lm, cfg, manager):
     """lm-eval's simple_evaluate on `lm` with cfg's task settings -> its results dict."""
     seed = cfg["seed"]
     return lm_eval.simple_evaluate(
-        model=lm, tasks=cfg["tasks"].split(","), num_fewshot=cfg["num_fewshot"], limit=cfg["limit"],
-        log_samples=cfg["log_samples"], task_manager=manager, bootstrap_iters=cfg["bootstrap_iters"],
-        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+        model=lm,
+        tasks=cfg["tasks"].split(","),
+        num_fewshot=cfg["num_fewshot"],
+        limit=cfg["limit"],
+        log_samples=cfg["log_samples"],
+        task_manager=manager,
+        bootstrap_iters=cfg["bootstrap_iters"],
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
 
 
 def main(argv=None):
@@ -341,10 +432,14 @@ def main(argv=None):
     model, step = load_bpe_model(cfg["init_from"], cfg["out_dir"], cfg["dtype"], NOT_BPE)
     mesh = sharding.make_mesh(cfg["fsdp"], cfg["tensor_parallel"])
     sharding.check_model_fits_mesh(model.config, mesh)
-    print(f"model {cfg['init_from']}" + (f" (step {step})" if step is not None else "") +
-          f": {model.num_params() / 1e6:.2f}M params, block_size {model.config.block_size}, loaded in "
-          f"{time.time() - t0:.1f}s; jax {cfg['dtype']} on {jax.device_count()} {jax.devices()[0].platform} "
-          f"device(s), mesh {dict(mesh.shape)}", file=sys.stderr)
+    print(
+        f"model {cfg['init_from']}"
+        + (f" (step {step})" if step is not None else "")
+        + f": {model.num_params() / 1e6:.2f}M params, block_size {model.config.block_size}, "
+        f"loaded in {time.time() - t0:.1f}s; jax {cfg['dtype']} on {jax.device_count()} "
+        f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}",
+        file=sys.stderr,
+    )
     lm = JaxLM(model, mesh, cfg["batch_size"], cfg["seed"])
     t0 = time.time()
     results = evaluate(lm, cfg, manager)
@@ -353,11 +448,17 @@ def main(argv=None):
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
-    print(f"evaluated in {time.time() - t0:.1f}s, {len(lm.shapes)} compiled shapes", file=sys.stderr)
+    print(
+        f"evaluated in {time.time() - t0:.1f}s, {len(lm.shapes)} compiled shapes", file=sys.stderr
+    )
     if cfg["output"]:
         results["config"]["model"] = "nanogpt-jax"
         results["config"]["model_args"] = {**cfg, "step": step, "model_config": vars(model.config)}
-        write_results(cfg["output"], json.dumps(results, indent=2, default=handle_non_serializable), "--output")
+        write_results(
+            cfg["output"],
+            json.dumps(results, indent=2, default=handle_non_serializable),
+            "--output",
+        )
         print(f"wrote {cfg['output']}", file=sys.stderr)
     return 0
 

@@ -1,17 +1,21 @@
 """
-HellaSwag, completion style (build-nanogpt's scoring): each of the 4 endings is scored by the model's loss on
-its tokens given the context; acc takes the lowest summed loss, acc_norm the lowest mean loss per token.
+HellaSwag, completion style (build-nanogpt's scoring): each of the 4 endings is scored by the
+model's loss on its tokens given the context; acc takes the lowest summed loss, acc_norm the lowest
+mean loss per token.
 
-    python hellaswag.py --init_from=gpt2                     # val split, downloaded once to data/hellaswag/
+    # val split, downloaded once to data/hellaswag/
+    python hellaswag.py --init_from=gpt2
     python hellaswag.py --init_from=resume --out_dir=out     # our own checkpoint
-    python hellaswag.py --init_from=DIR --path tests/fixtures/hellaswag_small.jsonl --out preds.jsonl
+    python hellaswag.py --init_from=DIR --path tests/fixtures/hellaswag_small.jsonl \
+        --out preds.jsonl
 
-The PyTorch reference (transformers' GPT2LMHeadModel, build-nanogpt's loop) is parity/check_hellaswag.py.
-Reference numbers: docs/evaluation.md. (EleutherAI's harness scores multiple-choice style: other numbers.)
+The PyTorch reference (transformers' GPT2LMHeadModel, build-nanogpt's loop) is
+parity/check_hellaswag.py. Reference numbers: docs/evaluation.md. (EleutherAI's harness scores
+multiple-choice style: other numbers.)
 
-From train.py: examples = load_examples(path, max_len=block_size) once, then
-evaluate(model, examples, mesh) -> Score(acc, acc_norm, count, results) at each eval.
-Exit code: 0 scored, 2 bad input.
+From train.py: examples = load_examples(path, max_len=block_size) once, then evaluate(model,
+examples, mesh) -> Score(acc, acc_norm, count, results) at each eval. Exit code: 0 scored, 2 bad
+input.
 """
 
 import argparse
@@ -29,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 import sharding
@@ -41,19 +46,23 @@ from tokenizer import GPT2_VOCAB, get_encoding
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
 CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
-PAD = 0  # right padding: causal attention keeps it out of every real position, and it is never scored
+# right padding: causal attention keeps it out of every real position, and it is never scored
+PAD = 0
 # padded shapes, one compilation each: tokens per row (4 per octave: at most 25% padding) and ending
 # tokens per row (2 per octave; they only size the logits)
-LENGTH_BUCKETS = tuple(b * m for b in (8, 16, 32, 64, 128, 256, 512) for m in (4, 5, 6, 7))  # 32 .. 3584
-ENDING_BUCKETS = tuple(b * m for b in (8, 16, 32, 64, 128, 256, 512, 1024) for m in (2, 3))  # 16 .. 3072
+# 32 .. 3584
+LENGTH_BUCKETS = tuple(b * m for b in (8, 16, 32, 64, 128, 256, 512) for m in (4, 5, 6, 7))
+# 16 .. 3072
+ENDING_BUCKETS = tuple(b * m for b in (8, 16, 32, 64, 128, 256, 512, 1024) for m in (2, 3))
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # data: the official jsonl, checked line by line, rendered to tokens
 
 
 def download(split="val", cache_dir=CACHE_DIR):
-    """The official jsonl for `split`, downloaded once to cache_dir (atomically); returns its path."""
+    """The official jsonl for `split`, downloaded once to cache_dir (atomically); returns its
+    path."""
     path = os.path.join(cache_dir, f"hellaswag_{split}.jsonl")
     if os.path.exists(path):
         return path
@@ -63,22 +72,26 @@ def download(split="val", cache_dir=CACHE_DIR):
     try:
         with urllib.request.urlopen(url, timeout=60) as resp, open(tmp, "wb") as f:
             total = int(resp.headers.get("content-length") or 0) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc=f"downloading {os.path.basename(path)}") as bar:
+            with tqdm(
+                total=total, unit="B", unit_scale=True, desc=f"downloading {os.path.basename(path)}"
+            ) as bar:
                 while chunk := resp.read(1 << 20):
                     bar.update(f.write(chunk))
     except (urllib.error.URLError, TimeoutError, OSError) as e:
         if os.path.exists(tmp):
             os.remove(tmp)
         reason = getattr(e, "reason", e)
-        raise InputNotFound(f"could not download {url} ({reason}); "
-                            "offline? pass a local copy with --path FILE.jsonl") from e
+        raise InputNotFound(
+            f"could not download {url} ({reason}); "
+            "offline? pass a local copy with --path FILE.jsonl"
+        ) from e
     os.replace(tmp, path)
     return path
 
 
 def read_examples(path, limit=None):
-    """The examples of a HellaSwag jsonl as dicts, each checked (4 string endings, integer label 0..3, given
-    as int or str) and given its 1-based '_line'. Errors name the file and line."""
+    """The examples of a HellaSwag jsonl as dicts, each checked (4 string endings, integer label
+    0..3, given as int or str) and given its 1-based '_line'. Errors name the file and line."""
     if not os.path.isfile(path):
         raise InputNotFound(f"no such HellaSwag file: {path}")
     examples = []
@@ -100,7 +113,8 @@ def read_examples(path, limit=None):
 
 
 def check_example(ex, where="example"):
-    """A copy of `ex` with its label as an int; ValueError (naming `where`) for anything not HellaSwag."""
+    """A copy of `ex` with its label as an int; ValueError (naming `where`) for anything not
+    HellaSwag."""
     if not isinstance(ex, dict):
         raise UsageError(f"{where}: expected a JSON object, got {type(ex).__name__}")
     if not isinstance(ex.get("ctx"), str):
@@ -122,7 +136,9 @@ def check_example(ex, where="example"):
 
 @dataclass
 class Rendered:
-    """One example as tokens: row i of the eval is ctx + endings[i], and only endings[i] is scored."""
+    """One example as tokens: row i of the eval is ctx + endings[i], and only endings[i] is
+    scored."""
+
     ctx: list  # context tokens (left-truncated when the example is longer than the model's context)
     endings: list  # 4 lists of ending tokens, each encoded with a leading space
     label: int
@@ -132,32 +148,42 @@ class Rendered:
 
 
 def render_example(ex, max_len=None, where="example"):
-    """build-nanogpt's rendering: the context's tokens, then each ending with a space prefixed (GPT-2's BPE
-    attaches the space to the following word). With max_len (the model's block_size), a row that would be
-    longer loses context tokens from the left; the endings are always scored whole."""
+    """build-nanogpt's rendering: the context's tokens, then each ending with a space prefixed
+    (GPT-2's BPE attaches the space to the following word). With max_len (the model's block_size), a
+    row that would be longer loses context tokens from the left; the endings are always scored
+    whole."""
     ex = check_example(ex, where)
     enc = get_encoding()
-    ctx = enc.encode_ordinary(ex["ctx"])  # no special tokens in HellaSwag; build-nanogpt's encode() gives the same
+    # no special tokens in HellaSwag; build-nanogpt's encode() gives the same
+    ctx = enc.encode_ordinary(ex["ctx"])
     endings = [enc.encode_ordinary(" " + e) for e in ex["endings"]]
     if not ctx:
-        raise UsageError(f"{where}: empty context: the first ending token would have nothing to be predicted from")
+        raise UsageError(
+            f"{where}: empty context: the first ending token would have nothing to be predicted "
+            "from"
+        )
     longest = max(len(e) for e in endings)
     truncated = 0
     if max_len is not None and len(ctx) + longest > max_len:
         if longest >= max_len:
-            raise UsageError(f"{where}: an ending of {longest} tokens leaves no room for context in the "
-                             f"model's {max_len}-token window")
+            raise UsageError(
+                f"{where}: an ending of {longest} tokens leaves no room for context in the "
+                f"model's {max_len}-token window"
+            )
         truncated = len(ctx) + longest - max_len
         ctx = ctx[truncated:]
     return Rendered(ctx, endings, ex["label"], ex.get("_line", 0), ex.get("ind"), truncated)
 
 
 def load_examples(path, max_len=None, limit=None):
-    """read_examples + render_example: what train.py loads once and hands to evaluate() at every eval."""
-    return [render_example(ex, max_len, f"{path}:{ex['_line']}") for ex in read_examples(path, limit)]
+    """read_examples + render_example: what train.py loads once and hands to evaluate() at every
+    eval."""
+    return [
+        render_example(ex, max_len, f"{path}:{ex['_line']}") for ex in read_examples(path, limit)
+    ]
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # results
 
 
@@ -171,9 +197,17 @@ class ExampleResult(NamedTuple):
     pred_norm: int  # argmin of mean_losses
 
     def to_json(self):
-        return json.dumps({"line": self.line, "ind": self.ind, "label": self.label, "pred": self.pred,
-                           "pred_norm": self.pred_norm, "sum_losses": self.sum_losses,
-                           "mean_losses": self.mean_losses})
+        return json.dumps(
+            {
+                "line": self.line,
+                "ind": self.ind,
+                "label": self.label,
+                "pred": self.pred,
+                "pred_norm": self.pred_norm,
+                "sum_losses": self.sum_losses,
+                "mean_losses": self.mean_losses,
+            }
+        )
 
 
 class Score(NamedTuple):
@@ -186,24 +220,38 @@ class Score(NamedTuple):
 def check_vocab(vocab_size):
     """HellaSwag's text is GPT-2 BPE: a model must have a logit for each of its tokens."""
     if vocab_size < GPT2_VOCAB:
-        raise UsageError(f"the model's vocab_size {vocab_size} does not cover GPT-2's {GPT2_VOCAB} BPE tokens")
+        raise UsageError(
+            f"the model's vocab_size {vocab_size} does not cover GPT-2's {GPT2_VOCAB} BPE tokens"
+        )
 
 
 def make_result(r: Rendered, sum_losses, mean_losses):
     sum_losses, mean_losses = [float(x) for x in sum_losses], [float(x) for x in mean_losses]
     # ties go to the lower index, as torch's and numpy's argmin
-    return ExampleResult(r.line, r.ind, r.label, sum_losses, mean_losses,
-                         int(np.argmin(sum_losses)), int(np.argmin(mean_losses)))
+    return ExampleResult(
+        r.line,
+        r.ind,
+        r.label,
+        sum_losses,
+        mean_losses,
+        int(np.argmin(sum_losses)),
+        int(np.argmin(mean_losses)),
+    )
 
 
 def summarize(results):
     n = len(results)
-    return Score(sum(x.pred == x.label for x in results) / n, sum(x.pred_norm == x.label for x in results) / n,
-                 n, results)
+    return Score(
+        sum(x.pred == x.label for x in results) / n,
+        sum(x.pred_norm == x.label for x in results) / n,
+        n,
+        results,
+    )
 
 
-# ---------------------------------------------------------------------------------------------------
-# JAX: batches of examples of similar length, padded to a few bucket shapes, sharded over a 'data' mesh
+# ------------------------------------------------------------------------------------------------
+# JAX: batches of examples of similar length, padded to a few bucket shapes, sharded over a 'data'
+# mesh
 
 
 def bucket(n, buckets, cap):
@@ -211,16 +259,19 @@ def bucket(n, buckets, cap):
 
 
 class Batch(NamedTuple):
-    """Host arrays for R = 4 * examples rows (numpy). Row r predicts its ending's j-th token from position
-    pos[r, j]; only targets other than -1 are scored, so padding (tokens beyond a row's end, rows of
-    filler examples, j beyond an ending's length) never reaches a loss."""
+    """Host arrays for R = 4 * examples rows (numpy). Row r predicts its ending's j-th token from
+    position pos[r, j]; only targets other than -1 are scored, so padding (tokens beyond a row's
+    end, rows of filler examples, j beyond an ending's length) never reaches a loss."""
+
     tokens: np.ndarray  # (R, L) int32, right-padded with PAD
     pos: np.ndarray  # (R, E) int32 positions whose logits predict the ending tokens
-    targets: np.ndarray  # (R, E) int32 the ending tokens, then -1 (ignored, as nanoGPT's ignore_index)
+    # (R, E) int32 the ending tokens, then -1 (ignored, as nanoGPT's ignore_index)
+    targets: np.ndarray
 
 
 def make_batch(examples, n_examples, L, E):
-    """Pack `examples` (at most n_examples) into a Batch of n_examples * 4 rows; filler rows are all PAD."""
+    """Pack `examples` (at most n_examples) into a Batch of n_examples * 4 rows; filler rows are all
+    PAD."""
     R = 4 * n_examples
     tokens = np.full((R, L), PAD, np.int32)
     pos = np.zeros((R, E), np.int32)
@@ -230,17 +281,18 @@ def make_batch(examples, n_examples, L, E):
         for j, end in enumerate(r.endings):
             row, n = 4 * i + j, len(end)
             tokens[row, :s] = r.ctx
-            tokens[row, s: s + n] = end
+            tokens[row, s : s + n] = end
             pos[row, :n] = np.arange(s - 1, s - 1 + n)  # the logits at t predict token t + 1
             targets[row, :n] = end
     return Batch(tokens, pos, targets)
 
 
 def plan_batches(examples, batch_size, block_size, n_shards=1):
-    """[(L, E, n, [example indices])]: the examples sorted by padded length, then cut into batches of
-    n = batch_size * n_shards examples (batch_size per batch shard: data x fsdp), each padded to L tokens per
-    row and E ending tokens; the last batch gets the next power of two per shard instead (few shapes, little
-    padding)."""
+    """[(L, E, n, [example indices])]: the examples sorted by padded length, then cut into batches
+    of n = batch_size * n_shards examples (batch_size per batch shard: data x fsdp), each padded to
+    L tokens per row and E ending tokens; the last batch gets the next power of two per shard
+    instead (few shapes, little padding)."""
+
     def shape(r):
         longest = max(len(e) for e in r.endings)
         return bucket(len(r.ctx) + longest, LENGTH_BUCKETS, block_size), longest
@@ -248,7 +300,7 @@ def plan_batches(examples, batch_size, block_size, n_shards=1):
     order = sorted(range(len(examples)), key=lambda i: shape(examples[i]))
     plan = []
     for k in range(0, len(order), batch_size * n_shards):
-        chunk = order[k: k + batch_size * n_shards]
+        chunk = order[k : k + batch_size * n_shards]
         L, longest = max(shape(examples[i]) for i in chunk)
         per_shard = min(batch_size, 1 << (-(-len(chunk) // n_shards) - 1).bit_length())
         plan.append((L, bucket(longest, ENDING_BUCKETS, L), per_shard * n_shards, chunk))
@@ -256,8 +308,8 @@ def plan_batches(examples, batch_size, block_size, n_shards=1):
 
 
 def ending_losses(model, tokens, pos, targets):
-    """Summed cross-entropy of each row's ending tokens: (R,) float32. Logits are computed only at the
-    positions that predict ending tokens (R, E, vocab), not over the whole (R, L, vocab)."""
+    """Summed cross-entropy of each row's ending tokens: (R,) float32. Logits are computed only at
+    the positions that predict ending tokens (R, E, vocab), not over the whole (R, L, vocab)."""
     _, x = model.hidden_states(tokens)  # (R, L, C), after ln_f
     x = jnp.take_along_axis(x, pos[..., None], axis=1)  # (R, E, C)
     logits = model.logits(x)  # (R, E, vocab) float32
@@ -273,36 +325,43 @@ def _jitted_ending_losses(mesh):
 
 
 def make_mesh(devices=None):
-    """The scorer's mesh (sharding.py's): train.py's mesh as it is, its params already in their shards; else a
-    data-parallel one over `devices` (a list; default all)."""
+    """The scorer's mesh (sharding.py's): train.py's mesh as it is, its params already in their
+    shards; else a data-parallel one over `devices` (a list; default all)."""
     return devices if isinstance(devices, Mesh) else sharding.make_mesh(devices=devices)
 
 
 def evaluate(model, examples, mesh=None, batch_size=8, progress=False):
-    """Score rendered examples with an nnx GPT over `mesh` (see make_mesh: train.py's, a list of devices, or None
-    for all devices): batch_size examples (4 rows each) per batch shard (data x fsdp) per batch,
-    parameters split by sharding.PARAM_SPECS (the caller's model is left as it is). Returns Score(acc, acc_norm,
-    count, results), results in the order of `examples`."""
+    """Score rendered examples with an nnx GPT over `mesh` (see make_mesh: train.py's, a list of
+    devices, or None for all devices): batch_size examples (4 rows each) per batch shard (data x
+    fsdp) per batch, parameters split by sharding.PARAM_SPECS (the caller's model is left as it is).
+    Returns Score(acc, acc_norm, count, results), results in the order of `examples`."""
     if not examples:
         raise UsageError("no examples to score")
     c = model.config
     check_vocab(c.vocab_size)
     longest = max(len(r.ctx) + max(len(e) for e in r.endings) for r in examples)
     if longest > c.block_size:
-        raise UsageError(f"an example of {longest} tokens exceeds block_size {c.block_size}: "
-                         "render with max_len=block_size")
+        raise UsageError(
+            f"an example of {longest} tokens exceeds block_size {c.block_size}: "
+            "render with max_len=block_size"
+        )
     if batch_size < 1:
         raise UsageError(f"batch_size must be >= 1, got {batch_size}")
     mesh = make_mesh(mesh)
     graphdef, state = nnx.split(model)
-    model = nnx.merge(graphdef, jax.device_put(state, sharding.shardings_for(state, mesh)))  # no-op if in place
+    # no-op if in place
+    model = nnx.merge(graphdef, jax.device_put(state, sharding.shardings_for(state, mesh)))
     score = _jitted_ending_losses(mesh)
 
     sums = np.zeros((len(examples), 4), np.float64)
     plan = plan_batches(examples, batch_size, c.block_size, sharding.batch_shards(mesh))
     # the model's sharding constraints apply where the scorer is traced under the mesh
-    with jax.set_mesh(mesh), tqdm(total=len(examples), unit="ex", desc="hellaswag", disable=not progress) as bar:
-        pending = None  # batch k + 1 is dispatched before batch k is read back: packing overlaps compute
+    with (
+        jax.set_mesh(mesh),
+        tqdm(total=len(examples), unit="ex", desc="hellaswag", disable=not progress) as bar,
+    ):
+        # batch k + 1 is dispatched before batch k is read back: packing overlaps compute
+        pending = None
         for item in plan + [None]:
             launched = None
             if item is not None:
@@ -321,7 +380,7 @@ def evaluate(model, examples, mesh=None, batch_size=8, progress=False):
     return summarize(results)
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # the command line
 
 
@@ -331,13 +390,21 @@ def load_model(init_from, out_dir, dtype="float32"):
 
 
 def cli_parser(doc):
-    """The options of a script that scores a model on HellaSwag (this one, parity/check_hellaswag.py)."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0].strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--init_from", default="gpt2",
-                   help="resume (from --out_dir) | gpt2* | an HF GPT-2 directory | a nanoGPT ckpt.pt")
+    """The options of a script that scores a model on HellaSwag (this one,
+    parity/check_hellaswag.py)."""
+    p = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--init_from",
+        default="gpt2",
+        help="resume (from --out_dir) | gpt2* | an HF GPT-2 directory | a nanoGPT ckpt.pt",
+    )
     p.add_argument("--out_dir", default="out", help="checkpoint directory for --init_from=resume")
-    p.add_argument("--split", default="val", choices=["train", "val", "test"], help="which file to download")
+    p.add_argument(
+        "--split", default="val", choices=["train", "val", "test"], help="which file to download"
+    )
     p.add_argument("--path", default=None, help="a local HellaSwag jsonl (no download)")
     p.add_argument("--cache_dir", default=CACHE_DIR, help="where downloads go")
     p.add_argument("--limit", type=int, default=None, help="score only the first N examples")
@@ -345,7 +412,8 @@ def cli_parser(doc):
 
 
 def cli_examples(args):
-    """(path, raw examples) that cli_parser's options name; bad data fails here, before a model is loaded."""
+    """(path, raw examples) that cli_parser's options name; bad data fails here, before a model is
+    loaded."""
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
     path = args.path or download(args.split, args.cache_dir)
@@ -358,9 +426,13 @@ def render_all(raw, block_size, path):
 
 def main(argv=None):
     p = cli_parser(__doc__)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype"
+    )
     p.add_argument("--batch_size", type=int, default=8, help="examples per device per batch")
-    p.add_argument("--out", default=None, help="write per-example losses and predictions to this jsonl")
+    p.add_argument(
+        "--out", default=None, help="write per-example losses and predictions to this jsonl"
+    )
     args = p.parse_args(argv)
     if args.batch_size < 1:
         raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
@@ -374,19 +446,29 @@ def main(argv=None):
     block_size = model.config.block_size
     examples = render_all(raw, block_size, path)
     truncated = sum(r.truncated > 0 for r in examples)
-    print(f"model {args.init_from}: {model.num_params() / 1e6:.2f}M params, block_size {block_size}, "
-          f"loaded in {time.time() - t0:.1f}s; "
-          f"{len(examples)} examples from {path}" + (f", {truncated} with context cut to fit" if truncated else "")
-          + f"; jax {args.dtype} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
+    print(
+        f"model {args.init_from}: {model.num_params() / 1e6:.2f}M params, block_size {block_size}, "
+        f"loaded in {time.time() - t0:.1f}s; "
+        f"{len(examples)} examples from {path}"
+        + (f", {truncated} with context cut to fit" if truncated else "")
+        + f"; jax {args.dtype} on {jax.device_count()} {jax.devices()[0].platform} device(s)"
+    )
 
     t0 = time.time()
-    # fp32 matmuls in full fp32 on GPU/TPU too (their default is TF32 / bf16 passes), as the torch reference
-    precision = jax.default_matmul_precision("highest") if args.dtype == "float32" else contextlib.nullcontext()
+    # fp32 matmuls in full fp32 on GPU/TPU too (their default is TF32 / bf16 passes), as the torch
+    # reference
+    precision = (
+        jax.default_matmul_precision("highest")
+        if args.dtype == "float32"
+        else contextlib.nullcontext()
+    )
     with precision:
         score = evaluate(model, examples, batch_size=args.batch_size, progress=True)
     dt = time.time() - t0
-    print(f"hellaswag: acc {score.acc:.4f} acc_norm {score.acc_norm:.4f} count {score.count} "
-          f"({dt:.1f}s, {score.count / dt:.1f} examples/s)")
+    print(
+        f"hellaswag: acc {score.acc:.4f} acc_norm {score.acc_norm:.4f} count {score.count} "
+        f"({dt:.1f}s, {score.count / dt:.1f} examples/s)"
+    )
     if args.out:
         write_results(args.out, "".join(r.to_json() + "\n" for r in score.results), "--out")
     return 0

@@ -1,8 +1,8 @@
 """
-How the stack of blocks runs: a Python loop, or one lax.scan over their params stacked on a leading layer axis
-(scan_layers), each block with or without remat; and the conditionals XLA:CPU needs in the backward pass. Also the
-model's parameter-free pieces: dropout, the speedrun architecture's RMSNorm and rotary embedding (modded-nanogpt's
-record 5), and the tied head and its cross-entropy.
+How the stack of blocks runs: a Python loop, or one lax.scan over their params stacked on a leading
+layer axis (scan_layers), each block with or without remat; and the conditionals XLA:CPU needs in
+the backward pass. Also the model's parameter-free pieces: dropout, the speedrun architecture's
+RMSNorm and rotary embedding (modded-nanogpt's record 5), and the tied head and its cross-entropy.
 """
 
 import functools
@@ -15,30 +15,35 @@ from flax import nnx
 
 import sharding
 
-# remat: what each Block keeps from its forward pass for the backward (the rest is recomputed there), as a
-# jax.checkpoint policy
+# remat: what each Block keeps from its forward pass for the backward (the rest is recomputed
+# there), as a jax.checkpoint policy
 REMAT = {
     "none": None,  # no checkpointing: everything is kept
-    "block": jax.checkpoint_policies.nothing_saveable,  # only the block's input: the whole block is recomputed
-    # the Linear layers' outputs (matmuls without batch dimensions); attention, GELU, LayerNorm are recomputed
+    # only the block's input: the whole block is recomputed
+    "block": jax.checkpoint_policies.nothing_saveable,
+    # the Linear layers' outputs (matmuls without batch dimensions); attention, GELU, LayerNorm are
+    # recomputed
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # the attention branch's matmul outputs only (q, k, v and its projection: 4C a token, dots keeps 9C); the MLP's
-    # c_fc is recomputed, an extra 8C^2 FLOPs a token a layer (~11% of the step's 72C^2)
+    # the attention branch's matmul outputs only (q, k, v and its projection: 4C a token, dots keeps
+    # 9C); the MLP's c_fc is recomputed, an extra 8C^2 FLOPs a token a layer (~11% of the step's
+    # 72C^2)
     "qkv_proj": jax.checkpoint_policies.save_only_these_names("qkv", "attn_proj"),
 }
 
 
 @jax.custom_vjp
 def fusion_barrier_in_grad(x):
-    """Identity whose backward passes the cotangent through a conditional, a fusion boundary XLA:CPU keeps,
-    so that it is computed once, into a buffer. At each block's input that is the residual stream's gradient,
-    the sum of every later block's contribution: left alone, XLA:CPU fuses that sum into each consumer and
-    recomputes it there, a cost quadratic in depth (docs/benchmarks.md)."""
+    """Identity whose backward passes the cotangent through a conditional, a fusion boundary XLA:CPU
+    keeps, so that it is computed once, into a buffer. At each block's input that is the residual
+    stream's gradient, the sum of every later block's contribution: left alone, XLA:CPU fuses that
+    sum into each consumer and recomputes it there, a cost quadratic in depth
+    (docs/benchmarks.md)."""
     return x
 
 
 def _barrier_bwd(_, g):
-    # both branches give g; the predicate depends on the data, so XLA cannot fold the conditional away
+    # both branches give g; the predicate depends on the data, so XLA cannot fold the conditional
+    # away
     return (jax.lax.cond(g.ravel()[0] > 0, lambda a, b: a, lambda a, b: b, g, g),)
 
 
@@ -46,20 +51,23 @@ fusion_barrier_in_grad.defvjp(lambda x: (x, None), _barrier_bwd)
 
 
 def remat(f, policy):
-    """jax.checkpoint(f, policy=policy): the backward pass recomputes what the policy does not save. On XLA:CPU that
-    alone saves nothing: its pipeline drops jax's optimization barriers
-    early, CSE merges the recomputation back into the forward pass, and without CSE the scheduler still runs it
-    there. So on CPU the backward runs inside a conditional on the output's cotangent, as fusion_barrier_in_grad:
-    a boundary CSE does not cross, which cannot start before the backward pass reaches it."""
+    """jax.checkpoint(f, policy=policy): the backward pass recomputes what the policy does not save.
+    On XLA:CPU that alone saves nothing: its pipeline drops jax's optimization barriers early, CSE
+    merges the recomputation back into the forward pass, and without CSE the scheduler still runs it
+    there. So on CPU the backward runs inside a conditional on the output's cotangent, as
+    fusion_barrier_in_grad: a boundary CSE does not cross, which cannot start before the backward
+    pass reaches it."""
     f = jax.checkpoint(f, policy=policy)
-    if sharding.target_platform() != "cpu":  # jax's remat as used on GPU/TPU; a conditional costs a host round trip
+    # jax's remat as used on GPU/TPU; a conditional costs a host round trip
+    if sharding.target_platform() != "cpu":
         return f
 
     @jax.custom_vjp
     def g(*args):
         return f(*args)
 
-    def bwd(f_vjp, ct):  # f_vjp holds what the policy saved; both branches recompute the rest, then backpropagate
+    # f_vjp holds what the policy saved; both branches recompute the rest, then backpropagate
+    def bwd(f_vjp, ct):
         return jax.lax.cond(ct.ravel()[0] > 0, lambda f, g: f(g), lambda f, g: f(g), f_vjp, ct)
 
     g.defvjp(lambda *args: jax.vjp(f, *args), bwd)
@@ -67,28 +75,36 @@ def remat(f, policy):
 
 
 def run_block(block, x, key, remat_policy):
-    """block(x, key); remat_policy (an entry of REMAT, not 'none') has its forward pass recomputed in the backward."""
+    """block(x, key); remat_policy (an entry of REMAT, not 'none') has its forward pass recomputed
+    in the backward."""
     graphdef, state = nnx.split(block)
     return block_fn(graphdef, remat_policy)(state, x, key)
 
 
 def block_fn(graphdef, remat_policy):
-    """(block state, x, key) -> the block's output; remat_policy None: everything kept for the backward."""
+    """(block state, x, key) -> the block's output; remat_policy None: everything kept for the
+    backward."""
+
     def f(state, x, key):
         return nnx.merge(graphdef, state)(x, key)
+
     return f if remat_policy is None else remat(f, remat_policy)
 
 
 def stack_blocks(blocks):
     """One Block whose every param has a leading layer axis (scan_layers), from a list of Blocks."""
     graphdef = nnx.split(blocks[0])[0]
-    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.split(b)[1] for b in blocks)))
+    return nnx.merge(
+        graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.split(b)[1] for b in blocks))
+    )
 
 
 def relayout_blocks(tree, template):
-    """`tree` (params, or an optimizer state holding them) in the layout of the blocks in `template` (the same tree
-    with the blocks stacked, or not: scan_layers): h.{i}.x <-> row i of h.x. A checkpoint saved with one
-    scan_layers value restores into the other this way; jit it with the template's shardings."""
+    """`tree` (params, or an optimizer state holding them) in the layout of the blocks in `template`
+    (the same tree with the blocks stacked, or not: scan_layers): h.{i}.x <-> row i of h.x. A
+    checkpoint saved with one scan_layers value restores into the other this way; jit it with the
+    template's shardings."""
+
     def path_of(key_path):
         return jax.tree_util.keystr(key_path, simple=True, separator=".")
 
@@ -99,9 +115,11 @@ def relayout_blocks(tree, template):
         if path in flat:  # not a block's, or the same layout
             return flat[path]
         if m := re.search(r"(^|\.)h\.(\d+)\.", path):  # layer i of a stacked source
-            return flat[f"{path[:m.end(1)]}h.{path[m.end():]}"][int(m.group(2))]
+            return flat[f"{path[: m.end(1)]}h.{path[m.end() :]}"][int(m.group(2))]
         m = sharding.STACKED.search(path)  # stacked from one source per layer
-        return jnp.stack([flat[f"{path[:m.end()]}{i}.{path[m.end():]}"] for i in range(t.shape[0])])
+        return jnp.stack(
+            [flat[f"{path[: m.end()]}{i}.{path[m.end() :]}"] for i in range(t.shape[0])]
+        )
 
     return jax.tree_util.tree_map_with_path(leaf, template)
 
@@ -114,23 +132,26 @@ def dropout(x, rate, key):
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-# ---------------------------------------------------------------------------------------------------
-# the speedrun architecture (model.GPTConfig.arch='speedrun'): modded-nanogpt's record 5, 2024-10-14_ModernArch
+# ------------------------------------------------------------------------------------------------
+# the speedrun architecture (model.GPTConfig.arch='speedrun'): modded-nanogpt's record 5,
+# 2024-10-14_ModernArch
 
 ROTARY_BASE = 10000
 
 
 def rms_norm(x):
-    """torch's F.rms_norm(x, (C,)) without a weight, as record 5 calls it: x / sqrt(mean(x^2) + eps) over the last
-    axis, computed in float32 (torch upcasts 16-bit inputs) with eps that type's machine epsilon (torch's default,
-    1.19e-7 for float32 and bfloat16 inputs alike), returned in x's dtype."""
+    """torch's F.rms_norm(x, (C,)) without a weight, as record 5 calls it: x / sqrt(mean(x^2) + eps)
+    over the last axis, computed in float32 (torch upcasts 16-bit inputs) with eps that type's
+    machine epsilon (torch's default, 1.19e-7 for float32 and bfloat16 inputs alike), returned in
+    x's dtype."""
     xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     ms = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)  # (..., 1)
     return (xf * jax.lax.rsqrt(ms + jnp.finfo(xf.dtype).eps)).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
-    """The speedrun's norm before attention, the MLP and the head: rms_norm, no params (record 5 has no weight)."""
+    """The speedrun's norm before attention, the MLP and the head: rms_norm, no params (record 5 has
+    no weight)."""
 
     def __call__(self, x):
         return rms_norm(x)
@@ -138,43 +159,53 @@ class RMSNorm(nnx.Module):
 
 @functools.cache
 def rotary_tables(n, hs):
-    """Record 5's rotary tables for positions 0..n-1 and head size hs: (cos, sin), each (n, hs/2) bfloat16 numpy,
-    constants of the program. The record's float32 frequencies position * base^(-2j/hs), their cos and sin rounded
-    to float32 from float64 on the host, then to bfloat16 (the record caches them so): XLA's fused cos and sin miss
-    the float32 value by an ulp now and then, which moves a bf16 entry by one of its ulps (36 of the record's 65536
-    did); these equal torch's tables, entry for entry, at the record's head size 128."""
+    """Record 5's rotary tables for positions 0..n-1 and head size hs: (cos, sin), each (n, hs/2)
+    bfloat16 numpy, constants of the program. The record's float32 frequencies position *
+    base^(-2j/hs), their cos and sin rounded to float32 from float64 on the host, then to bfloat16
+    (the record caches them so): XLA's fused cos and sin miss the float32 value by an ulp now and
+    then, which moves a bf16 entry by one of its ulps (36 of the record's 65536 did); these equal
+    torch's tables, entry for entry, at the record's head size 128."""
     exponents = np.arange(0, hs, 2, dtype=np.float32) / np.float32(hs)
-    inv_freq = np.float32(1) / (float(ROTARY_BASE) ** exponents.astype(np.float64)).astype(np.float32)  # (hs/2,)
+    # (hs/2,)
+    inv_freq = np.float32(1) / (float(ROTARY_BASE) ** exponents.astype(np.float64)).astype(
+        np.float32
+    )
     freqs = np.arange(n, dtype=np.float32)[:, None] * inv_freq  # (n, hs/2), float32
-    return tuple(f(freqs.astype(np.float64)).astype(np.float32).astype(jnp.bfloat16) for f in (np.cos, np.sin))
+    return tuple(
+        f(freqs.astype(np.float64)).astype(np.float32).astype(jnp.bfloat16)
+        for f in (np.cos, np.sin)
+    )
 
 
 def rotary(x, cos, sin):
-    """Rotary position embedding as record 5 applies it: x (B, T, nh, hs), cos and sin (T, hs/2) (rotary_tables'
-    rows of x's positions) -> (B, T, nh, hs) in x's dtype. The head's halves x1, x2 turn against each other:
-    (x1 cos + x2 sin, -x1 sin + x2 cos). The bf16 tables act as they are: bf16 activations rotate in bf16, float32
-    ones in float32."""
+    """Rotary position embedding as record 5 applies it: x (B, T, nh, hs), cos and sin (T, hs/2)
+    (rotary_tables' rows of x's positions) -> (B, T, nh, hs) in x's dtype. The head's halves x1, x2
+    turn against each other: (x1 cos + x2 sin, -x1 sin + x2 cos). The bf16 tables act as they are:
+    bf16 activations rotate in bf16, float32 ones in float32."""
     cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hs/2)
     x1, x2 = jnp.split(x, 2, axis=-1)  # (B, T, nh, hs/2) each
     return jnp.concatenate([x1 * cos + x2 * sin, x1 * -sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # the tied head and the loss
 
+
 def tied_head(x, embedding, dtype, logits_dtype=jnp.float32):
-    """(..., C) -> (..., vocab) logits through the token embedding (vocab, C): a matmul in the compute dtype with
-    float32 accumulation, its output in `logits_dtype`; under a mesh, the embedding split by vocabulary over
-    'tensor'. The model's loss takes them in the compute dtype, as autocast's Linear gives them: the matmul's
-    gradient then runs in it too, where float32 logits made both backward matmuls float32 (a fifth of the 124M
-    step on an H100, docs/benchmarks.md). Sampling and the scorers take float32."""
+    """(..., C) -> (..., vocab) logits through the token embedding (vocab, C): a matmul in the
+    compute dtype with float32 accumulation, its output in `logits_dtype`; under a mesh, the
+    embedding split by vocabulary over 'tensor'. The model's loss takes them in the compute dtype,
+    as autocast's Linear gives them: the matmul's gradient then runs in it too, where float32 logits
+    made both backward matmuls float32 (a fifth of the 124M step on an H100, docs/benchmarks.md).
+    Sampling and the scorers take float32."""
     head = sharding.constrain(embedding.astype(dtype), sharding.VOCAB)
     return jnp.einsum("...c,vc->...v", x.astype(dtype), head, preferred_element_type=logits_dtype)
 
 
 def cross_entropy_terms(logits, targets):
-    """(sum of the cross-entropies, their number) in float32 over the targets that are not -1 (nanoGPT's
-    ignore_index). Logits in a lower dtype are upcast, as torch's cross_entropy does under autocast."""
+    """(sum of the cross-entropies, their number) in float32 over the targets that are not -1
+    (nanoGPT's ignore_index). Logits in a lower dtype are upcast, as torch's cross_entropy does
+    under autocast."""
     valid = targets != -1
     nll = token_nll(logits, jnp.where(valid, targets, 0))
     return jnp.sum(jnp.where(valid, nll, 0.0)), jnp.sum(valid)
@@ -182,9 +213,10 @@ def cross_entropy_terms(logits, targets):
 
 @jax.custom_vjp
 def token_nll(logits, targets):
-    """(..., vocab) logits, (...) targets -> (...) float32 cross-entropies, logsumexp - the target's logit. Its
-    gradient, softmax - onehot, is written once in the logits' dtype from the logits as they are (autodiff would
-    keep a float32 copy of bf16 logits and pass over it several times: 13 GB a 65,536-token batch)."""
+    """(..., vocab) logits, (...) targets -> (...) float32 cross-entropies, logsumexp - the target's
+    logit. Its gradient, softmax - onehot, is written once in the logits' dtype from the logits as
+    they are (autodiff would keep a float32 copy of bf16 logits and pass over it several times: 13
+    GB a 65,536-token batch)."""
     return token_nll_forward(logits, targets)[0]
 
 
@@ -197,8 +229,8 @@ def token_nll_forward(logits, targets):
 
 
 def token_nll_backward(residuals, g):
-    # the softmax as exp(x - max) / sum, as autodiff's: exp(x - logsumexp) carries logsumexp's rounding into every
-    # probability (5x the error at logits of scale 5)
+    # the softmax as exp(x - max) / sum, as autodiff's: exp(x - logsumexp) carries logsumexp's
+    # rounding into every probability (5x the error at logits of scale 5)
     logits, targets, peak, total = residuals
     scaled = jnp.exp(logits.astype(jnp.float32) - peak[..., None]) * (g / total)[..., None]
     onehot = jnp.arange(logits.shape[-1]) == targets[..., None]

@@ -1,7 +1,8 @@
 """
-A run's I/O besides its checkpoints (seqax's training_io.py): the lock that makes the out_dir one run's, log.jsonl,
-the lines on stdout, wandb, the profiler window, and MFU. Writing fails in one line: a full disk stops the run
-(RunStopped, exit 1), a path the OS refuses is the user's to fix (UsageError, exit 2).
+A run's I/O besides its checkpoints (seqax's training_io.py): the lock that makes the out_dir one
+run's, log.jsonl, the lines on stdout, wandb, the profiler window, and MFU. Writing fails in one
+line: a full disk stops the run (RunStopped, exit 1), a path the OS refuses is the user's to fix
+(UsageError, exit 2).
 """
 
 import concurrent.futures
@@ -21,27 +22,36 @@ from configurator import RunStopped, UsageError
 
 LOCK_FILE = "run.lock"
 LOG_FILE = "log.jsonl"
-SHARED_MARKER = "hosts.check"  # process 0 writes it at start; every process must read it back (check_shared)
-# On an object store the lock is an object, not an flock the OS drops with the process: its holder rewrites it every
-# LOCK_REFRESH_S, and a lock not rewritten for LOCK_STALE_S is a dead run's, which the next run takes over
+# process 0 writes it at start; every process must read it back (check_shared)
+SHARED_MARKER = "hosts.check"
+# On an object store the lock is an object, not an flock the OS drops with the process: its holder
+# rewrites it every LOCK_REFRESH_S, and a lock not rewritten for LOCK_STALE_S is a dead run's, which
+# the next run takes over
 LOCK_REFRESH_S, LOCK_STALE_S = 30, 120
-LOG_FLUSH_S = 15  # log.jsonl on an object store: rewritten whole at most this often, and at every save
+# log.jsonl on an object store: rewritten whole at most this often, and at every save
+LOG_FLUSH_S = 15
 
 
 class RunLog:
-    """What a run says as it goes: lines on stdout (process 0), records in out_dir/log.jsonl and wandb, each log
-    step's line with its time, tokens/s and MFU, and a jax.profiler trace of the iterations `profile` names."""
+    """What a run says as it goes: lines on stdout (process 0), records in out_dir/log.jsonl and
+    wandb, each log step's line with its time, tokens/s and MFU, and a jax.profiler trace of the
+    iterations `profile` names."""
 
     def __init__(self, c, master, tokens_per_iter, flops_per_iter, devices, profile=None):
         self.path, self.master = storage.join(c["out_dir"], LOG_FILE), master
-        self.tokens_per_iter, self.flops_per_iter, self.devices = tokens_per_iter, flops_per_iter, devices
+        self.tokens_per_iter, self.flops_per_iter, self.devices = (
+            tokens_per_iter,
+            flops_per_iter,
+            devices,
+        )
         self.intact = None  # the last checkpoint, in words, for the line of a failed write
         self.wandb = None
         self.profile, self.profile_dir = profile or (-1, -1), storage.join(c["out_dir"], "profile")
         self.log = (ObjectLog(self.path) if storage.is_url(self.path) else None) if master else None
         self.profiling = False
         self.mfu = None  # a running average, once past the first steps (compilation)
-        self._waiter, self._ended = None, {}  # watch: {iteration: future of the time its step ended}
+        # watch: {iteration: future of the time its step ended}
+        self._waiter, self._ended = None, {}
 
     def start_wandb(self, c):
         if c["wandb_log"] and self.master:
@@ -58,14 +68,17 @@ class RunLog:
         if not self.master:
             return
         try:
-            self.log.append(json.dumps(record)) if self.log is not None else append_line(self.path, json.dumps(record))
+            self.log.append(json.dumps(record)) if self.log is not None else append_line(
+                self.path, json.dumps(record)
+            )
         except OSError as e:
             raise write_failed(self.path, e, self.intact) from None
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
     def flush(self):
-        """The records so far into the log, now (at a save: a resume finds the log as far as its checkpoint)."""
+        """The records so far into the log, now (at a save: a resume finds the log as far as its
+        checkpoint)."""
         if self.log is not None:
             self.log.flush()
 
@@ -74,16 +87,18 @@ class RunLog:
         self._t0, self._since = time.time(), it
 
     def watch(self, it, metrics):
-        """Note when step `it` ends on the device, as it ends: a thread waits for its outputs. The loop reads them
-        later, after dispatching the next step, and that dispatch may hold the host for much of the next step's
-        time (a speedrun step on an H200: the last iteration's line said 458 ms for a 1,225 ms step)."""
+        """Note when step `it` ends on the device, as it ends: a thread waits for its outputs. The
+        loop reads them later, after dispatching the next step, and that dispatch may hold the host
+        for much of the next step's time (a speedrun step on an H200: the last iteration's line said
+        458 ms for a 1,225 ms step)."""
         if self._waiter is None:
             self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-clock")
         self._ended[it] = self._waiter.submit(ended_at, metrics)
 
     def step(self, it, metrics):
-        """Log step `it` (its metrics read back to the host): one line, one record. Its time: from the clock's
-        start, or the last logged step's end, to its end (watch), over the steps in between."""
+        """Log step `it` (its metrics read back to the host): one line, one record. Its time: from
+        the clock's start, or the last logged step's end, to its end (watch), over the steps in
+        between."""
         done = it + 1
         ended = self._ended.pop(it).result() if it in self._ended else time.time()
         dt = (ended - self._t0) / (done - self._since)
@@ -92,25 +107,39 @@ class RunLog:
         if step_mfu is not None and done > 5:  # the first steps include compilation
             self.mfu = step_mfu if self.mfu is None else 0.9 * self.mfu + 0.1 * step_mfu
         shown = f"{self.mfu * 100:.2f}%" if self.mfu is not None else "n/a"
-        self.print(f"iter {it}: loss {metrics['loss']:.4f}, time {dt * 1000:.2f}ms, "
-                   f"tok/s {self.tokens_per_iter / dt:,.0f}, mfu {shown}")
-        self.record({"iter": it, "loss": float(metrics["loss"]), "lr": float(metrics["lr"]),
-                     "grad_norm": float(metrics["grad_norm"]), "ms": dt * 1000, "tok_per_s": self.tokens_per_iter / dt,
-                     "mfu": self.mfu})
+        self.print(
+            f"iter {it}: loss {metrics['loss']:.4f}, time {dt * 1000:.2f}ms, "
+            f"tok/s {self.tokens_per_iter / dt:,.0f}, mfu {shown}"
+        )
+        self.record(
+            {
+                "iter": it,
+                "loss": float(metrics["loss"]),
+                "lr": float(metrics["lr"]),
+                "grad_norm": float(metrics["grad_norm"]),
+                "ms": dt * 1000,
+                "tok_per_s": self.tokens_per_iter / dt,
+                "mfu": self.mfu,
+            }
+        )
 
     def start_profile(self):
         jax.profiler.start_trace(self.profile_dir, create_perfetto_trace=True)
         self.profiling = True
 
     def stop_profile(self, last_iter, metrics=None):
-        """Ends a trace begun at profile's START: after the last traced step has run (`metrics`: its outputs)."""
+        """Ends a trace begun at profile's START: after the last traced step has run (`metrics`: its
+        outputs)."""
         if not self.profiling:
             return
         jax.block_until_ready(metrics)
         jax.profiler.stop_trace()
         self.profiling = False
-        self.print(f"profile of iterations {self.profile[0]}..{last_iter} written to {self.profile_dir}: tensorboard "
-                   f"--logdir={self.profile_dir} (profile plugin), or its perfetto_trace.json.gz in ui.perfetto.dev")
+        self.print(
+            f"profile of iterations {self.profile[0]}..{last_iter} written to {self.profile_dir}: "
+            f"tensorboard --logdir={self.profile_dir} (profile plugin), or its "
+            "perfetto_trace.json.gz in ui.perfetto.dev"
+        )
 
 
 def ended_at(outputs):
@@ -128,60 +157,76 @@ def nearest_existing(path):
 
 
 def check_out_dir(out_dir):
-    """out_dir must be a directory, or creatable as one by this user: checked before anything is written. A URL:
-    credentials, the bucket and this account's access to it (storage.check_reachable)."""
+    """out_dir must be a directory, or creatable as one by this user: checked before anything is
+    written. A URL: credentials, the bucket and this account's access to it
+    (storage.check_reachable)."""
     if storage.is_url(out_dir):
         return storage.check_reachable(out_dir)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UsageError(f"out_dir {out_dir} is a file: give a directory")
-    if os.path.islink(out_dir) and not os.path.exists(out_dir):  # makedirs would say only "File exists"
-        raise UsageError(f"out_dir {out_dir} is a link to {os.readlink(out_dir)}, which does not exist: create it, "
-                         "or give another --out_dir")
+    # makedirs would say only "File exists"
+    if os.path.islink(out_dir) and not os.path.exists(out_dir):
+        raise UsageError(
+            f"out_dir {out_dir} is a link to {os.readlink(out_dir)}, which does not exist: create "
+            "it, or give another --out_dir"
+        )
     existing = nearest_existing(out_dir)
     if not os.path.isdir(existing):
         raise UsageError(f"out_dir {out_dir} cannot be created: {existing} is a file")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"out_dir {out_dir} cannot be written: {existing} is not writable by this user")
+        raise UsageError(
+            f"out_dir {out_dir} cannot be written: {existing} is not writable by this user"
+        )
 
 
 def check_results_file(path, flag):
-    """A file a script writes its results to when its work is done (eval.py --output, hellaswag.py --out): checked
-    before the work starts, so that hours of evaluation never end in an unwritable path."""
+    """A file a script writes its results to when its work is done (eval.py --output, hellaswag.py
+    --out): checked before the work starts, so that hours of evaluation never end in an unwritable
+    path."""
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"{flag}={path} is a directory: give a file's path")
     if not os.path.isdir(directory):
-        raise UsageError(f"{flag}={path}: its directory {directory} does not exist: create it, or give another path")
+        raise UsageError(
+            f"{flag}={path}: its directory {directory} does not exist: create it, or give another "
+            "path"
+        )
     if not os.access(directory, os.W_OK | os.X_OK):
-        raise UsageError(f"{flag}={path} cannot be written: {directory} is not writable by this user")
+        raise UsageError(
+            f"{flag}={path} cannot be written: {directory} is not writable by this user"
+        )
 
 
 def write_results(path, text, flag):
-    """`text` to `path` whole or not at all (a temporary file, then renamed over it). A write that fails all the
-    same is one line; the caller has printed the results first, so nothing is lost."""
+    """`text` to `path` whole or not at all (a temporary file, then renamed over it). A write that
+    fails all the same is one line; the caller has printed the results first, so nothing is lost."""
     try:
         storage.write_bytes(path, text.encode())
     except OSError as e:
-        raise UsageError(f"{flag}={path} could not be written ({e.strerror or e}); the results are printed "
-                         "above") from None
+        raise UsageError(
+            f"{flag}={path} could not be written ({e.strerror or e}); the results are printed above"
+        ) from None
 
 
 def write_failed(path, error, intact=None):
-    """An OSError writing the run's own files, as one line: a full disk or quota stops the run (RunStopped);
-    anything else (a path the OS refuses, /proc/x) is the user's to fix (UsageError). `intact`: the last
-    checkpoint, in words ('checkpoint 20 in out/ckpt'), or None."""
+    """An OSError writing the run's own files, as one line: a full disk or quota stops the run
+    (RunStopped); anything else (a path the OS refuses, /proc/x) is the user's to fix (UsageError).
+    `intact`: the last checkpoint, in words ('checkpoint 20 in out/ckpt'), or None."""
     reason = error.strerror or str(error)
     if error.errno not in (errno.ENOSPC, errno.EDQUOT):
         return UsageError(f"cannot write {path} ({reason}): give another --out_dir")
     kept = f"{intact} is intact" if intact else "nothing was saved"
-    return RunStopped(f"cannot write {path} ({reason}): the run stopped, {kept}; free space and "
-                      f"{'resume with --init_from=resume' if intact else 'run again'}")
+    return RunStopped(
+        f"cannot write {path} ({reason}): the run stopped, {kept}; free space and "
+        f"{'resume with --init_from=resume' if intact else 'run again'}"
+    )
 
 
 def claim_out_dir(out_dir, move_aside=()):
-    """out_dir made and locked for this run (returns the open lock file: closing it releases the lock); the entries
-    `move_aside` names (a start over: the previous run's checkpoints and log) moved to out_dir/previous-<time>-<pid>/,
-    never mixed with this run's; a log line cut by a crash dropped."""
+    """out_dir made and locked for this run (returns the open lock file: closing it releases the
+    lock); the entries `move_aside` names (a start over: the previous run's checkpoints and log)
+    moved to out_dir/previous-<time>-<pid>/, never mixed with this run's; a log line cut by a crash
+    dropped."""
     try:
         storage.makedirs(out_dir)
         lock = ObjectLock(out_dir) if storage.is_url(out_dir) else lock_out_dir(out_dir)
@@ -200,9 +245,10 @@ def claim_out_dir(out_dir, move_aside=()):
 
 
 def check_shared(out_dir, master):
-    """A run of several processes needs one out_dir that every process reads and writes (each writes its shards of
-    a checkpoint; a resume reads what process 0 wrote): process 0 writes a marker of this start, every process reads
-    it back, and if one does not (each host's own disk), every process stops with one line."""
+    """A run of several processes needs one out_dir that every process reads and writes (each writes
+    its shards of a checkpoint; a resume reads what process 0 wrote): process 0 writes a marker of
+    this start, every process reads it back, and if one does not (each host's own disk), every
+    process stops with one line."""
     from jax.experimental import multihost_utils
 
     nonce = int(multihost_utils.broadcast_one_to_all(secrets.randbits(31)))
@@ -221,15 +267,17 @@ def check_shared(out_dir, master):
     seen_by = multihost_utils.process_allgather(seen)
     if not all(seen_by):
         blind = [str(i) for i, ok in enumerate(seen_by) if not ok]
-        raise UsageError(f"out_dir {out_dir} is not shared by the run's hosts: process(es) {', '.join(blind)} do not "
-                         f"see what process 0 wrote there; give every host the same --out_dir: gs://bucket/run (Cloud "
-                         "Storage) or a shared filesystem (NFS, Filestore)")
+        raise UsageError(
+            f"out_dir {out_dir} is not shared by the run's hosts: process(es) {', '.join(blind)} "
+            "do not see what process 0 wrote there; give every host the same --out_dir: "
+            "gs://bucket/run (Cloud Storage) or a shared filesystem (NFS, Filestore)"
+        )
 
 
 def lock_out_dir(out_dir):
-    """This run's exclusive lock on out_dir, or one line naming the run that holds it. flock: the OS releases it
-    when the process ends, however it ends, so a crashed run's lock file is stale and the next run takes it.
-    Returns the open lock file: closing it releases the lock."""
+    """This run's exclusive lock on out_dir, or one line naming the run that holds it. flock: the OS
+    releases it when the process ends, however it ends, so a crashed run's lock file is stale and
+    the next run takes it. Returns the open lock file: closing it releases the lock."""
     f = open(os.path.join(out_dir, LOCK_FILE), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -237,37 +285,51 @@ def lock_out_dir(out_dir):
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
-        raise UsageError(f"{out_dir} is in use by another run ({holder}): wait for it to end, "
-                         "or give this one another --out_dir") from None
+        raise UsageError(
+            f"{out_dir} is in use by another run ({holder}): wait for it to end, "
+            "or give this one another --out_dir"
+        ) from None
     f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.write(
+        f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+    )
     f.flush()
     return f
 
 
 class ObjectLock:
-    """lock_out_dir on an object store: out_dir/run.lock, an object created only if absent (a generation
-    precondition, so that of two runs starting at once one wins), naming its holder and rewritten every LOCK_REFRESH_S
-    while the run lives; deleted when it ends. A lock not rewritten for LOCK_STALE_S, or whose holder was a process
-    of this host that is gone (a crash, kill -9), is a dead run's: taken over by deleting exactly that generation, so
-    that of two runs taking it over one wins. A live run's lock is never taken."""
+    """lock_out_dir on an object store: out_dir/run.lock, an object created only if absent (a
+    generation precondition, so that of two runs starting at once one wins), naming its holder and
+    rewritten every LOCK_REFRESH_S while the run lives; deleted when it ends. A lock not rewritten
+    for LOCK_STALE_S, or whose holder was a process of this host that is gone (a crash, kill -9), is
+    a dead run's: taken over by deleting exactly that generation, so that of two runs taking it over
+    one wins. A live run's lock is never taken."""
 
     def __init__(self, out_dir):
         self.url = storage.join(out_dir, LOCK_FILE)
         self.fs, self.path = storage.filesystem(self.url)
-        self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "run": secrets.token_hex(8)}
+        self.holder = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "run": secrets.token_hex(8),
+        }
         if not self._create():
             generation, held = self._read()
             if held is not None and not self._dead(held):
-                raise UsageError(f"{out_dir} is in use by another run (pid {held.get('pid')} on {held.get('host')}, "
-                                 f"lock refreshed {time.time() - held.get('refreshed', 0):.0f} s ago): wait for it to "
-                                 f"end (a run that died leaves a lock taken over after {LOCK_STALE_S} s), or give "
-                                 "this one another --out_dir")
+                raise UsageError(
+                    f"{out_dir} is in use by another run (pid {held.get('pid')} on "
+                    f"{held.get('host')}, lock refreshed "
+                    f"{time.time() - held.get('refreshed', 0):.0f} s ago): wait for it to end (a "
+                    f"run that died leaves a lock taken over after {LOCK_STALE_S} s), or give this "
+                    "one another --out_dir"
+                )
             if generation is not None:
                 self._delete(generation)
             if not self._create():
-                raise UsageError(f"{out_dir} was taken by another run starting at the same time: give this one "
-                                 "another --out_dir")
+                raise UsageError(
+                    f"{out_dir} was taken by another run starting at the same time: give this one "
+                    "another --out_dir"
+                )
         self._stop = threading.Event()
         self._refresher = threading.Thread(target=self._refresh, daemon=True, name="out_dir lock")
         self._refresher.start()
@@ -321,16 +383,20 @@ class ObjectLock:
             try:
                 _, held = self._read()
                 if held is not None and held.get("run") != self.holder["run"]:
-                    print(f"warning: the lock {self.url} was taken over by another run (this one did not refresh "
-                          f"it for {LOCK_STALE_S} s): stop one of them", flush=True)
+                    print(
+                        f"warning: the lock {self.url} was taken over by another run (this one did "
+                        f"not refresh it for {LOCK_STALE_S} s): stop one of them",
+                        flush=True,
+                    )
                     return
                 self.fs.pipe_file(self.path, self._content())
-            except Exception:  # a lost network: the next refresh tries again; the lock is stale only after minutes
+            # a lost network: the next refresh tries again; the lock is stale only after minutes
+            except Exception:
                 pass
 
     def close(self):
-        """Released, if this run still holds it. Never raises: at the end of a run that failed (the network gone), the
-        run's own line says why; a lock left behind is taken over once stale."""
+        """Released, if this run still holds it. Never raises: at the end of a run that failed (the
+        network gone), the run's own line says why; a lock left behind is taken over once stale."""
         self._stop.set()
         self._refresher.join()
         try:
@@ -342,9 +408,9 @@ class ObjectLock:
 
 
 class ObjectLog:
-    """log.jsonl on an object store, where an object is never appended to: the log so far is held here (read back
-    at a resume) and the object rewritten whole, at most every LOG_FLUSH_S and at every save, so that it is never
-    cut, and a resume finds every record up to its checkpoint."""
+    """log.jsonl on an object store, where an object is never appended to: the log so far is held
+    here (read back at a resume) and the object rewritten whole, at most every LOG_FLUSH_S and at
+    every save, so that it is never cut, and a resume finds every record up to its checkpoint."""
 
     def __init__(self, url):
         self.url = url
@@ -367,7 +433,8 @@ class ObjectLog:
 
 
 def append_line(path, line):
-    """One write() of the whole line, so that a crash leaves at most a partial last line, never two mixed."""
+    """One write() of the whole line, so that a crash leaves at most a partial last line, never two
+    mixed."""
     data = (line + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -378,7 +445,8 @@ def append_line(path, line):
 
 
 def drop_partial_line(path):
-    """Cut a last line without its newline (a crash mid-write), which would otherwise sit mid-file once appended to."""
+    """Cut a last line without its newline (a crash mid-write), which would otherwise sit mid-file
+    once appended to."""
     if not os.path.exists(path):
         return
     with open(path, "rb+") as f:
@@ -387,8 +455,9 @@ def drop_partial_line(path):
             f.truncate(data.rfind(b"\n") + 1)
 
 
-# bf16 dense peak FLOP/s per device, by substrings of jax's device_kind (first match wins). TPUs: Google Cloud's
-# figure per chip over the devices a chip shows (sharding.TPUS: v2, v3 and TPU7x show each TensorCore as a device)
+# bf16 dense peak FLOP/s per device, by substrings of jax's device_kind (first match wins). TPUs:
+# Google Cloud's figure per chip over the devices a chip shows (sharding.TPUS: v2, v3 and TPU7x show
+# each TensorCore as a device)
 PEAK_BF16_FLOPS = [
     ("H200", 989e12),
     ("H100 PCIe", 756e12),
@@ -418,7 +487,8 @@ def peak_flops_of(kind):
 
 
 def mfu(flops, seconds, devices):
-    """Model FLOPs utilization: `flops` (the model's count, GPT.flops_per_token x tokens) done in `seconds` over the
-    bf16 peak of `devices`; None where a device's peak is unknown (CPU), rather than a made-up number."""
+    """Model FLOPs utilization: `flops` (the model's count, GPT.flops_per_token x tokens) done in
+    `seconds` over the bf16 peak of `devices`; None where a device's peak is unknown (CPU), rather
+    than a made-up number."""
     peaks = [peak_flops(d) for d in devices]
     return None if None in peaks else flops / seconds / sum(peaks)

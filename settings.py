@@ -1,6 +1,7 @@
 """
-train.py's settings: their defaults (nanoGPT's names and values, build-nanogpt's additions) and the checks every
-one of them passes before a run reads or writes anything, each a one-line UsageError naming the fix.
+train.py's settings: their defaults (nanoGPT's names and values, build-nanogpt's additions) and the
+checks every one of them passes before a run reads or writes anything, each a one-line UsageError
+naming the fix.
 """
 
 import importlib.util
@@ -25,8 +26,10 @@ DEFAULTS = dict(
     hellaswag_interval=0,  # HellaSwag (val, all devices) every N iterations and at the end; 0 = off
     hellaswag_path="",  # a local hellaswag_val.jsonl; "" = download it once (online)
     keep_checkpoints=3,  # the last K checkpoints are kept
-    init_from="scratch",  # 'scratch' | 'resume' | 'gpt2*' | an HF GPT-2 directory | a nanoGPT ckpt.pt (or its out_dir)
-    start_over=False,  # a new run into an out_dir holding checkpoints: move them to out_dir/previous-<time>/ first
+    # 'scratch' | 'resume' | 'gpt2*' | an HF GPT-2 directory | a nanoGPT ckpt.pt (or its out_dir)
+    init_from="scratch",
+    # a new run into an out_dir holding checkpoints: move them to out_dir/previous-<time>/ first
+    start_over=False,
     # wandb logging
     wandb_log=False,
     wandb_project="owt",
@@ -34,22 +37,29 @@ DEFAULTS = dict(
     # data
     dataset="openwebtext",  # a folder under data/, a path, or gs://bucket/folder
     shuffle_shards=False,  # .npy shard datasets: visit the shards in a seeded order each epoch
-    val_tokens=0,  # val loss over this many tokens from the val split's start (modded-nanogpt); 0: eval_iters batches
+    # val loss over this many tokens from the val split's start (modded-nanogpt); 0: eval_iters
+    # batches
+    val_tokens=0,
     gradient_accumulation_steps=5 * 8,  # total micro-batches per step, over all devices
     total_batch_size=0,  # tokens per step; when > 0, gradient_accumulation_steps is derived from it
-    batch_size=12,  # micro-batch size per batch shard (a device, or a group of tensor_parallel devices)
+    # micro-batch size per batch shard (a device, or a group of tensor_parallel devices)
+    batch_size=12,
     block_size=1024,
     # model
-    arch="gpt2",  # 'gpt2' | 'speedrun': modded-nanogpt's record 5 (rotary, QK-norm, RMSNorm, ReLU^2; needs bias=False)
+    # 'gpt2' | 'speedrun': modded-nanogpt's record 5 (rotary, QK-norm, RMSNorm, ReLU^2; needs
+    # bias=False)
+    arch="gpt2",
     n_layer=12,
     n_head=12,
     n_embd=768,
     vocab_size=0,  # 0: from data/<dataset>/meta.pkl, else GPT-2's 50257 padded to 50304
     dropout=0.0,  # for pretraining 0 is good, for finetuning try 0.1+
     bias=False,  # do we use bias inside LayerNorm and Linear layers?
-    gelu="tanh",  # 'tanh': GPT-2's GELU | 'exact': nanoGPT's (erf; what export.py --format=nanogpt needs)
+    # 'tanh': GPT-2's GELU | 'exact': nanoGPT's (erf; what export.py --format=nanogpt needs)
+    gelu="tanh",
     # adamw optimizer
-    optimizer="adamw",  # 'adamw' | 'muon': Muon on the blocks' matrices, AdamW on the rest (record 5; arch='speedrun')
+    # 'adamw' | 'muon': Muon on the blocks' matrices, AdamW on the rest (record 5; arch='speedrun')
+    optimizer="adamw",
     learning_rate=6e-4,  # max learning rate (AdamW's; with optimizer='muon', the embedding's)
     max_iters=600000,  # total number of training iterations
     weight_decay=1e-1,
@@ -57,36 +67,68 @@ DEFAULTS = dict(
     beta2=0.95,
     grad_clip=1.0,  # clip gradients at this value, or disable if == 0.0
     # muon optimizer (optimizer='muon')
-    muon_learning_rate=0.0,  # Muon's max learning rate, > 0 with optimizer='muon' (record 5: 0.1 x learning_rate)
+    # Muon's max learning rate, > 0 with optimizer='muon' (record 5: 0.1 x learning_rate)
+    muon_learning_rate=0.0,
     muon_momentum=0.95,  # Muon's SGD momentum, Nesterov
-    muon_ns_dtype="bfloat16",  # Newton-Schulz's dtype: 'bfloat16' (the record's) | 'float32' (parity checks)
+    # Newton-Schulz's dtype: 'bfloat16' (the record's) | 'float32' (parity checks)
+    muon_ns_dtype="bfloat16",
     # learning rate decay settings
     decay_lr=True,  # whether to decay the learning rate
-    lr_schedule="cosine",  # 'cosine': nanoGPT's, to min_lr at lr_decay_iters | 'trapezoid': modded-nanogpt's (below)
+    # 'cosine': nanoGPT's, to min_lr at lr_decay_iters | 'trapezoid': modded-nanogpt's (below)
+    lr_schedule="cosine",
     warmup_iters=2000,  # how many steps to warm up for
     lr_decay_iters=600000,  # should be ~= max_iters per Chinchilla
     min_lr=6e-5,  # minimum learning rate, should be ~= learning_rate/10 per Chinchilla
-    warmdown_iters=0,  # trapezoid: warmup, constant, then linearly to 0 over the last warmdown_iters iterations
+    # trapezoid: warmup, constant, then linearly to 0 over the last warmdown_iters iterations
+    warmdown_iters=0,
     # parallelism: the mesh is (data, fsdp, tensor), data = devices / (fsdp * tensor_parallel)
     fsdp=1,  # split params, grads and optimizer state over this many devices (the batch too)
     tensor_parallel=1,  # split each layer's heads and MLP units over this many devices (same rows)
     # system
     dtype="auto",  # 'float32' | 'bfloat16' | 'auto' (bfloat16 on GPU/TPU, float32 on CPU)
-    attention="auto",  # 'xla' | 'cudnn' (NVIDIA Ampere+, bf16) | 'splash' (TPU) | 'auto': the fused one where it runs
-    # 'auto': the least recompute whose compiled step fits the device (auto_settings; said at start-up)
-    remat="auto",  # recompute in the backward to save memory: 'none' | 'dots' | 'qkv_proj' | 'block' (layers.REMAT)
-    loss_chunk="auto",  # the loss's logits this many positions at a time (memory B x loss_chunk x vocab); 0: all
-    scan_layers="auto",  # True: the blocks under one lax.scan (one compiled block) | False | 'auto' (on TPU)
+    # 'xla' | 'cudnn' (NVIDIA Ampere+, bf16) | 'splash' (TPU) | 'auto': the fused one where it runs
+    attention="auto",
+    # 'auto': the least recompute whose compiled step fits the device (auto_settings; said at
+    # start-up) recompute in the backward to save memory: 'none' | 'dots' | 'qkv_proj' | 'block'
+    # (layers.REMAT)
+    remat="auto",
+    # the loss's logits this many positions at a time (memory B x loss_chunk x vocab); 0: all
+    loss_chunk="auto",
+    # True: the blocks under one lax.scan (one compiled block) | False | 'auto' (on TPU)
+    scan_layers="auto",
     profile="",  # 'START:STOP': a jax.profiler trace of iterations START..STOP-1 to out_dir/profile
     seed=1337,
 )
 
 
-POSITIVE = ("batch_size", "block_size", "n_layer", "n_head", "n_embd", "gradient_accumulation_steps", "eval_iters",
-            "eval_interval", "log_interval", "keep_checkpoints")
-NOT_NEGATIVE = ("max_iters", "total_batch_size", "vocab_size", "checkpoint_interval", "hellaswag_interval",
-                "warmup_iters", "lr_decay_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip",
-                "muon_learning_rate", "warmdown_iters", "val_tokens")
+POSITIVE = (
+    "batch_size",
+    "block_size",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "gradient_accumulation_steps",
+    "eval_iters",
+    "eval_interval",
+    "log_interval",
+    "keep_checkpoints",
+)
+NOT_NEGATIVE = (
+    "max_iters",
+    "total_batch_size",
+    "vocab_size",
+    "checkpoint_interval",
+    "hellaswag_interval",
+    "warmup_iters",
+    "lr_decay_iters",
+    "learning_rate",
+    "min_lr",
+    "weight_decay",
+    "grad_clip",
+    "muon_learning_rate",
+    "warmdown_iters",
+    "val_tokens",
+)
 OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "trapezoid")
 
@@ -98,7 +140,10 @@ def validate(c):
             raise UsageError(f"{key} must be >= 1, got {c[key]}")
     for key in NOT_NEGATIVE:
         if c[key] < 0:
-            raise UsageError(f"{key} must be >= 0{' (0: off)' if key.endswith('_interval') else ''}, got {c[key]}")
+            raise UsageError(
+                f"{key} must be >= 0{' (0: off)' if key.endswith('_interval') else ''}, got "
+                f"{c[key]}"
+            )
     if not 0.0 <= c["dropout"] < 1.0:
         raise UsageError(f"dropout must be in [0, 1), got {c['dropout']}")
     for key in ("beta1", "beta2", "muon_momentum"):
@@ -106,7 +151,9 @@ def validate(c):
             raise UsageError(f"{key} must be in [0, 1), got {c[key]}")
     resolve_dtype(c["dtype"], "cpu")
     resolve_scan_layers(c["scan_layers"], "cpu")
-    try:  # the model's own checks: arch (and its bias), n_embd % n_head, gelu, attention; remat, loss_chunk
+    # the model's own checks: arch (and its bias), n_embd % n_head, gelu, attention; remat,
+    # loss_chunk
+    try:
         check_memory_settings(c["remat"], c["loss_chunk"])
         GPTConfig(**{k: c[k] for k in ("arch", "bias", "n_head", "n_embd", "gelu", "attention")})
     except ValueError as e:
@@ -118,19 +165,29 @@ def validate(c):
     if c["wandb_log"] and importlib.util.find_spec("wandb") is None:
         raise UsageError("wandb_log=True needs wandb: pip install wandb, or set --wandb_log=False")
     if c["start_over"] and c["init_from"] == "resume":
-        raise UsageError("start_over=True moves the checkpoints that init_from='resume' would continue: choose one")
+        raise UsageError(
+            "start_over=True moves the checkpoints that init_from='resume' would continue: choose "
+            "one"
+        )
     runlog.check_out_dir(c["out_dir"])
     if os.path.isfile(c["dataset"]):
-        raise UsageError(f"--dataset={c['dataset']} is a file: give the folder holding train.bin and val.bin "
-                         "(or the .npy shards), or a name under data/")
+        raise UsageError(
+            f"--dataset={c['dataset']} is a file: give the folder holding train.bin and val.bin "
+            "(or the .npy shards), or a name under data/"
+        )
 
 
 def check_memory_settings(remat, loss_chunk):
-    """ValueError naming the values remat and loss_chunk take ('auto': auto_settings picks), for anything else."""
+    """ValueError naming the values remat and loss_chunk take ('auto': auto_settings picks), for
+    anything else."""
     if remat != "auto" and remat not in REMAT:
-        raise ValueError(f"remat must be 'auto' or one of {', '.join(map(repr, REMAT))}, got {remat!r}")
+        raise ValueError(
+            f"remat must be 'auto' or one of {', '.join(map(repr, REMAT))}, got {remat!r}"
+        )
     if loss_chunk != "auto" and not (type(loss_chunk) is int and loss_chunk >= 0):
-        raise ValueError(f"loss_chunk must be 'auto' or an integer >= 0 (0: no chunks), got {loss_chunk!r}")
+        raise ValueError(
+            f"loss_chunk must be 'auto' or an integer >= 0 (0: no chunks), got {loss_chunk!r}"
+        )
 
 
 def check_optimizer(c):
@@ -140,24 +197,37 @@ def check_optimizer(c):
     if c["lr_schedule"] not in LR_SCHEDULES:
         raise UsageError(f"lr_schedule must be 'cosine' or 'trapezoid', got {c['lr_schedule']!r}")
     if c["muon_ns_dtype"] not in ("bfloat16", "float32"):
-        raise UsageError(f"muon_ns_dtype must be 'bfloat16' or 'float32', got {c['muon_ns_dtype']!r}")
+        raise UsageError(
+            f"muon_ns_dtype must be 'bfloat16' or 'float32', got {c['muon_ns_dtype']!r}"
+        )
     if c["lr_schedule"] == "trapezoid" and c["decay_lr"]:
         if c["warmdown_iters"] > c["max_iters"]:
-            raise UsageError(f"warmdown_iters={c['warmdown_iters']} exceeds max_iters={c['max_iters']}: the "
-                             "trapezoid's warmdown is the last warmdown_iters iterations; lower --warmdown_iters")
+            raise UsageError(
+                f"warmdown_iters={c['warmdown_iters']} exceeds max_iters={c['max_iters']}: the "
+                "trapezoid's warmdown is the last warmdown_iters iterations; lower --warmdown_iters"
+            )
         if c["warmup_iters"] + c["warmdown_iters"] > c["max_iters"]:
-            raise UsageError(f"warmup_iters={c['warmup_iters']} + warmdown_iters={c['warmdown_iters']} exceed "
-                             f"max_iters={c['max_iters']}: the trapezoid's ramps overlap; lower one of them")
+            raise UsageError(
+                f"warmup_iters={c['warmup_iters']} + warmdown_iters={c['warmdown_iters']} exceed "
+                f"max_iters={c['max_iters']}: the trapezoid's ramps overlap; lower one of them"
+            )
     if c["optimizer"] != "muon":
         return
     if c["arch"] == "gpt2":
-        raise UsageError("optimizer='muon' steps the blocks' matrices only, and GPT-2's blocks also hold biases and "
-                         "LayerNorm weights: use it with --arch=speedrun (or --optimizer=adamw)")
+        raise UsageError(
+            "optimizer='muon' steps the blocks' matrices only, and GPT-2's blocks also hold biases "
+            "and LayerNorm weights: use it with --arch=speedrun (or --optimizer=adamw)"
+        )
     if c["muon_learning_rate"] <= 0:
-        raise UsageError("optimizer='muon' needs --muon_learning_rate > 0 (record 5: 0.1 x learning_rate, 0.00036)")
+        raise UsageError(
+            "optimizer='muon' needs --muon_learning_rate > 0 (record 5: 0.1 x learning_rate, "
+            "0.00036)"
+        )
     if c["lr_schedule"] == "cosine" and c["learning_rate"] <= 0:
-        raise UsageError("optimizer='muon' with lr_schedule='cosine' scales Muon's rate as learning_rate's "
-                         "(muon_learning_rate x get_lr / learning_rate): learning_rate must be > 0")
+        raise UsageError(
+            "optimizer='muon' with lr_schedule='cosine' scales Muon's rate as learning_rate's "
+            "(muon_learning_rate x get_lr / learning_rate): learning_rate must be > 0"
+        )
 
 
 def profile_range(profile):
@@ -169,14 +239,18 @@ def profile_range(profile):
     except ValueError:
         start = stop = -1
     if not 0 <= start < stop:
-        raise UsageError(f"profile must be START:STOP, the iterations to trace (0 <= START < STOP), got {profile!r}")
+        raise UsageError(
+            "profile must be START:STOP, the iterations to trace (0 <= START < STOP), got "
+            f"{profile!r}"
+        )
     return start, stop
 
 
 def resolve_scan_layers(scan_layers, platform):
-    """'auto': the blocks under one scan on a TPU, where it compiles one block instead of n_layer (gpt2-xl's step
-    for a TPU: docs/benchmarks.md); a Python loop on a GPU, where the 124M step ran faster and no larger without the
-    scan (docs/benchmarks.md#on-an-nvidia-h200), and on CPU, whose results it keeps bit for bit."""
+    """'auto': the blocks under one scan on a TPU, where it compiles one block instead of n_layer
+    (gpt2-xl's step for a TPU: docs/benchmarks.md); a Python loop on a GPU, where the 124M step ran
+    faster and no larger without the scan (docs/benchmarks.md#on-an-nvidia-h200), and on CPU, whose
+    results it keeps bit for bit."""
     if scan_layers == "auto":
         return platform == "tpu"
     if not isinstance(scan_layers, bool):
@@ -185,7 +259,8 @@ def resolve_scan_layers(scan_layers, platform):
 
 
 def fixed_by_checkpoint(c, model_args):
-    """On resume the checkpoint fixes the model's shape: the settings that asked otherwise, which now follow it."""
+    """On resume the checkpoint fixes the model's shape: the settings that asked otherwise, which
+    now follow it."""
     ignored = {}
     model_args = {"arch": "gpt2", **model_args}  # a checkpoint from before arch: GPT-2
     for key in ("arch", "n_layer", "n_head", "n_embd", "vocab_size", "bias", "gelu"):
@@ -196,15 +271,20 @@ def fixed_by_checkpoint(c, model_args):
 
 
 def accumulation_steps(c, shards):
-    """Micro-batches per step on each of the mesh's `shards` batch shards (data x fsdp). With total_batch_size
-    (build-nanogpt: fixed tokens per step, whatever the mesh), gradient_accumulation_steps is set from it."""
+    """Micro-batches per step on each of the mesh's `shards` batch shards (data x fsdp). With
+    total_batch_size (build-nanogpt: fixed tokens per step, whatever the mesh),
+    gradient_accumulation_steps is set from it."""
     if c["total_batch_size"] > 0:
         per_step = c["batch_size"] * c["block_size"] * shards
         if c["total_batch_size"] % per_step:
-            raise UsageError(f"total_batch_size={c['total_batch_size']} is not a multiple of batch_size x "
-                             f"block_size x batch shards (data x fsdp) = {per_step}: change batch_size")
+            raise UsageError(
+                f"total_batch_size={c['total_batch_size']} is not a multiple of batch_size x "
+                f"block_size x batch shards (data x fsdp) = {per_step}: change batch_size"
+            )
         c["gradient_accumulation_steps"] = c["total_batch_size"] // per_step * shards
     if c["gradient_accumulation_steps"] % shards:
-        raise UsageError(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by "
-                         f"the number of batch shards, data x fsdp = {shards}")
+        raise UsageError(
+            f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by "
+            f"the number of batch shards, data x fsdp = {shards}"
+        )
     return c["gradient_accumulation_steps"] // shards

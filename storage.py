@@ -1,11 +1,13 @@
 """
-Where a run's files live: a local path, or a URL (gs://bucket/folder on Cloud Storage, or any other fsspec URL).
-Orbax and tensorstore write checkpoints to either themselves; this module reads and writes our own files there (the
-log, the lock, the marker hosts check, exports, datasets) through fsspec (gcsfs for gs://), and turns a storage failure
-into one line naming the bucket and what to do.
+Where a run's files live: a local path, or a URL (gs://bucket/folder on Cloud Storage, or any other
+fsspec URL). Orbax and tensorstore write checkpoints to either themselves; this module reads and
+writes our own files there (the log, the lock, the marker hosts check, exports, datasets) through
+fsspec (gcsfs for gs://), and turns a storage failure into one line naming the bucket and what to
+do.
 
-On Cloud Storage an object is written whole or not at all and is never appended to: write_bytes is that everywhere
-(a local file is written beside and renamed over), and runlog keeps log.jsonl and the lock within it.
+On Cloud Storage an object is written whole or not at all and is never appended to: write_bytes is
+that everywhere (a local file is written beside and renamed over), and runlog keeps log.jsonl and
+the lock within it.
 """
 
 import errno
@@ -40,13 +42,14 @@ def bucket_of(url):
 
 
 def filesystem(url):
-    """(fsspec filesystem, its path) of a URL. gcsfs finds credentials as Google's clients do (ADC, a TPU VM's
-    service account); with $STORAGE_EMULATOR_HOST it talks to that emulator instead."""
+    """(fsspec filesystem, its path) of a URL. gcsfs finds credentials as Google's clients do (ADC,
+    a TPU VM's service account); with $STORAGE_EMULATOR_HOST it talks to that emulator instead."""
     import fsspec
 
-    # gcsfs logs a warning at every bucket it opens without the storage-control API (most accounts), and a traceback
-    # at each failed request: our one line says it
-    for name in ("gcsfs", "fsspec.prefetcher"):  # the latter: gcsfs's read-ahead, a traceback per failed read
+    # gcsfs logs a warning at every bucket it opens without the storage-control API (most accounts),
+    # and a traceback at each failed request: our one line says it
+    # the latter: gcsfs's read-ahead, a traceback per failed read
+    for name in ("gcsfs", "fsspec.prefetcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         return fsspec.core.url_to_fs(url)
@@ -55,7 +58,8 @@ def filesystem(url):
 
 
 def _local_or_url(path, local, remote):
-    """local(path) for a local path, else remote(fs, its path) with a storage failure as one line."""
+    """local(path) for a local path, else remote(fs, its path) with a storage failure as one
+    line."""
     if not is_url(path):
         return local(path)
     fs, p = filesystem(path)
@@ -68,7 +72,8 @@ def exists(path):
 
 
 def isdir(path):
-    """A local directory, or a URL prefix holding at least one object (object stores have no empty folders)."""
+    """A local directory, or a URL prefix holding at least one object (object stores have no empty
+    folders)."""
     return _local_or_url(path, os.path.isdir, lambda fs, p: _kind(fs, p) == "directory")
 
 
@@ -77,8 +82,8 @@ def isfile(path):
 
 
 def _kind(fs, p):
-    """'file', 'directory', or None where nothing is. Not fsspec's isdir and isfile: they answer False to any
-    OSError, a lost network's too (which is not 'no checkpoint there')."""
+    """'file', 'directory', or None where nothing is. Not fsspec's isdir and isfile: they answer
+    False to any OSError, a lost network's too (which is not 'no checkpoint there')."""
     try:
         return fs.info(p)["type"]
     except FileNotFoundError:
@@ -114,8 +119,8 @@ def read_bytes(path, start=None, end=None):
 
 
 def write_bytes(path, data):
-    """`data` as the file at `path`, whole or not at all: one object upload, or locally a file beside renamed
-    over it."""
+    """`data` as the file at `path`, whole or not at all: one object upload, or locally a file
+    beside renamed over it."""
     if not is_url(path):
         tmp = f"{path}.partial"
         with open(tmp, "wb") as f:
@@ -143,7 +148,8 @@ def remove(path, recursive=False):
 
 
 def move(src, dst):
-    """A file or folder renamed; on an object store, each object copied then deleted (there is no rename)."""
+    """A file or folder renamed; on an object store, each object copied then deleted (there is no
+    rename)."""
     if not is_url(src):
         return os.rename(src, dst)
     fs, p = filesystem(src)
@@ -162,8 +168,8 @@ def upload(local_dir, url):
 
 
 def check_reachable(url, what="out_dir"):
-    """Before anything is written: credentials, the bucket, this account's access, the network, each failing in one
-    line naming the bucket and what to do."""
+    """Before anything is written: credentials, the bucket, this account's access, the network, each
+    failing in one line naming the bucket and what to do."""
     bucket = bucket_of(url)
     if url.startswith("gs://") and not os.environ.get("STORAGE_EMULATOR_HOST"):
         require_extras("gcs")  # before google.auth, which comes with gcsfs
@@ -173,22 +179,29 @@ def check_reachable(url, what="out_dir"):
         try:
             google.auth.default()
         except DefaultCredentialsError as e:
-            raise UsageError(f"{what} {url}: no Google Cloud credentials to reach {bucket} "
-                             f"({str(e).splitlines()[0][:160]}): run `gcloud auth application-default login`, or on "
-                             "a TPU VM give its service account access to the bucket") from None
-    fs, p = filesystem(url)  # after the credentials: gcsfs, finding none, would wait on the metadata server
+            raise UsageError(
+                f"{what} {url}: no Google Cloud credentials to reach {bucket} "
+                f"({str(e).splitlines()[0][:160]}): run `gcloud auth application-default login`, "
+                "or on a TPU VM give its service account access to the bucket"
+            ) from None
+    # after the credentials: gcsfs, finding none, would wait on the metadata server
+    fs, p = filesystem(url)
     with errors(url, what):
         try:
-            fs.ls(p.split("/", 1)[0])  # the bucket listed: forbidden and unreachable say so here too
+            # the bucket listed: forbidden and unreachable say so here too
+            fs.ls(p.split("/", 1)[0])
         except FileNotFoundError:
-            raise UsageError(f"{what} {url}: the bucket {bucket} does not exist: create it (gcloud storage buckets "
-                             f"create {bucket}) or check the name") from None
+            raise UsageError(
+                f"{what} {url}: the bucket {bucket} does not exist: create it (gcloud storage "
+                f"buckets create {bucket}) or check the name"
+            ) from None
 
 
 @contextmanager
 def errors(url, what=None):
-    """A storage client's failure on `url` as one line: a missing bucket or a refusal is the user's to fix
-    (UsageError), a lost network stops the run (RunStopped). Other errors (a missing object) pass unchanged."""
+    """A storage client's failure on `url` as one line: a missing bucket or a refusal is the user's
+    to fix (UsageError), a lost network stops the run (RunStopped). Other errors (a missing object)
+    pass unchanged."""
     try:
         yield
     except (UsageError, RunStopped, FileExistsError):
@@ -201,7 +214,8 @@ def errors(url, what=None):
 
 
 def failure_line(url, e, what=None):
-    """The one-line error for storage failure `e` on `url`, or None when it is not one (a missing object)."""
+    """The one-line error for storage failure `e` on `url`, or None when it is not one (a missing
+    object)."""
     if not is_url(url):
         return None
     bucket, text = bucket_of(url), " ".join(str(e).split())[:200] or type(e).__name__
@@ -209,16 +223,19 @@ def failure_line(url, e, what=None):
     if _network_error(e):  # first: a refused connection's text may hold a port such as 54031
         return RunStopped(f"{where}: cannot reach {bucket} ({text}): check the network and retry")
     if isinstance(e, PermissionError) or re.search(r"Forbidden|\b40[13]\b", text):
-        return UsageError(f"{where}: permission denied on {bucket} ({text}): give this account roles/storage."
-                          "objectAdmin on the bucket (gcloud storage buckets add-iam-policy-binding)")
+        return UsageError(
+            f"{where}: permission denied on {bucket} ({text}): give this account roles/storage."
+            "objectAdmin on the bucket (gcloud storage buckets add-iam-policy-binding)"
+        )
     return None
 
 
 def write_failure(where, e):
-    """(cause, fix) of a failed write to `where`: the first error in e's chain that says what to do (a full or
-    read-only disk, a lost network, a refused bucket) and that fix. For a URL whose chain names none, the client's
-    error as it lists the bucket now, no cached listing: e may be a symptom (orbax's 'Path is not a directory' when
-    the network went mid-save: fsspec answers False to isdir on any error). Else (e, 'fix the cause above')."""
+    """(cause, fix) of a failed write to `where`: the first error in e's chain that says what to do
+    (a full or read-only disk, a lost network, a refused bucket) and that fix. For a URL whose chain
+    names none, the client's error as it lists the bucket now, no cached listing: e may be a symptom
+    (orbax's 'Path is not a directory' when the network went mid-save: fsspec answers False to isdir
+    on any error). Else (e, 'fix the cause above')."""
     chain = e
     while chain is not None:
         if (fix := _fix_for(chain, where)) is not None:
@@ -238,10 +255,25 @@ def write_failure(where, e):
 
 def _fix_for(error, where):
     """What to do about `error` writing to `where`, or None where it does not say."""
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS):
-        return "free space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else f"make {where} writable"
+    if isinstance(error, OSError) and error.errno in (
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EACCES,
+        errno.EROFS,
+    ):
+        return (
+            "free space"
+            if error.errno in (errno.ENOSPC, errno.EDQUOT)
+            else f"make {where} writable"
+        )
     line = failure_line(where, error)
-    return None if line is None else "check the network" if isinstance(line, RunStopped) else "fix the bucket's access"
+    return (
+        None
+        if line is None
+        else "check the network"
+        if isinstance(line, RunStopped)
+        else "fix the bucket's access"
+    )
 
 
 def _network_error(e):
@@ -255,26 +287,35 @@ def _network_error(e):
         client_errors = ()
     if isinstance(e, (asyncio.TimeoutError, TimeoutError, ConnectionError, *client_errors)):
         return True
-    return isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH,
-                                                  errno.ETIMEDOUT)
+    return isinstance(e, OSError) and e.errno in (
+        errno.ECONNREFUSED,
+        errno.ENETUNREACH,
+        errno.EHOSTUNREACH,
+        errno.ETIMEDOUT,
+    )
 
 
 def stat(path):
-    """(size, version) of a file as the store has it now, no cached listing: a local file's mtime, an object's
-    generation (Cloud Storage; another store's etag or mtime). FileNotFoundError where it is gone."""
+    """(size, version) of a file as the store has it now, no cached listing: a local file's mtime,
+    an object's generation (Cloud Storage; another store's etag or mtime). FileNotFoundError where
+    it is gone."""
     if not is_url(path):
         st = os.stat(path)
         return st.st_size, st.st_mtime_ns
     fs, p = filesystem(path)
-    fs.invalidate_cache(p)  # fsspec keeps listings for the process's life: a file changed elsewhere is not in them
+    # fsspec keeps listings for the process's life: a file changed elsewhere is not in them
+    fs.invalidate_cache(p)
     with errors(path):
         info = fs.info(p)
-    return info["size"], next((str(info[k]) for k in ("generation", "ETag", "etag", "mtime", "created") if k in info),
-                              None)
+    return info["size"], next(
+        (str(info[k]) for k in ("generation", "ETag", "etag", "mtime", "created") if k in info),
+        None,
+    )
 
 
 def read_ranges(paths, starts, ends):
-    """Bytes [start, end) of each of `paths` (on one filesystem), as a list: concurrent ranged reads at a URL."""
+    """Bytes [start, end) of each of `paths` (on one filesystem), as a list: concurrent ranged reads
+    at a URL."""
     if not is_url(paths[0]):
         return [read_bytes(p, s, e) for p, s, e in zip(paths, starts, ends)]
     fs, _ = filesystem(paths[0])

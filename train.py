@@ -1,16 +1,19 @@
 """
-nanoGPT's training script in JAX. It runs on one CPU, one GPU, or every device of every host, on the mesh
-('data', 'fsdp', 'tensor') of sharding.py: the batch is split over data x fsdp; params, gradients and
-optimizer state over fsdp (ZeRO-3) and tensor (Megatron), replicated over data. XLA inserts the collectives.
+nanoGPT's training script in JAX. It runs on one CPU, one GPU, or every device of every host, on the
+mesh ('data', 'fsdp', 'tensor') of sharding.py: the batch is split over data x fsdp; params,
+gradients and optimizer state over fsdp (ZeRO-3) and tensor (Megatron), replicated over data. XLA
+inserts the collectives.
 
 To run on a single machine (all its devices):
 $ python train.py config/train_shakespeare_char.py
 $ python train.py --batch_size=32 --dataset=shakespeare_char
-$ python train.py config/finetune_shakespeare.py --fsdp=8   # gpt2-xl, params/grads/Adam split 8 ways
+# gpt2-xl, params/grads/Adam split 8 ways
+$ python train.py config/finetune_shakespeare.py --fsdp=8
 
 To run on several hosts, start the same command on each host; jax.distributed.initialize() finds the
-others on a TPU pod slice (gcloud ... tpu-vm ssh --worker=all --command="python train.py ..."), under SLURM
-or Open MPI; elsewhere set JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=N JAX_PROCESS_ID=i.
+others on a TPU pod slice (gcloud ... tpu-vm ssh --worker=all --command="python train.py ..."),
+under SLURM or Open MPI; elsewhere set JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=N
+JAX_PROCESS_ID=i.
 """
 
 import gc
@@ -34,32 +37,56 @@ import runlog
 import sharding
 import storage
 import watchdog
-from configurator import InputNotFound, RunStopped, UsageError, configure, exit_on_bad_input, exit_on_interrupt
+from configurator import (
+    InputNotFound,
+    RunStopped,
+    UsageError,
+    configure,
+    exit_on_bad_input,
+    exit_on_interrupt,
+)
 from dataloader import Prefetcher, data_dir_for, data_meta, make_loader, val_batches_for
 from model import RUNTIME_FIELDS, GPTConfig, resolve_dtype
 from pretrained import read_pretrained
-from settings import DEFAULTS, accumulation_steps, fixed_by_checkpoint, profile_range, resolve_scan_layers, validate
+from settings import (
+    DEFAULTS,
+    accumulation_steps,
+    fixed_by_checkpoint,
+    profile_range,
+    resolve_scan_layers,
+    validate,
+)
 from tokenizer import vocab_file
-from train_step import all_finite, first_nonfinite, get_lr, init_state, make_eval_step, make_optimizer
+from train_step import (
+    all_finite,
+    first_nonfinite,
+    get_lr,
+    init_state,
+    make_eval_step,
+    make_optimizer,
+)
 
 
 def check_one_run(c):
-    """One run per out_dir: a run that starts anew (not resume, not eval_only) into an out_dir holding checkpoints
-    would rotate some of them out and leave a resume point of the other run. One line naming the ways out."""
+    """One run per out_dir: a run that starts anew (not resume, not eval_only) into an out_dir
+    holding checkpoints would rotate some of them out and leave a resume point of the other run. One
+    line naming the ways out."""
     if c["init_from"] == "resume" or c["eval_only"] or c["start_over"]:
         return
     try:
         steps = checkpoint.all_steps(c["out_dir"])
     except InputNotFound:
         return
-    raise UsageError(f"{c['out_dir']} holds the checkpoints of another run (steps {', '.join(map(str, steps))}): "
-                     "continue it with --init_from=resume, give this run a new --out_dir, or --start_over=True "
-                     "to move them aside first")
+    raise UsageError(
+        f"{c['out_dir']} holds the checkpoints of another run (steps "
+        f"{', '.join(map(str, steps))}): continue it with --init_from=resume, give this run a new "
+        "--out_dir, or --start_over=True to move them aside first"
+    )
 
 
 class Trainer:
-    """Everything a run holds, set up in __init__ (which validates all input before writing anything)
-    and advanced by run()."""
+    """Everything a run holds, set up in __init__ (which validates all input before writing
+    anything) and advanced by run()."""
 
     def __init__(self, config: dict):
         validate(config)
@@ -67,76 +94,114 @@ class Trainer:
         self.settings = dict(config)  # as given: what was 'auto' (auto_settings.line)
         self.master = jax.process_index() == 0
         self.mesh = sharding.make_mesh(c["fsdp"], c["tensor_parallel"])
-        if jax.process_count() > 1:  # before anything reads out_dir: a resume reads what process 0 wrote
+        # before anything reads out_dir: a resume reads what process 0 wrote
+        if jax.process_count() > 1:
             runlog.check_shared(c["out_dir"], self.master)
         platform = sharding.platform_of(self.mesh)  # the program's, not the host's
         c["dtype"] = resolve_dtype(c["dtype"], platform)
         c["scan_layers"] = resolve_scan_layers(c["scan_layers"], platform)
         self.batch_sharding = sharding.batch_sharding(self.mesh)
-        shards = sharding.batch_shards(self.mesh)  # data x fsdp: the devices of a tensor group share rows
+        # data x fsdp: the devices of a tensor group share rows
+        shards = sharding.batch_shards(self.mesh)
         self.accum = accumulation_steps(c, shards)  # micro-batches per step on each batch shard
         self.rows = c["batch_size"] * shards  # global micro-batch
         self.tokens_per_iter = self.accum * self.rows * c["block_size"]
-        # val batches per eval: the record's fixed val_tokens from the val shards' start, else eval_iters
-        self.eval_batches = {"train": c["eval_iters"],
-                             "val": val_batches_for(c["val_tokens"], self.rows, c["block_size"]) or c["eval_iters"]}
+        # val batches per eval: the record's fixed val_tokens from the val shards' start, else
+        # eval_iters
+        self.eval_batches = {
+            "train": c["eval_iters"],
+            "val": val_batches_for(c["val_tokens"], self.rows, c["block_size"]) or c["eval_iters"],
+        }
 
-        # the model's shape, from the settings, the checkpoint's meta (read once) or the weights' files
+        # the model's shape, from the settings, the checkpoint's meta (read once) or the weights'
+        # files
         self.data_dir = data_dir_for(c["dataset"])
         data_vocab_size, self.vocab = data_meta(self.data_dir)
         self.iter_num, self.best_val_loss, self.last_saved = 0, float("inf"), None
-        runtime = {**{k: c[k] for k in RUNTIME_FIELDS}, **auto_settings.first_candidate(c)}  # until compiled
+        # until compiled
+        runtime = {**{k: c[k] for k in RUNTIME_FIELDS}, **auto_settings.first_candidate(c)}
         meta = pretrained = self.mngr = None
         if c["init_from"] == "scratch":
             vocab_size = c["vocab_size"] or data_vocab_size
             if not c["vocab_size"] and data_vocab_size:
                 print(f"found vocab_size = {vocab_size} (inside {vocab_file(self.data_dir)})")
-            model_config = GPTConfig(block_size=c["block_size"], vocab_size=vocab_size or 50304, n_layer=c["n_layer"],
-                                     n_head=c["n_head"], n_embd=c["n_embd"], bias=c["bias"], gelu=c["gelu"],
-                                     arch=c["arch"], **runtime)
-        elif c["init_from"] == "resume":  # the run's one checkpoint manager, opened where there are checkpoints
+            model_config = GPTConfig(
+                block_size=c["block_size"],
+                vocab_size=vocab_size or 50304,
+                n_layer=c["n_layer"],
+                n_head=c["n_head"],
+                n_embd=c["n_embd"],
+                bias=c["bias"],
+                gelu=c["gelu"],
+                arch=c["arch"],
+                **runtime,
+            )
+        # the run's one checkpoint manager, opened where there are checkpoints
+        elif c["init_from"] == "resume":
             if storage.isdir(checkpoint.ckpt_dir(c["out_dir"])):
                 self.mngr = checkpoint.manager(c["out_dir"], c["keep_checkpoints"])
             meta = checkpoint.restore(c["out_dir"], mngr=self.mngr)["meta"]
             model_config = checkpoint.model_config_from_meta(meta, **runtime)
             ignored = fixed_by_checkpoint(c, meta["model_args"])
             if ignored and self.master:
-                print(f"resume: the checkpoint fixes {', '.join(f'{k}={c[k]}' for k in ignored)}; "
-                      f"ignored {', '.join(f'--{k}={v}' for k, v in ignored.items())}")
+                print(
+                    f"resume: the checkpoint fixes {', '.join(f'{k}={c[k]}' for k in ignored)}; "
+                    f"ignored {', '.join(f'--{k}={v}' for k, v in ignored.items())}"
+                )
             self.vocab = meta.get("vocab", self.vocab)
             self.iter_num, self.best_val_loss = meta["iter_num"], meta["best_val_loss"]
             self.last_saved = self.iter_num
         else:  # pretrained: read lazily, cropped to block_size once placed
-            config_args, pretrained, _ = read_pretrained(c["init_from"], n_head=c["n_head"])  # a record's .pt
+            # a record's .pt
+            config_args, pretrained, _ = read_pretrained(c["init_from"], n_head=c["n_head"])
             model_config = replace(GPTConfig(**config_args), **runtime)
         if c["block_size"] > model_config.block_size:
-            raise UsageError(f"block_size={c['block_size']} exceeds the model's {model_config.block_size}")
-        self.model_config = replace(model_config, block_size=c["block_size"]) if pretrained else model_config
+            raise UsageError(
+                f"block_size={c['block_size']} exceeds the model's {model_config.block_size}"
+            )
+        self.model_config = (
+            replace(model_config, block_size=c["block_size"]) if pretrained else model_config
+        )
         sharding.check_model_fits_mesh(self.model_config, self.mesh)
         attention.check_run(self.model_config, self.mesh.devices.flat[0])
 
         # the data: a missing or bad dataset fails before anything is written
-        row_slice = sharding.process_rows(self.batch_sharding, (self.accum, self.rows, c["block_size"]), row_axis=1)
-        loader = partial(make_loader, self.data_dir, block_size=c["block_size"], rows=self.rows, seed=c["seed"],
-                         row_slice=row_slice, shuffle_shards=c["shuffle_shards"],
-                         vocab_size=self.model_config.vocab_size)
-        if data_vocab_size > self.model_config.vocab_size:  # else the first batch's ids say it, after out_dir exists
-            raise UsageError(f"{vocab_file(self.data_dir)} has {data_vocab_size} characters, more than the model's "
-                             f"vocab_size {self.model_config.vocab_size}: set --vocab_size={data_vocab_size} or more "
-                             "(or 0: the data's)")
+        row_slice = sharding.process_rows(
+            self.batch_sharding, (self.accum, self.rows, c["block_size"]), row_axis=1
+        )
+        loader = partial(
+            make_loader,
+            self.data_dir,
+            block_size=c["block_size"],
+            rows=self.rows,
+            seed=c["seed"],
+            row_slice=row_slice,
+            shuffle_shards=c["shuffle_shards"],
+            vocab_size=self.model_config.vocab_size,
+        )
+        # else the first batch's ids say it, after out_dir exists
+        if data_vocab_size > self.model_config.vocab_size:
+            raise UsageError(
+                f"{vocab_file(self.data_dir)} has {data_vocab_size} characters, more than the "
+                f"model's vocab_size {self.model_config.vocab_size}: set "
+                f"--vocab_size={data_vocab_size} or more (or 0: the data's)"
+            )
         self.loaders = {"train": loader("train"), "val": loader("val")}  # estimate_loss's
-        self.train_loader = loader("train")  # the steps' own: read ahead on a thread (run: Prefetcher)
+        # the steps' own: read ahead on a thread (run: Prefetcher)
+        self.train_loader = loader("train")
         if meta is not None:
             self.train_loader.load_state_dict(meta["loader"])
         check_one_run(c)
         hellaswag_path = self._hellaswag_path() if c["hellaswag_interval"] > 0 else None
 
-        # out_dir is made and locked before the model is built, so that a second run on it is refused at once
+        # out_dir is made and locked before the model is built, so that a second run on it is
+        # refused at once
         start_over = (checkpoint.CKPT_SUBDIR, runlog.LOG_FILE) if c["start_over"] else ()
         self.lock = runlog.claim_out_dir(c["out_dir"], start_over) if self.master else None
         try:
             self._build(model_config, pretrained, meta, hellaswag_path)
-        except BaseException:  # a failed start leaves out_dir to the next run (in this process too: a notebook's)
+        # a failed start leaves out_dir to the next run (in this process too: a notebook's)
+        except BaseException:
             if self.lock is not None:
                 self.lock.close()
             raise
@@ -146,22 +211,42 @@ class Trainer:
         c = self.c
         tx = make_optimizer(c)
         self.graphdef, params, opt_state = init_state(
-            model_config, self.mesh, tx, seed=c["seed"], weights=pretrained, block_size=c["block_size"],
-            restore=None if meta is None else (c["out_dir"], meta, self.mngr))
+            model_config,
+            self.mesh,
+            tx,
+            seed=c["seed"],
+            weights=pretrained,
+            block_size=c["block_size"],
+            restore=None if meta is None else (c["out_dir"], meta, self.mngr),
+        )
         self._param_def, self._opt_def = jax.tree.structure(params), jax.tree.structure(opt_state)
         self._param_leaves, self._opt_leaves = jax.tree.leaves(params), jax.tree.leaves(opt_state)
         self.hellaswag_examples = None
         if hellaswag_path:
-            self.hellaswag_examples = hellaswag.load_examples(hellaswag_path, max_len=self.model_config.block_size)
+            self.hellaswag_examples = hellaswag.load_examples(
+                hellaswag_path, max_len=self.model_config.block_size
+            )
         self.train_step = self._compile_step(tx, params, opt_state)
         self.eval_step = make_eval_step(self.graphdef, params)
-        flops_per_iter = nnx.merge(self.graphdef, params).flops_per_token() * c["block_size"] * self.accum * self.rows
-        self.out = runlog.RunLog(c, self.master, self.tokens_per_iter, flops_per_iter, list(self.mesh.devices.flat),
-                                 profile_range(c["profile"]))
+        flops_per_iter = (
+            nnx.merge(self.graphdef, params).flops_per_token()
+            * c["block_size"]
+            * self.accum
+            * self.rows
+        )
+        self.out = runlog.RunLog(
+            c,
+            self.master,
+            self.tokens_per_iter,
+            flops_per_iter,
+            list(self.mesh.devices.flat),
+            profile_range(c["profile"]),
+        )
         self.stop_requested = None
         self._first_nonfinite = jax.device_put(jnp.int32(-1), sharding.replicated(self.mesh))
         self.batches = None  # the Prefetcher, while run() runs
-        self._unlogged = None  # a log step's (iter, metrics, first non-finite iter so far), read one step late
+        # a log step's (iter, metrics, first non-finite iter so far), read one step late
+        self._unlogged = None
 
     # the loop holds params and optimizer state as lists of arrays (see on_leaves)
     @property
@@ -175,20 +260,25 @@ class Trainer:
     def _hellaswag_path(self):
         """Before anything is written, so that a missing file fails now rather than at step 5000."""
         if isinstance(self.vocab, list):
-            raise UsageError(f"hellaswag_interval={self.c['hellaswag_interval']}: HellaSwag is scored in GPT-2's BPE, "
-                             f"and this run's data is character-level ({vocab_file(self.data_dir) or self.data_dir}): "
-                             "set --hellaswag_interval=0")
+            raise UsageError(
+                f"hellaswag_interval={self.c['hellaswag_interval']}: HellaSwag is scored in "
+                "GPT-2's BPE, and this run's data is character-level "
+                f"({vocab_file(self.data_dir) or self.data_dir}): set --hellaswag_interval=0"
+            )
         path = self.c["hellaswag_path"]
         if not path:
             try:
-                if not self.master:  # process 0 downloads; the others then find it (a shared disk) or fetch their own
+                # process 0 downloads; the others then find it (a shared disk) or fetch their own
+                if not self.master:
                     multihost_utils.sync_global_devices("hellaswag download")
                 path = hellaswag.download("val")
                 if self.master and jax.process_count() > 1:
                     multihost_utils.sync_global_devices("hellaswag download")
             except OSError:
-                raise InputNotFound("could not download HellaSwag (offline?): set --hellaswag_path=FILE.jsonl "
-                                    "or --hellaswag_interval=0") from None
+                raise InputNotFound(
+                    "could not download HellaSwag (offline?): set --hellaswag_path=FILE.jsonl "
+                    "or --hellaswag_interval=0"
+                ) from None
         elif not os.path.isfile(path):
             raise InputNotFound(f"hellaswag_path {path} does not exist")
         return path
@@ -196,19 +286,36 @@ class Trainer:
     def eval_hellaswag(self):
         model = nnx.merge(self.graphdef, self.params)
         score = hellaswag.evaluate(model, self.hellaswag_examples, mesh=self.mesh)
-        self.out.print(f"step {self.iter_num}: hellaswag acc {score.acc:.4f}, acc_norm {score.acc_norm:.4f} "
-                       f"({score.count} examples)")
-        self.out.record({"iter": self.iter_num, "hellaswag_acc": score.acc, "hellaswag_acc_norm": score.acc_norm,
-                  "hellaswag_count": score.count})
+        self.out.print(
+            f"step {self.iter_num}: hellaswag acc {score.acc:.4f}, acc_norm {score.acc_norm:.4f} "
+            f"({score.count} examples)"
+        )
+        self.out.record(
+            {
+                "iter": self.iter_num,
+                "hellaswag_acc": score.acc,
+                "hellaswag_acc_norm": score.acc_norm,
+                "hellaswag_count": score.count,
+            }
+        )
 
     def _compile_step(self, tx, params, opt_state):
-        """The jitted step, compiled now (not at step 0) so that its memory is known before anything runs: remat and
-        loss_chunk 'auto' take the least recompute that fits (auto_settings); `memory per device` is printed, logged,
-        and checked against the device's limit. Sets the graphdef and model config of the settings compiled."""
+        """The jitted step, compiled now (not at step 0) so that its memory is known before anything
+        runs: remat and loss_chunk 'auto' take the least recompute that fits (auto_settings);
+        `memory per device` is printed, logged, and checked against the device's limit. Sets the
+        graphdef and model config of the settings compiled."""
         c = self.c
         fit, self.auto_line = auto_settings.compile_train_step(
-            self.graphdef, params, opt_state, tx, (self.accum, self.rows, c["block_size"]), self.batch_sharding,
-            self.settings, c["grad_clip"], lr_schedule=partial(get_lr, c=c))
+            self.graphdef,
+            params,
+            opt_state,
+            tx,
+            (self.accum, self.rows, c["block_size"]),
+            self.batch_sharding,
+            self.settings,
+            c["grad_clip"],
+            lr_schedule=partial(get_lr, c=c),
+        )
         self.state_bytes, self.step_peak_bytes = fit.state_bytes, fit.peak
         fit.check()
         self.graphdef, self.model_config = fit.graphdef, fit.config
@@ -220,58 +327,76 @@ class Trainer:
         return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
     def estimate_loss(self):
-        """Mean loss over eval_iters batches per split (val: val_tokens' worth, where set), each batch split over
-        all devices."""
+        """Mean loss over eval_iters batches per split (val: val_tokens' worth, where set), each
+        batch split over all devices."""
         rows = sharding.batch_sharding(self.mesh, ndim=2)
         out = {}
         for split, loader in self.loaders.items():
-            with jax.set_mesh(self.mesh):  # the model's sharding constraints apply when the eval step is traced
-                losses = [self.eval_step(self._param_leaves, self._put(x, rows), self._put(y, rows))
-                          for x, y in loader.eval_batches(self.eval_batches[split], self.iter_num)]
+            # the model's sharding constraints apply when the eval step is traced
+            with jax.set_mesh(self.mesh):
+                losses = [
+                    self.eval_step(self._param_leaves, self._put(x, rows), self._put(y, rows))
+                    for x, y in loader.eval_batches(self.eval_batches[split], self.iter_num)
+                ]
             out[split] = float(jnp.mean(jnp.stack(losses)))
         return out
 
     def check_finite(self, params=False, first_nonfinite=None):
-        """Stop at the first non-finite step, before any checkpoint of it: reads one scalar (at log steps, saves
-        and the end; `first_nonfinite`: that scalar as of an earlier step); `params`: also the params, whose last
-        update may overflow where its loss did not."""
+        """Stop at the first non-finite step, before any checkpoint of it: reads one scalar (at log
+        steps, saves and the end; `first_nonfinite`: that scalar as of an earlier step); `params`:
+        also the params, whose last update may overflow where its loss did not."""
         bad = int(self._first_nonfinite if first_nonfinite is None else first_nonfinite)
         if bad < 0 and params and not all_finite(self._param_leaves):
             bad = self.iter_num - 1
         if bad >= 0:
-            last = (f"the last checkpoint, {checkpoint.ckpt_dir(self.c['out_dir'])}/{self.last_saved}, is from before"
-                    if self.last_saved is not None else "no checkpoint was written")
-            raise RunStopped(f"iter {bad}: the loss or gradient norm is not finite (the run diverged: lower "
-                             f"learning_rate, keep grad_clip); stopped without saving, {last}")
+            last = (
+                f"the last checkpoint, {checkpoint.ckpt_dir(self.c['out_dir'])}/{self.last_saved}, "
+                "is from before"
+                if self.last_saved is not None
+                else "no checkpoint was written"
+            )
+            raise RunStopped(
+                f"iter {bad}: the loss or gradient norm is not finite (the run diverged: lower "
+                f"learning_rate, keep grad_clip); stopped without saving, {last}"
+            )
 
     def save(self, val_loss=None):
-        """A checkpoint of this step. `val_loss`: that of the eval of this step, with which rotation keeps the best
-        checkpoint (checkpoint.manager); None for a save without an eval (checkpoint_interval, a stop)."""
+        """A checkpoint of this step. `val_loss`: that of the eval of this step, with which rotation
+        keeps the best checkpoint (checkpoint.manager); None for a save without an eval
+        (checkpoint_interval, a stop)."""
         if self.last_saved == self.iter_num:  # e.g. the eval right after a resume
             return
         self.check_finite(params=True)
         self.last_saved = self.iter_num
-        loader_state = self.batches.state if self.batches is not None else self.train_loader.state_dict()
-        meta = checkpoint.meta_for(self.model_config, self.c, self.iter_num, self.best_val_loss, loader_state)
+        loader_state = (
+            self.batches.state if self.batches is not None else self.train_loader.state_dict()
+        )
+        meta = checkpoint.meta_for(
+            self.model_config, self.c, self.iter_num, self.best_val_loss, loader_state
+        )
         meta["vocab"] = self.vocab  # what decodes its ids, wherever sample.py runs
         checkpoint.save(self.mngr, self.iter_num, self.params, self.opt_state, meta, val_loss)
         self.out.intact = f"checkpoint {self.iter_num} in {checkpoint.ckpt_dir(self.c['out_dir'])}"
-        self.out.flush()  # the log as far as this checkpoint (on an object store, it is rewritten now)
-        self.out.print(f"saving checkpoint to {checkpoint.ckpt_dir(self.c['out_dir'])}/{self.iter_num}")
+        # the log as far as this checkpoint (on an object store, it is rewritten now)
+        self.out.flush()
+        self.out.print(
+            f"saving checkpoint to {checkpoint.ckpt_dir(self.c['out_dir'])}/{self.iter_num}"
+        )
 
     def _request_stop(self, signum, frame):
         self.stop_requested = signal.Signals(signum).name
 
     def _stop_agreed(self):
-        """With several processes, JAX's preemption service owns SIGTERM: each process's notice reaches all, which
-        agree on a step (the largest they have reached, plus one) and all stop there; the step never waits."""
+        """With several processes, JAX's preemption service owns SIGTERM: each process's notice
+        reaches all, which agree on a step (the largest they have reached, plus one) and all stop
+        there; the step never waits."""
         if jax.process_count() == 1:
             return self.stop_requested
         return "SIGTERM" if multihost_utils.reached_preemption_sync_point(self.iter_num) else None
 
     def run(self, started=None):
-        """The loop, to max_iters or a stop. `started()` is called as the first step begins (train.main: Ctrl-C
-        until then ends the process at once, from then on it saves)."""
+        """The loop, to max_iters or a stop. `started()` is called as the first step begins
+        (train.main: Ctrl-C until then ends the process at once, from then on it saves)."""
         try:
             self._run(started)
             self.out.flush()
@@ -282,37 +407,63 @@ class Trainer:
 
     def _run(self, started):
         c, mesh = self.c, self.mesh
-        self.out.print(f"{jax.device_count()} device(s) ({jax.devices()[0].device_kind}) on {jax.process_count()} "
-                       f"process(es); accumulation {self.accum} x micro-batch {self.rows} ({c['batch_size']} per batch "
-                       f"shard)\ntokens per iteration will be: {self.tokens_per_iter:,}")
+        self.out.print(
+            f"{jax.device_count()} device(s) ({jax.devices()[0].device_kind}) on "
+            f"{jax.process_count()} process(es); accumulation {self.accum} x micro-batch "
+            f"{self.rows} ({c['batch_size']} per batch shard)\ntokens per iteration will be: "
+            f"{self.tokens_per_iter:,}"
+        )
         if self.auto_line:
             self.out.print(self.auto_line)
         if c["attention"] == "splash" and sharding.platform_of(mesh) != "tpu":
-            self.out.print("attention='splash' off a TPU: the same kernel in Pallas interpret mode (slow: for tests)")
-        optimizer = (f"Muon (lr {c['muon_learning_rate']:g}) on the blocks' matrices, Adam (lr {c['learning_rate']:g})"
-                     " on the rest" if c["optimizer"] == "muon" else f"AdamW (lr {c['learning_rate']:g})")
-        self.out.print(f"number of parameters: {nnx.merge(self.graphdef, self.params).num_params() / 1e6:.2f}M "
-                       f"(arch {self.model_config.arch}); dtype {c['dtype']}; {optimizer}, {c['lr_schedule']} "
-                       f"schedule\nmesh: data {mesh.shape['data']} x fsdp {mesh.shape['fsdp']} x tensor "
-                       f"{mesh.shape['tensor']}; memory per device: state {self.state_bytes / 2**30:.2f} GiB, "
-                       f"step peak {self.step_peak_bytes / 2**30:.2f} GiB")
+            self.out.print(
+                "attention='splash' off a TPU: the same kernel in Pallas interpret mode (slow: for "
+                "tests)"
+            )
+        optimizer = (
+            f"Muon (lr {c['muon_learning_rate']:g}) on the blocks' matrices, Adam (lr "
+            f"{c['learning_rate']:g}) on the rest"
+            if c["optimizer"] == "muon"
+            else f"AdamW (lr {c['learning_rate']:g})"
+        )
+        self.out.print(
+            "number of parameters: "
+            f"{nnx.merge(self.graphdef, self.params).num_params() / 1e6:.2f}M (arch "
+            f"{self.model_config.arch}); dtype {c['dtype']}; {optimizer}, {c['lr_schedule']} "
+            f"schedule\nmesh: data {mesh.shape['data']} x fsdp {mesh.shape['fsdp']} x tensor "
+            f"{mesh.shape['tensor']}; memory per device: state {self.state_bytes / 2**30:.2f} GiB, "
+            f"step peak {self.step_peak_bytes / 2**30:.2f} GiB"
+        )
         self.out.start_wandb(c)
-        self.out.record({"iter": self.iter_num, "event": "resume" if self.last_saved is not None else "start",
-                         "dataset": c["dataset"], "config": c, "state_bytes_per_device": self.state_bytes,
-                         "step_peak_bytes_per_device": self.step_peak_bytes, "auto_settings": self.auto_line})
-        # the run's one checkpoint manager: a resume's, which read its checkpoint, else a new one (makes ckpt/)
+        self.out.record(
+            {
+                "iter": self.iter_num,
+                "event": "resume" if self.last_saved is not None else "start",
+                "dataset": c["dataset"],
+                "config": c,
+                "state_bytes_per_device": self.state_bytes,
+                "step_peak_bytes_per_device": self.step_peak_bytes,
+                "auto_settings": self.auto_line,
+            }
+        )
+        # the run's one checkpoint manager: a resume's, which read its checkpoint, else a new one
+        # (makes ckpt/)
         self.mngr = self.mngr or checkpoint.manager(c["out_dir"], c["keep_checkpoints"])
         if started is not None:
             started()
-        signal.signal(signal.SIGINT, self._request_stop if jax.process_count() == 1 else sigint_as_sigterm)
+        signal.signal(
+            signal.SIGINT, self._request_stop if jax.process_count() == 1 else sigint_as_sigterm
+        )
         if jax.process_count() == 1:
             signal.signal(signal.SIGTERM, self._request_stop)
 
-        # the start-up's objects (modules, traced programs) left out of the loop's garbage collections: a full one
-        # over them pauses the host (on an H200 one log line of 16 read 1,455 ms and the next 525 for ~990 ms steps;
-        # a gc.collect() in a test process: 0.36 s)
+        # the start-up's objects (modules, traced programs) left out of the loop's garbage
+        # collections: a full one over them pauses the host (on an H200 one log line of 16 read
+        # 1,455 ms and the next 525 for ~990 ms steps; a gc.collect() in a test process: 0.36 s)
         gc.freeze()
-        self.batches = Prefetcher(self.train_loader, self.accum, partial(self._put, sharding=self.batch_sharding))
+        self.batches = Prefetcher(
+            self.train_loader, self.accum, partial(self._put, sharding=self.batch_sharding)
+        )
         try:
             self._loop()
         finally:
@@ -324,18 +475,22 @@ class Trainer:
         return self
 
     def _loop(self):
-        """The steps, dispatched ahead of the host: nothing in a step waits for the device except the log line,
-        which reads the metrics of the step before the one just dispatched (one step late), and evals/saves."""
+        """The steps, dispatched ahead of the host: nothing in a step waits for the device except
+        the log line, which reads the metrics of the step before the one just dispatched (one step
+        late), and evals/saves."""
         c, mngr, out = self.c, self.mngr, self.out
         base_key = jax.random.key(c["seed"])
         out.start_clock(self.iter_num)
         while True:
             last_step = self.iter_num == c["max_iters"]
-            if self.iter_num % c["eval_interval"] == 0 or last_step or c["eval_only"]:  # eval_only: at any step
+            # eval_only: at any step
+            if self.iter_num % c["eval_interval"] == 0 or last_step or c["eval_only"]:
                 self._log_unlogged()
                 self.evaluate(last_step, save=not c["eval_only"])
                 out.start_clock(self.iter_num)  # eval time is not step time
-            if self.hellaswag_examples and (self.iter_num % c["hellaswag_interval"] == 0 or last_step):
+            if self.hellaswag_examples and (
+                self.iter_num % c["hellaswag_interval"] == 0 or last_step
+            ):
                 self._log_unlogged()
                 self.eval_hellaswag()
                 out.start_clock(self.iter_num)
@@ -347,10 +502,14 @@ class Trainer:
                 self._log_unlogged()  # the trace holds the steps alone
                 out.start_profile()
             x, y = self.batches.next()
-            key = jax.random.fold_in(base_key, self.iter_num)  # dropout: a function of (seed, iter), resumable
+            # dropout: a function of (seed, iter), resumable
+            key = jax.random.fold_in(base_key, self.iter_num)
             self._param_leaves, self._opt_leaves, metrics = self.train_step(
-                self._param_leaves, self._opt_leaves, x, y, key)
-            self._first_nonfinite = first_nonfinite(self._first_nonfinite, self.iter_num, metrics["finite"])
+                self._param_leaves, self._opt_leaves, x, y, key
+            )
+            self._first_nonfinite = first_nonfinite(
+                self._first_nonfinite, self.iter_num, metrics["finite"]
+            )
             self.iter_num += 1
             checkpoint.check_saved(mngr)  # a failed save stops the run before the next step
             self._log_unlogged()  # the previous log step's, while this step runs
@@ -359,7 +518,8 @@ class Trainer:
             if self.iter_num % c["log_interval"] == 0 or self.iter_num == c["max_iters"]:
                 self._unlogged = (self.iter_num - 1, metrics, self._first_nonfinite)
                 out.watch(self.iter_num - 1, metrics)
-            # a step evaluated next is saved by its eval, with its val loss (for rotation to keep the best)
+            # a step evaluated next is saved by its eval, with its val loss (for rotation to keep
+            # the best)
             if self._interval_save_due() and not self._evaluates_next():
                 self._log_unlogged()
                 self.save()
@@ -368,23 +528,38 @@ class Trainer:
                 self._log_unlogged()
                 self.save()
                 checkpoint.wait_saved(mngr)
-                print(f"{stop}: checkpoint saved at iter {self.iter_num}; "  # every process: each host's own log
-                      f"resume with --init_from=resume --out_dir={c['out_dir']}")
+                # every process: each host's own log
+                print(
+                    f"{stop}: checkpoint saved at iter {self.iter_num}; "
+                    f"resume with --init_from=resume --out_dir={c['out_dir']}"
+                )
                 return
 
     def evaluate(self, last_step, save=True):
-        """Train and val loss, logged; with `save`, a checkpoint when val improved (or always_save_checkpoint, or at
-        the end). eval_only never saves: it evaluates a checkpoint that is already there."""
+        """Train and val loss, logged; with `save`, a checkpoint when val improved (or
+        always_save_checkpoint, or at the end). eval_only never saves: it evaluates a checkpoint
+        that is already there."""
         c = self.c
         self.check_finite()  # no eval of a diverged run
         losses = self.estimate_loss()
-        self.out.print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        self.out.record({"iter": self.iter_num, "train_loss": losses["train"], "val_loss": losses["val"],
-                         "lr": float(get_lr(self.iter_num, c))})
+        self.out.print(
+            f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+        )
+        self.out.record(
+            {
+                "iter": self.iter_num,
+                "train_loss": losses["train"],
+                "val_loss": losses["val"],
+                "lr": float(get_lr(self.iter_num, c)),
+            }
+        )
         improved = losses["val"] < self.best_val_loss
         self.best_val_loss = min(self.best_val_loss, losses["val"])
-        if save and self.iter_num > 0 and (improved or c["always_save_checkpoint"] or last_step
-                                           or self._interval_save_due()):
+        if (
+            save
+            and self.iter_num > 0
+            and (improved or c["always_save_checkpoint"] or last_step or self._interval_save_due())
+        ):
             self.save(val_loss=losses["val"])
 
     def _interval_save_due(self):
@@ -395,26 +570,35 @@ class Trainer:
         return self.iter_num % self.c["eval_interval"] == 0 or self.iter_num == self.c["max_iters"]
 
     def _log_unlogged(self):
-        """The log line of the last log step, if not printed yet: the loop's only read of a step's metrics."""
+        """The log line of the last log step, if not printed yet: the loop's only read of a step's
+        metrics."""
         if self._unlogged is None:
             return
         it, metrics, first_nonfinite_so_far = self._unlogged
         self._unlogged = None
         self.check_finite(first_nonfinite=first_nonfinite_so_far)
-        checkpoint.wait_saved(self.mngr)  # a save still in flight fails at this log line at the latest
-        self.out.step(it, jax.device_get(metrics))  # waits for step `it`, not for the one dispatched after it
+        # a save still in flight fails at this log line at the latest
+        checkpoint.wait_saved(self.mngr)
+        # waits for step `it`, not for the one dispatched after it
+        self.out.step(it, jax.device_get(metrics))
 
 
 def sigint_as_sigterm(signum, frame):
-    """Ctrl-C on one process of several: a preemption notice like SIGTERM, so that all stop at one step."""
+    """Ctrl-C on one process of several: a preemption notice like SIGTERM, so that all stop at one
+    step."""
     os.kill(os.getpid(), signal.SIGTERM)
 
 
 def launched_on_several_processes():
-    """Whether this process is one of several: JAX_COORDINATOR_ADDRESS set, or a TPU pod slice, SLURM, Open MPI."""
+    """Whether this process is one of several: JAX_COORDINATOR_ADDRESS set, or a TPU pod slice,
+    SLURM, Open MPI."""
     env = os.environ
-    return bool(env.get("JAX_COORDINATOR_ADDRESS")) or env.get("SLURM_NTASKS", "1") != "1" \
-        or env.get("OMPI_COMM_WORLD_SIZE", "1") != "1" or "," in env.get("TPU_WORKER_HOSTNAMES", "")
+    return (
+        bool(env.get("JAX_COORDINATOR_ADDRESS"))
+        or env.get("SLURM_NTASKS", "1") != "1"
+        or env.get("OMPI_COMM_WORLD_SIZE", "1") != "1"
+        or "," in env.get("TPU_WORKER_HOSTNAMES", "")
+    )
 
 
 def setup_distributed():
@@ -422,26 +606,34 @@ def setup_distributed():
     JAX_NUM_PROCESSES and JAX_PROCESS_ID; auto-detected on TPU pod slices, SLURM and Open MPI."""
     env = os.environ
     if env.get("JAX_COORDINATOR_ADDRESS"):
-        jax.distributed.initialize(env["JAX_COORDINATOR_ADDRESS"], int(env["JAX_NUM_PROCESSES"]),
-                                   int(env["JAX_PROCESS_ID"]))
+        jax.distributed.initialize(
+            env["JAX_COORDINATOR_ADDRESS"],
+            int(env["JAX_NUM_PROCESSES"]),
+            int(env["JAX_PROCESS_ID"]),
+        )
     elif launched_on_several_processes():
         jax.distributed.initialize()
-    # a process killed or cut off ends the others within seconds, in one line each (JAX's own abort takes 100 s)
+    # a process killed or cut off ends the others within seconds, in one line each (JAX's own abort
+    # takes 100 s)
     watchdog.watch_processes()
 
 
 def main(argv=None):
     config = configure(DEFAULTS, sys.argv[1:] if argv is None else argv)
-    # Ctrl-C or SIGTERM (a preemption, a scheduler) before the first step: one line, exit 130 or 143, not XLA's dump.
-    # With several processes JAX's preemption service owns SIGTERM (Trainer._stop_agreed): Ctrl-C only
-    signals = (signal.SIGINT,) if launched_on_several_processes() else (signal.SIGINT, signal.SIGTERM)
+    # Ctrl-C or SIGTERM (a preemption, a scheduler) before the first step: one line, exit 130 or
+    # 143, not XLA's dump. With several processes JAX's preemption service owns SIGTERM
+    # (Trainer._stop_agreed): Ctrl-C only
+    signals = (
+        (signal.SIGINT,) if launched_on_several_processes() else (signal.SIGINT, signal.SIGTERM)
+    )
     started = exit_on_interrupt("interrupted before the first step: nothing saved", signals)
-    # orbax logs a failed background save as a traceback from each of its threads (24 for a full disk); the
-    # run reports that failure itself, in one line (checkpoint.check_saved)
+    # orbax logs a failed background save as a traceback from each of its threads (24 for a full
+    # disk); the run reports that failure itself, in one line (checkpoint.check_saved)
     logging.getLogger("absl").addFilter(lambda record: record.levelno < logging.ERROR)
     sharding.use_compilation_cache()
     setup_distributed()
-    sharding.start_backend()  # before anything starts it: libtpu's banner on a machine without a TPU is dropped
+    # before anything starts it: libtpu's banner on a machine without a TPU is dropped
+    sharding.start_backend()
     sharding.keep_freed_memory()
     Trainer(config).run(started)
 

@@ -1,9 +1,10 @@
 """
-The training step, shared by train.py, parity/check_train.py and the benchmarks: the optimizers (nanoGPT's AdamW with
-its weight-decay grouping; modded-nanogpt's Muon on the blocks' matrices beside Adam on the embedding) and schedules
-(nanoGPT's cosine, modded-nanogpt's trapezoid), the jitted step (micro-batches scanned, gradients averaged, clipped by
-global norm), the eval step, and init_state: the params and optimizer state, each array created or read straight into
-its shards, from scratch, a checkpoint or pretrained weights.
+The training step, shared by train.py, parity/check_train.py and the benchmarks: the optimizers
+(nanoGPT's AdamW with its weight-decay grouping; modded-nanogpt's Muon on the blocks' matrices
+beside Adam on the embedding) and schedules (nanoGPT's cosine, modded-nanogpt's trapezoid), the
+jitted step (micro-batches scanned, gradients averaged, clipped by global norm), the eval step, and
+init_state: the params and optimizer state, each array created or read straight into its shards,
+from scratch, a checkpoint or pretrained weights.
 """
 
 import math
@@ -22,87 +23,116 @@ from model import GPT, mean_of, model_from
 
 
 def get_lr(it, c):
-    """AdamW's learning rate at iteration `it` (0-based: step `it` uses get_lr(it)), with optimizer='muon' Adam's.
-    Works on ints and tracers. lr_schedule 'cosine': nanoGPT's linear warmup, cosine decay to min_lr, then min_lr;
-    'trapezoid': learning_rate times modded-nanogpt's multiplier (trapezoid)."""
+    """AdamW's learning rate at iteration `it` (0-based: step `it` uses get_lr(it)), with
+    optimizer='muon' Adam's. Works on ints and tracers. lr_schedule 'cosine': nanoGPT's linear
+    warmup, cosine decay to min_lr, then min_lr; 'trapezoid': learning_rate times modded-nanogpt's
+    multiplier (trapezoid)."""
     if not c["decay_lr"]:
         return jnp.asarray(c["learning_rate"], jnp.float32)
     if c["lr_schedule"] == "trapezoid":
         return c["learning_rate"] * trapezoid(it, c)
     it = jnp.asarray(it, jnp.float32)
     warmup = c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
-    ratio = jnp.clip((it - c["warmup_iters"]) / max(c["lr_decay_iters"] - c["warmup_iters"], 1), 0.0, 1.0)
+    ratio = jnp.clip(
+        (it - c["warmup_iters"]) / max(c["lr_decay_iters"] - c["warmup_iters"], 1), 0.0, 1.0
+    )
     coeff = 0.5 * (1.0 + jnp.cos(math.pi * ratio))  # coeff ranges 0..1
     cosine = c["min_lr"] + coeff * (c["learning_rate"] - c["min_lr"])
-    return jnp.where(it < c["warmup_iters"], warmup, jnp.where(it > c["lr_decay_iters"], c["min_lr"], cosine))
+    return jnp.where(
+        it < c["warmup_iters"], warmup, jnp.where(it > c["lr_decay_iters"], c["min_lr"], cosine)
+    )
 
 
 def trapezoid(it, c):
-    """modded-nanogpt's get_lr, a multiplier of each optimizer's max rate: (it + 1) / warmup_iters during the
-    warmup, 1, then (max_iters - it) / warmdown_iters over the last warmdown_iters iterations (0 at max_iters)."""
+    """modded-nanogpt's get_lr, a multiplier of each optimizer's max rate: (it + 1) / warmup_iters
+    during the warmup, 1, then (max_iters - it) / warmdown_iters over the last warmdown_iters
+    iterations (0 at max_iters)."""
     it = jnp.asarray(it, jnp.float32)
     warmdown_start = c["max_iters"] - c["warmdown_iters"]
     warmup = (it + 1) / max(c["warmup_iters"], 1)
-    warmdown = (c["max_iters"] - it) / max(c["warmdown_iters"], 1)  # at max_iters without a warmdown: 0, not 0/0
+    # at max_iters without a warmdown: 0, not 0/0
+    warmdown = (c["max_iters"] - it) / max(c["warmdown_iters"], 1)
     return jnp.where(it < c["warmup_iters"], warmup, jnp.where(it < warmdown_start, 1.0, warmdown))
 
 
 def get_muon_lr(it, c):
-    """Muon's learning rate at iteration `it`: muon_learning_rate on the schedule that takes Adam's from
-    learning_rate (the record: one LambdaLR multiplier for both optimizers; under 'cosine', min_lr scaled alike)."""
+    """Muon's learning rate at iteration `it`: muon_learning_rate on the schedule that takes Adam's
+    from learning_rate (the record: one LambdaLR multiplier for both optimizers; under 'cosine',
+    min_lr scaled alike)."""
     if c["decay_lr"] and c["lr_schedule"] == "trapezoid":
         return c["muon_learning_rate"] * trapezoid(it, c)
     return get_lr(it, c) * (c["muon_learning_rate"] / c["learning_rate"])
 
 
 def decay_mask(params):
-    """nanoGPT's grouping: every >=2-D tensor decays (matmul weights and embeddings), biases and norms don't. The
-    stacked blocks' params (scan_layers) count without their layer axis."""
+    """nanoGPT's grouping: every >=2-D tensor decays (matmul weights and embeddings), biases and
+    norms don't. The stacked blocks' params (scan_layers) count without their layer axis."""
+
     def decays(path, p):
-        return p.ndim - bool(sharding.STACKED.search(jax.tree_util.keystr(path, simple=True, separator="."))) >= 2
+        return (
+            p.ndim
+            - bool(sharding.STACKED.search(jax.tree_util.keystr(path, simple=True, separator=".")))
+            >= 2
+        )
 
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(c):
-    """The optimizer of c["optimizer"]: 'adamw', nanoGPT's; 'muon', modded-nanogpt's record 5 (muon)."""
-    adamw = optax.adamw(learning_rate=partial(get_lr, c=c), b1=c["beta1"], b2=c["beta2"], eps=1e-8,
-                        weight_decay=c["weight_decay"], mask=decay_mask)
+    """The optimizer of c["optimizer"]: 'adamw', nanoGPT's; 'muon', modded-nanogpt's record 5
+    (muon)."""
+    adamw = optax.adamw(
+        learning_rate=partial(get_lr, c=c),
+        b1=c["beta1"],
+        b2=c["beta2"],
+        eps=1e-8,
+        weight_decay=c["weight_decay"],
+        mask=decay_mask,
+    )
     if c["optimizer"] == "adamw":
         return adamw
     return muon(c, adamw)
 
 
-# --- Muon (modded-nanogpt's record 5) ----------------------------------------------------------------
+# --- Muon (modded-nanogpt's record 5)
+# ----------------------------------------------------------------
 #
-# The record steps its blocks' matrices with Muon and everything else (the embedding, tied to the head) with torch's
-# AdamW (betas 0.9/0.95, eps 1e-8, its weight decay 0). Built here from optax's pieces: optax.partition for the two
-# groups, optax.adamw for the second (the same AdamW as optimizer='adamw': weight_decay applies, as the record's
-# AdamW(weight_decay=args.weight_decay)), optax.trace for Muon's momentum, optax.scale_by_learning_rate for its rate;
-# and one transform of our own, orthogonalize, for the record's Newton-Schulz and scale. optax.contrib.muon computes a
+# The record steps its blocks' matrices with Muon and everything else (the embedding, tied to the
+# head) with torch's AdamW (betas 0.9/0.95, eps 1e-8, its weight decay 0). Built here from optax's
+# pieces: optax.partition for the two groups, optax.adamw for the second (the same AdamW as
+# optimizer='adamw': weight_decay applies, as the record's AdamW(weight_decay=args.weight_decay)),
+# optax.trace for Muon's momentum, optax.scale_by_learning_rate for its rate; and one transform of
+# our own, orthogonalize, for the record's Newton-Schulz and scale. optax.contrib.muon computes a
 # different update, where:
-# - momentum: optax keeps an EMA, mu = b*mu + (1-b)*g, bias-corrected, and mixes Nesterov from the corrected terms;
-#   the record keeps buf = m*buf + g and steps along g + m*buf (optax.trace(m, nesterov=True) is exactly that);
-# - scale: optax multiplies by sqrt(max(1, fan_out/fan_in)) (Keller Jordan's later Muon); the record by
-#   sqrt(max(rows, cols)), and a fused QKV matrix is three (C, C) matrices, each orthogonalised on its own;
-# - Newton-Schulz: optax's iteration is c0 X + (c1 A + c2 A A) X with the coefficients cast to X's dtype; the record's
-#   a X + b (A X) + c A (A X), its coefficients applied in float32 (in bfloat16 they round to other values, and
-#   optax's bf16 result lands further from the float32 one than the record's). Both divide by the Frobenius norm + eps
-#   (the record's eps 1e-7, optax's default 1e-8) and iterate on the wide orientation; ours also starts from torch's
-#   (out, in) layout, so that a square matrix takes the record's orientation;
-# - the auxiliary Adam: optax's is NAdam (nesterov=True) with b2 0.999 and Muon's eps; the record's plain Adam(W);
-# - grouping: optax's Muon takes every 2-D param (the embedding too, unless told); the record's, the blocks' matrices.
-# Under a mesh, each device orthogonalises every whole matrix, as each of the record's ranks does (on_every_device).
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the record's quintic, its slope at zero maximised (Keller Jordan)
+# - momentum: optax keeps an EMA, mu = b*mu + (1-b)*g, bias-corrected, and mixes Nesterov from the
+#   corrected terms; the record keeps buf = m*buf + g and steps along g + m*buf (optax.trace(m,
+#   nesterov=True) is exactly that);
+# - scale: optax multiplies by sqrt(max(1, fan_out/fan_in)) (Keller Jordan's later Muon); the record
+#   by sqrt(max(rows, cols)), and a fused QKV matrix is three (C, C) matrices, each orthogonalised
+#   on its own;
+# - Newton-Schulz: optax's iteration is c0 X + (c1 A + c2 A A) X with the coefficients cast to X's
+#   dtype; the record's a X + b (A X) + c A (A X), its coefficients applied in float32 (in bfloat16
+#   they round to other values, and optax's bf16 result lands further from the float32 one than the
+#   record's). Both divide by the Frobenius norm + eps (the record's eps 1e-7, optax's default 1e-8)
+#   and iterate on the wide orientation; ours also starts from torch's (out, in) layout, so that a
+#   square matrix takes the record's orientation;
+# - the auxiliary Adam: optax's is NAdam (nesterov=True) with b2 0.999 and Muon's eps; the record's
+#   plain Adam(W);
+# - grouping: optax's Muon takes every 2-D param (the embedding too, unless told); the record's, the
+#   blocks' matrices. Under a mesh, each device orthogonalises every whole matrix, as each of the
+#   record's ranks does (on_every_device). the record's quintic, its slope at zero maximised (Keller
+#   Jordan)
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 FUSED_QKV = re.compile(r"attn\.c_attn\.kernel")  # (C, 3C) = [q | k | v]: the record's c_q, c_k, c_v
 BLOCKS = re.compile(r"(^|\.)h\.")  # the blocks' params, per layer (h.3.) or stacked (h.)
 
 
 def newton_schulz(G, dtype, steps=5, eps=1e-7):
-    """The record's zeropower_via_newtonschulz5 on G in torch's (out, in) layout: ~U V^T of G = U S V^T, by `steps`
-    quintic iterations in `dtype` on the wide orientation (rows <= cols). The elementwise sums are float32, rounded
-    to `dtype` once, as torch.compile fuses them in the record; the matmuls take `dtype` in and out."""
+    """The record's zeropower_via_newtonschulz5 on G in torch's (out, in) layout: ~U V^T of G = U S
+    V^T, by `steps` quintic iterations in `dtype` on the wide orientation (rows <= cols). The
+    elementwise sums are float32, rounded to `dtype` once, as torch.compile fuses them in the
+    record; the matmuls take `dtype` in and out."""
     a, b, c = NS_COEFFICIENTS
     f32, matmul = jnp.float32, partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
     X = G.astype(dtype)
@@ -120,17 +150,21 @@ def newton_schulz(G, dtype, steps=5, eps=1e-7):
 
 
 def orthogonalize_kernel(g, fused_qkv, dtype):
-    """One (in, out) kernel's update: newton_schulz in torch's layout, back to ours, scaled so that its mean
-    square is ~1 (sqrt(max(rows, cols))); a fused QKV kernel as its three (C, C) column blocks, each scaled by
-    sqrt(C), as the record's separate c_q, c_k, c_v."""
+    """One (in, out) kernel's update: newton_schulz in torch's layout, back to ours, scaled so that
+    its mean square is ~1 (sqrt(max(rows, cols))); a fused QKV kernel as its three (C, C) column
+    blocks, each scaled by sqrt(C), as the record's separate c_q, c_k, c_v."""
     parts = jnp.split(g, 3, axis=1) if fused_qkv else [g]  # (C, C) x 3, or the whole (in, out)
-    out = [newton_schulz(part.T, dtype).T.astype(jnp.float32) * math.sqrt(max(part.shape)) for part in parts]
+    out = [
+        newton_schulz(part.T, dtype).T.astype(jnp.float32) * math.sqrt(max(part.shape))
+        for part in parts
+    ]
     return jnp.concatenate(out, axis=1) if fused_qkv else out[0]
 
 
 def on_every_device(f):
-    """f run whole on each device of the mesh in context (its arguments gathered), unpartitioned: the numbers one
-    device computes. XLA would otherwise split f's matmuls, which changes their sums, or at least their blocking."""
+    """f run whole on each device of the mesh in context (its arguments gathered), unpartitioned:
+    the numbers one device computes. XLA would otherwise split f's matmuls, which changes their
+    sums, or at least their blocking."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return f
@@ -138,10 +172,11 @@ def on_every_device(f):
 
 
 def orthogonalize(ns_dtype):
-    """Muon's update direction (stateless): each of the blocks' kernels orthogonalised (orthogonalize_kernel), the
-    stacked ones (scan_layers: (n_layer, in, out)) layer by layer. Newton-Schulz needs the whole matrix: under a mesh
-    every device gathers it and computes it as one device would (the record: every rank all of them); the momentum
-    stays split like its param, and so does the update once it meets the param."""
+    """Muon's update direction (stateless): each of the blocks' kernels orthogonalised
+    (orthogonalize_kernel), the stacked ones (scan_layers: (n_layer, in, out)) layer by layer.
+    Newton-Schulz needs the whole matrix: under a mesh every device gathers it and computes it as
+    one device would (the record: every rank all of them); the momentum stays split like its param,
+    and so does the update once it meets the param."""
     dtype = NS_DTYPES[ns_dtype]
 
     def update_fn(updates, state, params=None):
@@ -156,7 +191,9 @@ def orthogonalize(ns_dtype):
 
 
 def muon_labels(params):
-    """'muon' for each matrix of the blocks (the stacked ones counted without their layer axis), else 'adam'."""
+    """'muon' for each matrix of the blocks (the stacked ones counted without their layer axis),
+    else 'adam'."""
+
     def label(path, p):
         path = jax.tree_util.keystr(path, simple=True, separator=".")
         is_matrix = p.ndim - bool(sharding.STACKED.search(path)) == 2
@@ -166,34 +203,43 @@ def muon_labels(params):
 
 
 def muon(c, adam):
-    """The record's pair: Muon (momentum muon_momentum, Nesterov, Newton-Schulz in muon_ns_dtype) at get_muon_lr on
-    the blocks' matrices, `adam` on the rest. No weight decay in Muon (the record's has none)."""
-    return optax.partition({
-        "adam": adam,
-        "muon": optax.chain(optax.trace(decay=c["muon_momentum"], nesterov=True),
-                            orthogonalize(c["muon_ns_dtype"]),
-                            optax.scale_by_learning_rate(partial(get_muon_lr, c=c))),
-    }, muon_labels)
+    """The record's pair: Muon (momentum muon_momentum, Nesterov, Newton-Schulz in muon_ns_dtype) at
+    get_muon_lr on the blocks' matrices, `adam` on the rest. No weight decay in Muon (the record's
+    has none)."""
+    return optax.partition(
+        {
+            "adam": adam,
+            "muon": optax.chain(
+                optax.trace(decay=c["muon_momentum"], nesterov=True),
+                orthogonalize(c["muon_ns_dtype"]),
+                optax.scale_by_learning_rate(partial(get_muon_lr, c=c)),
+            ),
+        },
+        muon_labels,
+    )
 
 
 def batch_loss(model, x, y, key=None):
-    """The model's mean loss on a batch (B, T) (GPT.loss: the logits in chunks where loss_chunk says so). On a
-    single CPU device the rows go through the model as two independent halves, which XLA:CPU's executor runs side
-    by side on two cores: faster than one batch whose every op splits its work over the threads
-    (docs/benchmarks.md). Same loss: one mean over both halves' targets; dropout draws a key per half."""
+    """The model's mean loss on a batch (B, T) (GPT.loss: the logits in chunks where loss_chunk says
+    so). On a single CPU device the rows go through the model as two independent halves, which
+    XLA:CPU's executor runs side by side on two cores: faster than one batch whose every op splits
+    its work over the threads (docs/benchmarks.md). Same loss: one mean over both halves' targets;
+    dropout draws a key per half."""
     if sharding.target_platform() != "cpu" or sharding.target_size() > 1 or x.shape[0] % 2:
         return model.loss(x, y, key=key)
     keys = jax.random.split(key) if key is not None else (None, None)
-    halves = [model.loss_terms(model.hidden_states(rows, k)[1], targets)
-              for rows, targets, k in zip(jnp.split(x, 2), jnp.split(y, 2), keys)]
+    halves = [
+        model.loss_terms(model.hidden_states(rows, k)[1], targets)
+        for rows, targets, k in zip(jnp.split(x, 2), jnp.split(y, 2), keys)
+    ]
     return mean_of(*(a + b for a, b in zip(*halves)))  # (total, count) of both halves
 
 
 def make_train_step(graphdef, tx, grad_clip, lr_schedule=None):
-    """The one step: scan over micro-batches (memory flat in their number), average the grads, clip by
-    global norm as torch.nn.utils.clip_grad_norm_ does, apply tx. x, y: (accum, B, T). Jitted by
-    on_leaves with the state's shardings pinned. With `lr_schedule` (tx's), the metrics hold the step's
-    learning rate, so that the loop never computes it on the host."""
+    """The one step: scan over micro-batches (memory flat in their number), average the grads, clip
+    by global norm as torch.nn.utils.clip_grad_norm_ does, apply tx. x, y: (accum, B, T). Jitted by
+    on_leaves with the state's shardings pinned. With `lr_schedule` (tx's), the metrics hold the
+    step's learning rate, so that the loop never computes it on the host."""
 
     def loss_fn(params, x, y, key):
         return batch_loss(nnx.merge(graphdef, params), x, y, key)
@@ -208,7 +254,8 @@ def make_train_step(graphdef, tx, grad_clip, lr_schedule=None):
 
         zeros = jax.tree.map(jnp.zeros_like, params)  # the gradient sum takes the params' shardings
         grads, losses = jax.lax.scan(micro_step, zeros, (x, y, jax.random.split(key, accum)))
-        # the loss is a mean over each micro-batch; the sum over micro-batches must become a mean too
+        # the loss is a mean over each micro-batch; the sum over micro-batches must become a mean
+        # too
         grads = jax.tree.map(lambda g: g / accum, grads)
         grad_norm = optax.tree.norm(grads)
         if grad_clip > 0.0:
@@ -227,44 +274,55 @@ def make_train_step(graphdef, tx, grad_clip, lr_schedule=None):
 
 
 def schedule_count(opt_state):
-    """The number of updates the learning-rate schedule has counted (the step's iteration number): AdamW's, or
-    with optimizer='muon' Adam's (Muon's counts the same)."""
+    """The number of updates the learning-rate schedule has counted (the step's iteration number):
+    AdamW's, or with optimizer='muon' Adam's (Muon's counts the same)."""
     is_schedule = lambda s: isinstance(s, optax.ScaleByScheduleState)  # noqa: E731
     return next(s.count for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s))
 
 
 def on_leaves(step, params, opt_state, batch_sharding=None):
-    """`step` jitted over flat lists of arrays: (param leaves, opt leaves, x, y, key) -> the same, and
-    metrics. jit flattens nnx Variables in Python, slowly (CPU time a 2-core machine takes from the step
-    itself); lists of arrays cost a quarter of it (docs/benchmarks.md). The state's shardings (those of
-    `params` and `opt_state`) are pinned on input and output, so the step compiles once and nothing reshards."""
+    """`step` jitted over flat lists of arrays: (param leaves, opt leaves, x, y, key) -> the same,
+    and metrics. jit flattens nnx Variables in Python, slowly (CPU time a 2-core machine takes from
+    the step itself); lists of arrays cost a quarter of it (docs/benchmarks.md). The state's
+    shardings (those of `params` and `opt_state`) are pinned on input and output, so the step
+    compiles once and nothing reshards."""
     param_def, opt_def = jax.tree.structure(params), jax.tree.structure(opt_state)
     shardings = None
     if batch_sharding is not None:
         state = [[x.sharding for x in jax.tree.leaves(t)] for t in (params, opt_state)]
         replicated = sharding.replicated(batch_sharding.mesh)
-        shardings = dict(in_shardings=(*state, batch_sharding, batch_sharding, replicated),
-                         out_shardings=(*state, replicated))
+        shardings = dict(
+            in_shardings=(*state, batch_sharding, batch_sharding, replicated),
+            out_shardings=(*state, replicated),
+        )
 
     @partial(jax.jit, donate_argnums=(0, 1), **(shardings or {}))
     def leaves_step(params, opt_state, x, y, key):
-        params, opt_state, metrics = step(param_def.unflatten(params), opt_def.unflatten(opt_state), x, y, key)
+        params, opt_state, metrics = step(
+            param_def.unflatten(params), opt_def.unflatten(opt_state), x, y, key
+        )
         return jax.tree.leaves(params), jax.tree.leaves(opt_state), metrics
 
     return leaves_step
 
 
 def compile_step(step, params, opt_state, batch_shape, batch_sharding):
-    """`step` jitted on the state's shardings (see on_leaves) and compiled for (accum, B, T) batches ->
-    (compiled step, state bytes per device, XLA's step peak bytes per device). params and opt_state may be
-    abstract (ShapeDtypeStructs with shardings): then nothing is materialized (bench/train.py --memory)."""
+    """`step` jitted on the state's shardings (see on_leaves) and compiled for (accum, B, T) batches
+    -> (compiled step, state bytes per device, XLA's step peak bytes per device). params and
+    opt_state may be abstract (ShapeDtypeStructs with shardings): then nothing is materialized
+    (bench/train.py --memory)."""
     lowered = lower_step(step, params, opt_state, batch_shape, batch_sharding)
     compiled = lowered.compile(compiler_options(batch_sharding.mesh))
-    return compiled, sharding.bytes_per_device([params, opt_state]), step_peak(compiled, batch_sharding.mesh)
+    return (
+        compiled,
+        sharding.bytes_per_device([params, opt_state]),
+        step_peak(compiled, batch_sharding.mesh),
+    )
 
 
-# XLA:GPU rewrites LayerNorm, forward and backward, into cuDNN's fused norm kernels: the 124M step at batch 64 took
-# 131.9 ms instead of 139.7 on an H200 (docs/benchmarks.md). Off by default in XLA, so set where the step compiles.
+# XLA:GPU rewrites LayerNorm, forward and backward, into cuDNN's fused norm kernels: the 124M step
+# at batch 64 took 131.9 ms instead of 139.7 on an H200 (docs/benchmarks.md). Off by default in XLA,
+# so set where the step compiles.
 GPU_OPTIONS = {"xla_gpu_enable_cudnn_layer_norm": True}
 
 
@@ -277,10 +335,13 @@ def lower_step(step, params, opt_state, batch_shape, batch_sharding):
     """compile_step's program, lowered (traced), not compiled."""
     jitted = on_leaves(step, params, opt_state, batch_sharding)
     batch = jax.ShapeDtypeStruct(batch_shape, jnp.int32, sharding=batch_sharding)
-    # an abstract key: a concrete one made under (or placed on) a mesh of devices this process cannot address, a TPU
-    # topology compiled for on a CPU, fails
-    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sharding.replicated(batch_sharding.mesh))
-    with jax.set_mesh(batch_sharding.mesh):  # the model pins its activations to it (sharding.constrain_batch)
+    # an abstract key: a concrete one made under (or placed on) a mesh of devices this process
+    # cannot address, a TPU topology compiled for on a CPU, fails
+    key = jax.ShapeDtypeStruct(
+        (), jax.random.key(0).dtype, sharding=sharding.replicated(batch_sharding.mesh)
+    )
+    # the model pins its activations to it (sharding.constrain_batch)
+    with jax.set_mesh(batch_sharding.mesh):
         return jitted.lower(jax.tree.leaves(params), jax.tree.leaves(opt_state), batch, batch, key)
 
 
@@ -291,7 +352,8 @@ def step_peak(compiled, mesh):
 
 @jax.jit
 def first_nonfinite(so_far, iter_num, finite):
-    """The first iteration whose step was not finite (-1: none yet), combined on device: no host sync a step."""
+    """The first iteration whose step was not finite (-1: none yet), combined on device: no host
+    sync a step."""
     return jnp.where((so_far < 0) & ~finite, iter_num, so_far)
 
 
@@ -312,21 +374,26 @@ def make_eval_step(graphdef, params):
 
 
 def sharded_model(make_model, mesh):
-    """(graphdef, params) of make_model(), each param created on the mesh already split by its spec."""
+    """(graphdef, params) of make_model(), each param created on the mesh already split by its
+    spec."""
     graphdef, abstract = nnx.split(nnx.eval_shape(make_model))
-    params = jax.jit(lambda: nnx.split(make_model())[1], out_shardings=sharding.shardings_for(abstract, mesh))()
+    params = jax.jit(
+        lambda: nnx.split(make_model())[1], out_shardings=sharding.shardings_for(abstract, mesh)
+    )()
     return graphdef, params
 
 
 def init_state(config, mesh, tx, *, seed=0, weights=None, block_size=None, restore=None):
-    """(graphdef, params, optimizer state) of a GPT of `config` on the mesh, every array created or read straight
-    into its shards (sharding.PARAM_SPECS): no device holds a full replica on the way. From scratch (init drawn from
-    `seed`); from `weights` ({HF name: array}, config being theirs), cropped to `block_size` when shorter; or
-    restored from a checkpoint: `restore` = (out_dir, its meta, the run's checkpoint manager), whose optimizer
-    state comes back too."""
+    """(graphdef, params, optimizer state) of a GPT of `config` on the mesh, every array created or
+    read straight into its shards (sharding.PARAM_SPECS): no device holds a full replica on the way.
+    From scratch (init drawn from `seed`); from `weights` ({HF name: array}, config being theirs),
+    cropped to `block_size` when shorter; or restored from a checkpoint: `restore` = (out_dir, its
+    meta, the run's checkpoint manager), whose optimizer state comes back too."""
     if restore is not None:
         out_dir, meta, mngr = restore
-        params, opt_state = checkpoint.restore_state(out_dir, meta["iter_num"], meta, config, tx, mesh, mngr)
+        params, opt_state = checkpoint.restore_state(
+            out_dir, meta["iter_num"], meta, config, tx, mesh, mngr
+        )
         return nnx.graphdef(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0)))), params, opt_state
     if weights is None:
         graphdef, params = sharded_model(lambda: GPT(config, nnx.Rngs(seed)), mesh)
@@ -335,6 +402,7 @@ def init_state(config, mesh, tx, *, seed=0, weights=None, block_size=None, resto
         if block_size is not None and block_size < config.block_size:
             model.crop_block_size(block_size)
         graphdef, params = nnx.split(model)
-        params = jax.device_put(params, sharding.shardings_for(params, mesh))  # a no-op where in place
+        # a no-op where in place
+        params = jax.device_put(params, sharding.shardings_for(params, mesh))
     opt_shardings = sharding.shardings_for(jax.eval_shape(tx.init, params), mesh)
     return graphdef, params, jax.jit(tx.init, out_shardings=opt_shardings)(params)

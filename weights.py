@@ -1,14 +1,16 @@
 """
-GPT-2 weights in and out of other formats, for GPT.from_pretrained / save_pretrained and export.py. File formats
-only: readers return GPTConfig's arguments and tensors, writers take a model; model.py builds the GPT.
+GPT-2 weights in and out of other formats, for GPT.from_pretrained / save_pretrained and export.py.
+File formats only: readers return GPTConfig's arguments and tensors, writers take a model; model.py
+builds the GPT.
 
 - HF GPT-2 directories (config.json + model.safetensors, or a sharded index), read and written with
-  safetensors' numpy API: no torch. By hub name they come through huggingface_hub (its cache, HF_HOME,
-  HF_HUB_OFFLINE). Only a directory holding nothing but pytorch_model.bin needs torch.
+  safetensors' numpy API: no torch. By hub name they come through huggingface_hub (its cache,
+  HF_HOME, HF_HUB_OFFLINE). Only a directory holding nothing but pytorch_model.bin needs torch.
 - nanoGPT's ckpt.pt and modded-nanogpt's state_step*.pt: pretrained.py, on this file's table.
 
-Readers return a lazy {HF name: array} mapping: a tensor is read from disk when load_state_dict places it. An
-arch='speedrun' model's names are GPT-2's for the params it has (its fused c_attn too), in HF's (in, out) layout.
+Readers return a lazy {HF name: array} mapping: a tensor is read from disk when load_state_dict
+places it. An arch='speedrun' model's names are GPT-2's for the params it has (its fused c_attn
+too), in HF's (in, out) layout.
 """
 
 import json
@@ -22,10 +24,11 @@ import numpy as np
 import sharding
 from configurator import InputNotFound, UsageError
 
-# The one weight map: (HF name, our path, nn.Linear weight?). HF's Conv1D stores weights as (in, out), the
-# layout of nnx.Linear kernels: copied as they are. nanoGPT's state dict has the same names, but its torch
-# nn.Linear weights are (out, in): the rows marked True are transposed to and from it. HF's and nanoGPT's
-# lm_head.weight is the same tensor as wte.weight: one row here. "{i}" is the layer index.
+# The one weight map: (HF name, our path, nn.Linear weight?). HF's Conv1D stores weights as (in,
+# out), the layout of nnx.Linear kernels: copied as they are. nanoGPT's state dict has the same
+# names, but its torch nn.Linear weights are (out, in): the rows marked True are transposed to and
+# from it. HF's and nanoGPT's lm_head.weight is the same tensor as wte.weight: one row here. "{i}"
+# is the layer index.
 WEIGHT_MAP = [
     ("transformer.wte.weight", "wte.embedding", False),
     ("transformer.wpe.weight", "wpe.embedding", False),
@@ -48,18 +51,26 @@ TIED_KEY = "lm_head.weight"  # == transformer.wte.weight, in HF's and nanoGPT's 
 HF_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 # causal-mask buffers, not weights: HF's, and nanoGPT's attn.bias when torch has no flash attention
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
-# HF activation_function -> GPTConfig.gelu. GPT-2's "gelu_new" is the tanh approximation; "gelu" is exact (erf)
+# HF activation_function -> GPTConfig.gelu. GPT-2's "gelu_new" is the tanh approximation; "gelu" is
+# exact (erf)
 HF_GELU = {"gelu_new": "tanh", "gelu": "exact"}
 # the params of arch='speedrun' (record 5): no position embedding, no LayerNorms, no biases
-SPEEDRUN_PARAMS = ("wte.embedding", "attn.c_attn.kernel", "attn.c_proj.kernel", "mlp.c_fc.kernel",
-                   "mlp.c_proj.kernel")
+SPEEDRUN_PARAMS = (
+    "wte.embedding",
+    "attn.c_attn.kernel",
+    "attn.c_proj.kernel",
+    "mlp.c_fc.kernel",
+    "mlp.c_proj.kernel",
+)
 
 
 def weight_map(n_layer, bias=True, arch="gpt2"):
     """[(HF name, our path, nn.Linear weight?)] for a model with n_layer blocks."""
     rows = []
     for hf, ours, linear in WEIGHT_MAP:
-        if (not bias and hf.endswith(".bias")) or (arch == "speedrun" and not ours.endswith(SPEEDRUN_PARAMS)):
+        if (not bias and hf.endswith(".bias")) or (
+            arch == "speedrun" and not ours.endswith(SPEEDRUN_PARAMS)
+        ):
             continue
         for i in range(n_layer) if "{i}" in hf else [None]:
             rows.append((hf.format(i=i), ours.format(i=i), linear))
@@ -74,7 +85,8 @@ def _variable(model, path):
 
 
 def _slot(model, ours):
-    """(our variable, layer index or None) for a path of the map: with scan_layers, h.{i}.x is row i of h.x."""
+    """(our variable, layer index or None) for a path of the map: with scan_layers, h.{i}.x is row i
+    of h.x."""
     if model.config.scan_layers and ours.startswith("h."):
         i, rest = ours[2:].split(".", 1)
         return _variable(model, "h." + rest), int(i)
@@ -82,8 +94,9 @@ def _slot(model, ours):
 
 
 def state_dict(model, zero_biases=False):
-    """Our params as {HF name: float32 numpy array}, HF's layout. zero_biases: a bias=False model with the
-    biases HF's GPT-2 always has, as zeros (the same function)."""
+    """Our params as {HF name: float32 numpy array}, HF's layout. zero_biases: a bias=False model
+    with the biases HF's GPT-2 always has, as zeros (the same function)."""
+
     def read(ours):
         var, layer = _slot(model, ours)
         return np.asarray(var[...] if layer is None else var[layer])
@@ -98,16 +111,19 @@ def state_dict(model, zero_biases=False):
 
 
 def load_state_dict(model, state, mesh=None):
-    """Copy {HF name: array} (HF's layout) into the model in place; key sets and shapes must match exactly.
-    The one function that puts arrays into a model: each value is read from `state` here, once. With a mesh,
-    each is split by its spec as it is placed (each device receives only its shard)."""
+    """Copy {HF name: array} (HF's layout) into the model in place; key sets and shapes must match
+    exactly. The one function that puts arrays into a model: each value is read from `state` here,
+    once. With a mesh, each is split by its spec as it is placed (each device receives only its
+    shard)."""
     c = model.config
     rows = weight_map(c.n_layer, c.bias, c.arch)
     expected = {hf for hf, _, _ in rows}
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
-        raise UsageError(f"the weights do not match the {c.arch} model: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
+        raise UsageError(
+            f"the weights do not match the {c.arch} model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
     layers = {}  # scan_layers: {stacked path: its rows in layer order}, each set once all are read
     for hf, ours, _ in rows:
         var, layer = _slot(model, ours)
@@ -127,8 +143,11 @@ def _place(var, value, ours, mesh):
     if mesh is None:
         var.set_value(jnp.asarray(value))
     else:  # each device receives only its shard
-        var.set_value(jax.device_put(value, jax.sharding.NamedSharding(mesh, sharding.spec_for(ours, value.shape,
-                                                                                                mesh))))
+        var.set_value(
+            jax.device_put(
+                value, jax.sharding.NamedSharding(mesh, sharding.spec_for(ours, value.shape, mesh))
+            )
+        )
 
 
 class LazyState(Mapping):
@@ -150,8 +169,8 @@ class LazyState(Mapping):
 
 
 def _hf_name(name):
-    """HF's names, with the 'transformer.' prefix: GPT2LMHeadModel writes it, GPT2Model (OpenAI's gpt2 on
-    the hub) does not."""
+    """HF's names, with the 'transformer.' prefix: GPT2LMHeadModel writes it, GPT2Model (OpenAI's
+    gpt2 on the hub) does not."""
     return name if name.startswith("transformer.") or name == TIED_KEY else "transformer." + name
 
 
@@ -164,31 +183,38 @@ def untied(state, where):
     return LazyState([k for k in state if k != TIED_KEY], state.__getitem__)
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # HF GPT-2 directories
 
 HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
 def hf_directory(name_or_path):
-    """A local HF GPT-2 directory: the path itself, or the hub model's snapshot in the HF cache (downloaded
-    once; offline with HF_HUB_OFFLINE=1)."""
+    """A local HF GPT-2 directory: the path itself, or the hub model's snapshot in the HF cache
+    (downloaded once; offline with HF_HUB_OFFLINE=1)."""
     if os.path.isdir(name_or_path):
         if not os.path.exists(os.path.join(name_or_path, "config.json")) or not any(
-                os.path.exists(os.path.join(name_or_path, f)) for f in HF_WEIGHT_FILES):
-            raise InputNotFound(f"{name_or_path} is not an HF GPT-2 directory: it needs config.json and "
-                                "model.safetensors (as written by save_pretrained)")
+            os.path.exists(os.path.join(name_or_path, f)) for f in HF_WEIGHT_FILES
+        ):
+            raise InputNotFound(
+                f"{name_or_path} is not an HF GPT-2 directory: it needs config.json and "
+                "model.safetensors (as written by save_pretrained)"
+            )
         return name_or_path
     if name_or_path not in HF_NAMES:
-        raise UsageError(f"unknown model {name_or_path!r}: use one of {', '.join(HF_NAMES)}, an HF directory, "
-                         "a nanoGPT ckpt.pt or a modded-nanogpt state_step*.pt")
+        raise UsageError(
+            f"unknown model {name_or_path!r}: use one of {', '.join(HF_NAMES)}, an HF directory, "
+            "a nanoGPT ckpt.pt or a modded-nanogpt state_step*.pt"
+        )
     from huggingface_hub import snapshot_download
 
     try:
         path = snapshot_download(name_or_path, allow_patterns=["config.json", "model.safetensors*"])
     except OSError as e:  # no network, not in the cache, hub errors
-        raise InputNotFound(f"could not load {name_or_path!r} from the HF hub or the local HF cache (offline?); "
-                            "pass a local directory written by save_pretrained instead") from e
+        raise InputNotFound(
+            f"could not load {name_or_path!r} from the HF hub or the local HF cache (offline?); "
+            "pass a local directory written by save_pretrained instead"
+        ) from e
     return path
 
 
@@ -201,8 +227,9 @@ def read_hf_config(path):
 
 
 def read_hf_weights(path):
-    """{HF name: array}, lazily, from model.safetensors, a sharded index, or (with torch) pytorch_model.bin;
-    without the causal-mask buffers and lm_head.weight (checked to be wte.weight)."""
+    """{HF name: array}, lazily, from model.safetensors, a sharded index, or (with torch)
+    pytorch_model.bin; without the causal-mask buffers and lm_head.weight (checked to be
+    wte.weight)."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(os.path.join(path, "model.safetensors")):
         files = {None: os.path.join(path, "model.safetensors")}
@@ -212,13 +239,19 @@ def read_hf_weights(path):
         files = {shard: os.path.join(path, shard) for shard in set(shard_of.values())}
     else:
         state = torch_load(os.path.join(path, "pytorch_model.bin"))
-        state = {_hf_name(k): v.float().numpy() for k, v in state.items() if not k.endswith(MASK_BUFFERS)}
+        state = {
+            _hf_name(k): v.float().numpy() for k, v in state.items() if not k.endswith(MASK_BUFFERS)
+        }
         return untied(state, path)
     from safetensors import safe_open
 
     handles = {shard: safe_open(file, framework="numpy") for shard, file in files.items()}
-    where = {_hf_name(name): (h, name) for h in handles.values() for name in h.keys()
-             if not name.endswith(MASK_BUFFERS)}
+    where = {
+        _hf_name(name): (h, name)
+        for h in handles.values()
+        for name in h.keys()
+        if not name.endswith(MASK_BUFFERS)
+    }
 
     def read(name):
         handle, stored = where[name]
@@ -228,18 +261,21 @@ def read_hf_weights(path):
 
 
 def torch_load(path):
-    """The object torch.save wrote to `path` (no code runs: weights_only); a file torch cannot read is one line."""
+    """The object torch.save wrote to `path` (no code runs: weights_only); a file torch cannot read
+    is one line."""
     import torch
 
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many kinds for a file that is not a checkpoint
-        raise UsageError(f"{path} is not a torch checkpoint ({type(e).__name__}: {str(e)[:200]})") from e
+        raise UsageError(
+            f"{path} is not a torch checkpoint ({type(e).__name__}: {str(e)[:200]})"
+        ) from e
 
 
 def config_from_hf(hf: dict):
-    """GPTConfig's arguments from an HF GPT-2 config.json (a dict: keys left out have GPT2Config's defaults);
-    refuses the variants our model does not compute."""
+    """GPTConfig's arguments from an HF GPT-2 config.json (a dict: keys left out have GPT2Config's
+    defaults); refuses the variants our model does not compute."""
     n_embd = hf.get("n_embd", 768)
     activation = hf.get("activation_function", "gelu_new")
     unsupported = {
@@ -247,38 +283,62 @@ def config_from_hf(hf: dict):
         "layer_norm_epsilon": (1e-5, hf.get("layer_norm_epsilon", 1e-5)),
         "n_inner": (None, hf.get("n_inner") if hf.get("n_inner") != 4 * n_embd else None),
         "scale_attn_weights": (True, hf.get("scale_attn_weights", True)),
-        "scale_attn_by_inverse_layer_idx": (False, hf.get("scale_attn_by_inverse_layer_idx", False)),
+        "scale_attn_by_inverse_layer_idx": (
+            False,
+            hf.get("scale_attn_by_inverse_layer_idx", False),
+        ),
         "tie_word_embeddings": (True, hf.get("tie_word_embeddings", True)),
     }
     bad = {k: got for k, (want, got) in unsupported.items() if got != want}
     if bad:
         raise UsageError(f"not a GPT-2 architecture this model computes: {bad}")
-    return dict(block_size=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
-                n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=n_embd, bias=True,
-                gelu=HF_GELU[activation])
+    return dict(
+        block_size=hf.get("n_positions", 1024),
+        vocab_size=hf.get("vocab_size", 50257),
+        n_layer=hf.get("n_layer", 12),
+        n_head=hf.get("n_head", 12),
+        n_embd=n_embd,
+        bias=True,
+        gelu=HF_GELU[activation],
+    )
 
 
 def hf_config_for(config):
     """config.json for transformers' GPT2LMHeadModel computing what `config` computes."""
     eot = 50256 if config.vocab_size > 50256 else None  # <|endoftext|>, where the vocabulary has it
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_positions": config.block_size,
-            "vocab_size": config.vocab_size, "n_layer": config.n_layer, "n_head": config.n_head,
-            "n_embd": config.n_embd, "activation_function": {v: k for k, v in HF_GELU.items()}[config.gelu],
-            "layer_norm_epsilon": 1e-5, "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
-            "attn_pdrop": config.dropout, "tie_word_embeddings": True, "bos_token_id": eot, "eos_token_id": eot,
-            "dtype": "float32"}
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "n_positions": config.block_size,
+        "vocab_size": config.vocab_size,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_embd": config.n_embd,
+        "activation_function": {v: k for k, v in HF_GELU.items()}[config.gelu],
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout,
+        "tie_word_embeddings": True,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+        "dtype": "float32",
+    }
 
 
 def check_gpt2(model, fmt):
-    """`fmt` (GPT-2's formats: hf, nanogpt) can hold the model: a one-line UsageError for arch='speedrun'."""
+    """`fmt` (GPT-2's formats: hf, nanogpt) can hold the model: a one-line UsageError for
+    arch='speedrun'."""
     if model.config.arch != "gpt2":
-        raise UsageError(f"this model is arch={model.config.arch!r} (modded-nanogpt's record 5), which {fmt}'s "
-                         "GPT-2 cannot compute: export it with --format=modded")
+        raise UsageError(
+            f"this model is arch={model.config.arch!r} (modded-nanogpt's record 5), which {fmt}'s "
+            "GPT-2 cannot compute: export it with --format=modded"
+        )
 
 
 def save_hf(model, out_dir):
-    """An HF GPT-2 directory (config.json + model.safetensors) that GPT2LMHeadModel.from_pretrained loads;
-    a bias=False model gets zero biases (HF's GPT-2 always has them: the same function)."""
+    """An HF GPT-2 directory (config.json + model.safetensors) that GPT2LMHeadModel.from_pretrained
+    loads; a bias=False model gets zero biases (HF's GPT-2 always has them: the same function)."""
     from safetensors.numpy import save_file
 
     check_gpt2(model, "hf")
@@ -286,15 +346,20 @@ def save_hf(model, out_dir):
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config_for(model.config), f, indent=2)
     # lm_head.weight is left out, as transformers' save_pretrained leaves out a tied weight
-    save_file(state_dict(model, zero_biases=True), os.path.join(out_dir, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        state_dict(model, zero_biases=True),
+        os.path.join(out_dir, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 def load_hf_model(name_or_path):
-    """transformers.GPT2LMHeadModel (float32, eval) from a hub name or an HF directory: the torch reference
-    of parity/ (parity/check_hellaswag.py among them)."""
+    """transformers.GPT2LMHeadModel (float32, eval) from a hub name or an HF directory: the torch
+    reference of parity/ (parity/check_hellaswag.py among them)."""
     from transformers import GPT2LMHeadModel
 
     path = hf_directory(name_or_path)
     read_hf_config(path)  # a directory of another model type fails with one line
-    return GPT2LMHeadModel.from_pretrained(path, dtype="float32", attn_implementation="eager").eval()
+    return GPT2LMHeadModel.from_pretrained(
+        path, dtype="float32", attn_implementation="eager"
+    ).eval()

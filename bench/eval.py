@@ -1,14 +1,17 @@
 """
-lm-eval loglikelihood speed, requests/s: our model (eval.JaxLM) vs lm-eval's own hf model (transformers'
-GPT2LMHeadModel), same random weights, same requests, same batch size, same run, fp32, pairs alternated.
+lm-eval loglikelihood speed, requests/s: our model (eval.JaxLM) vs lm-eval's own hf model
+(transformers' GPT2LMHeadModel), same random weights, same requests, same batch size, same run,
+fp32, pairs alternated.
 
-    python -m bench.eval                                  # 500 requests of mixed lengths, a small GPT-2, 3 pairs
+    # 500 requests of mixed lengths, a small GPT-2, 3 pairs
+    python -m bench.eval
     python -m bench.eval --size gpt2 --requests 200 --pairs 1
 
-The requests are a multiple-choice task's: 125 Shakespeare contexts of 8 to 700 tokens, 4 continuations each of
-1 to 24 tokens. Ours is timed twice a pair: compiling (jax's caches cleared first) and compiled (the same requests
-again). Also said: the number of compilations. Both must agree: loglikelihoods within check_eval's 1e-4.
-Exit code: 0 done and agreeing, 1 they disagree, 2 bad input.
+The requests are a multiple-choice task's: 125 Shakespeare contexts of 8 to 700 tokens, 4
+continuations each of 1 to 24 tokens. Ours is timed twice a pair: compiling (jax's caches cleared
+first) and compiled (the same requests again). Also said: the number of compilations. Both must
+agree: loglikelihoods within check_eval's 1e-4. Exit code: 0 done and agreeing, 1 they disagree, 2
+bad input.
 """
 
 import argparse
@@ -25,14 +28,19 @@ SIZES = {"small": dict(n_layer=4, n_head=4, n_embd=256), **HF_SIZES}
 
 
 def requests(n_docs, seed=0):
-    """lm-eval Instances of a multiple-choice task over Shakespeare: contexts of 8..700 tokens (uniform in log), 4
-    continuations of 1..24 tokens each."""
+    """lm-eval Instances of a multiple-choice task over Shakespeare: contexts of 8..700 tokens
+    (uniform in log), 4 continuations of 1..24 tokens each."""
     from lm_eval.api.instance import Instance
 
     from tokenizer import get_encoding
 
     enc = get_encoding()
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "shakespeare_char", "input.txt")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "data",
+        "shakespeare_char",
+        "input.txt",
+    )
     with open(path) as f:
         tokens = enc.encode_ordinary(f.read())
     rng = np.random.default_rng(seed)
@@ -40,11 +48,19 @@ def requests(n_docs, seed=0):
     for doc in range(n_docs):
         n = int(np.exp(rng.uniform(np.log(8), np.log(700))))
         start = int(rng.integers(0, len(tokens) - n - 100))
-        context = enc.decode(tokens[start: start + n])
+        context = enc.decode(tokens[start : start + n])
         for choice in range(4):
             s = int(rng.integers(0, len(tokens) - 30))
-            continuation = enc.decode(tokens[s: s + int(rng.integers(1, 25))])
-            out.append(Instance("loglikelihood", {}, (context, continuation), idx=choice, metadata=("bench", doc, 1)))
+            continuation = enc.decode(tokens[s : s + int(rng.integers(1, 25))])
+            out.append(
+                Instance(
+                    "loglikelihood",
+                    {},
+                    (context, continuation),
+                    idx=choice,
+                    metadata=("bench", doc, 1),
+                )
+            )
     return out
 
 
@@ -55,10 +71,14 @@ def timed(fn, *args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--size", default="small", choices=list(SIZES))
-    p.add_argument("--requests", type=int, default=500, help="loglikelihood requests (4 per document)")
+    p.add_argument(
+        "--requests", type=int, default=500, help="loglikelihood requests (4 per document)"
+    )
     p.add_argument("--batch_size", type=int, default=8, help="requests per batch, both models")
     p.add_argument("--pairs", type=int, default=3, help="ours-then-hf rounds")
     args = p.parse_args(argv)
@@ -76,8 +96,10 @@ def main(argv=None):
     pin_numerics()
     reqs = requests(args.requests // 4)
     lengths = [len(c) + len(x) for c, x in (r.args for r in reqs)]
-    print(f"{len(reqs)} requests, {min(lengths)} to {max(lengths)} characters; {args.size} random weights, fp32, "
-          f"batch {args.batch_size}, {jax.devices()[0].platform}")
+    print(
+        f"{len(reqs)} requests, {min(lengths)} to {max(lengths)} characters; {args.size} random "
+        f"weights, fp32, batch {args.batch_size}, {jax.devices()[0].platform}"
+    )
     rows, ok = [], True
     with tempfile.TemporaryDirectory() as tmp:
         path = save_random_hf_model(os.path.join(tmp, "model"), **SIZES[args.size])
@@ -92,10 +114,27 @@ def main(argv=None):
             diff = max(abs(a[0] - b[0]) for a, b in zip(mine, ref))
             flips = sum(a[1] != b[1] for a, b in zip(mine, ref))
             ok &= diff <= LOGLIKELIHOOD_TOL and flips == 0
-            rows.append([str(pair + 1), f"{len(reqs) / cold:.1f}", f"{len(reqs) / warm:.1f}", f"{len(reqs) / t_hf:.1f}",
-                         str(len(lm.shapes)), f"{diff:.1e}"])
-    print_table(rows, ["pair", "ours req/s (compiling)", "ours req/s (compiled)", "hf req/s", "compilations",
-                       "max |diff|"])
+            rows.append(
+                [
+                    str(pair + 1),
+                    f"{len(reqs) / cold:.1f}",
+                    f"{len(reqs) / warm:.1f}",
+                    f"{len(reqs) / t_hf:.1f}",
+                    str(len(lm.shapes)),
+                    f"{diff:.1e}",
+                ]
+            )
+    print_table(
+        rows,
+        [
+            "pair",
+            "ours req/s (compiling)",
+            "ours req/s (compiled)",
+            "hf req/s",
+            "compilations",
+            "max |diff|",
+        ],
+    )
     return 0 if verdict(ok, f"loglikelihoods within {LOGLIKELIHOOD_TOL}, same is_greedy") else 1
 
 

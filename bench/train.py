@@ -1,25 +1,33 @@
 """
 Training speed and memory: our jitted train step vs two PyTorch references, side by side in one run:
 nanoGPT's own model (its model.py: exact GELU, scaled_dot_product_attention) and transformers'
-GPT2LMHeadModel, each with torch.optim.AdamW, same shapes, fp32 on CPU. Each measurement runs in its own
-process, so peak memory is that run's alone.
+GPT2LMHeadModel, each with torch.optim.AdamW, same shapes, fp32 on CPU. Each measurement runs in its
+own process, so peak memory is that run's alone.
 
-    python -m bench.train                      # nanoGPT's CPU baby config (block 64, batch 12, 4x4x128)
-    python -m bench.train --preset gpt2 --dtype bfloat16 --frameworks jax   # 124M, B=16, T=1024 (GPU)
-    python -m bench.train --full-run           # the main training command (make shakespeare) vs nanoGPT's train.py loop, 3 pairs
-    python -m bench.train --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 --devices=8 --remat=none
-    python -m bench.train --memory --topology=v5e:2x4 --preset gpt2 --batch_size=16 --dtype=bfloat16   # a v5e-8 VM
-    python -m bench.train --memory --gpu=h100 --preset gpt2 --batch_size=64 --dtype=bfloat16   # an H100, here
+    # nanoGPT's CPU baby config (block 64, batch 12, 4x4x128)
+    python -m bench.train
+    # 124M, B=16, T=1024 (GPU)
+    python -m bench.train --preset gpt2 --dtype bfloat16 --frameworks jax
+    # the main training command (make shakespeare) vs nanoGPT's train.py loop, 3 pairs
+    python -m bench.train --full-run
+    python -m bench.train --memory --preset gpt2-xl --fsdp=8 --batch_size=1 --dtype=bfloat16 \
+        --devices=8 --remat=none
+    # a v5e-8 VM
+    python -m bench.train --memory --topology=v5e:2x4 --preset gpt2 --batch_size=16 --dtype=bfloat16
+    # an H100, here
+    python -m bench.train --memory --gpu=h100 --preset gpt2 --batch_size=64 --dtype=bfloat16
 
-Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's peak is known,
-peak memory (the device's on GPU/TPU, the process's peak RSS on CPU) and, for ours, the compiled step's scratch
-memory (XLA's memory analysis); then ours with gradient accumulation 8 vs 1 (memory must stay flat: lax.scan over
-micro-batches). --full-run times whole runs instead, in pairs (--repeats): train.py with the main command's
-settings, then nanoGPT's training loop (nanogpt_run) on the same data: the wall time and final val loss of each, and
-the median ratio. --memory prints `memory per device: state, step peak` of one step on a mesh and what its 'auto'
-settings became, as train.py does at start-up, compiled only (bench_memory). With --topology (v3:2x2, v5e:2x4,
-tpu7x:2x2x1...) libtpu's compiler (the tpu extras) compiles it here for that TPU, with --gpu (h100, a100-40...) and
---gpus XLA:GPU (the cuda extras) for a node of those GPUs: its memory, compile time, and whether it fits.
+Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's
+peak is known, peak memory (the device's on GPU/TPU, the process's peak RSS on CPU) and, for ours,
+the compiled step's scratch memory (XLA's memory analysis); then ours with gradient accumulation 8
+vs 1 (memory must stay flat: lax.scan over micro-batches). --full-run times whole runs instead, in
+pairs (--repeats): train.py with the main command's settings, then nanoGPT's training loop
+(nanogpt_run) on the same data: the wall time and final val loss of each, and the median ratio.
+--memory prints `memory per device: state, step peak` of one step on a mesh and what its 'auto'
+settings became, as train.py does at start-up, compiled only (bench_memory). With --topology
+(v3:2x2, v5e:2x4, tpu7x:2x2x1...) libtpu's compiler (the tpu extras) compiles it here for that TPU,
+with --gpu (h100, a100-40...) and --gpus XLA:GPU (the cuda extras) for a node of those GPUs: its
+memory, compile time, and whether it fits.
 """
 
 import argparse
@@ -36,28 +44,48 @@ import numpy as np
 from configurator import UsageError, configure, exit_on_bad_input
 from dataloader import data_meta
 
-# jax, and our modules on it, are imported in the functions that use them: this file is also each measurement's
-# worker process (run_worker), and a torch worker's peak RSS must be torch's own
+# jax, and our modules on it, are imported in the functions that use them: this file is also each
+# measurement's worker process (run_worker), and a torch worker's peak RSS must be torch's own
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 
 PRESETS = {
     "baby": dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128, vocab_size=65),
-    "gpt2": dict(block_size=1024, batch_size=16, n_layer=12, n_head=12, n_embd=768, vocab_size=50304),
+    "gpt2": dict(
+        block_size=1024, batch_size=16, n_layer=12, n_head=12, n_embd=768, vocab_size=50304
+    ),
     # finetuning HF's gpt2-xl (its vocabulary, unpadded)
-    "gpt2-xl": dict(block_size=1024, batch_size=1, n_layer=48, n_head=25, n_embd=1600, vocab_size=50257),
+    "gpt2-xl": dict(
+        block_size=1024, batch_size=1, n_layer=48, n_head=25, n_embd=1600, vocab_size=50257
+    ),
     # the tests' (tests/test_tpu.py): block 128, as a TPU attention kernel's blocks take
     "tiny": dict(block_size=128, batch_size=2, n_layer=2, n_head=2, n_embd=64, vocab_size=128),
-    # modded-nanogpt's record 5 (config/speedrun_gpt2.py): its architecture, Muon on the blocks, Adam on the rest
-    "speedrun": dict(block_size=1024, batch_size=64, n_layer=12, n_head=6, n_embd=768, vocab_size=50304,
-                     arch="speedrun", optimizer="muon", muon_learning_rate=0.00036, lr_schedule="trapezoid",
-                     warmdown_iters=1450, max_iters=5100),
+    # modded-nanogpt's record 5 (config/speedrun_gpt2.py): its architecture, Muon on the blocks,
+    # Adam on the rest
+    "speedrun": dict(
+        block_size=1024,
+        batch_size=64,
+        n_layer=12,
+        n_head=6,
+        n_embd=768,
+        vocab_size=50304,
+        arch="speedrun",
+        optimizer="muon",
+        muon_learning_rate=0.00036,
+        lr_schedule="trapezoid",
+        warmdown_iters=1450,
+        max_iters=5100,
+    ),
 }
 OPTIMIZER_KEYS = ("optimizer", "muon_learning_rate", "lr_schedule", "warmdown_iters", "max_iters")
 # remat, loss_chunk and scan_layers unless given: the run each preset stands for
-PRESET_CONFIGS = {"baby": "config/train_shakespeare_char.py", "gpt2": "config/train_gpt2.py",
-                  "gpt2-xl": "config/finetune_shakespeare.py", "tiny": "config/train_shakespeare_char.py",
-                  "speedrun": "config/speedrun_gpt2.py"}
+PRESET_CONFIGS = {
+    "baby": "config/train_shakespeare_char.py",
+    "gpt2": "config/train_gpt2.py",
+    "gpt2-xl": "config/finetune_shakespeare.py",
+    "tiny": "config/train_shakespeare_char.py",
+    "speedrun": "config/speedrun_gpt2.py",
+}
 SCAN_LAYERS = {"on": True, "off": False, "auto": "auto"}  # --scan_layers: train.py's scan_layers
 
 
@@ -75,21 +103,31 @@ def bench_jax(s):
     c = optimizer_settings(s, learning_rate=1e-3, warmup_iters=10, lr_decay_iters=1000, min_lr=1e-4)
     mesh = sharding.make_mesh()  # data parallel over every device, as train.py's defaults
     tx = train_step.make_optimizer(c)
-    graphdef, params, opt_state = train_step.init_state(model_config(s, sharding.platform_of(mesh)), mesh, tx)
+    graphdef, params, opt_state = train_step.init_state(
+        model_config(s, sharding.platform_of(mesh)), mesh, tx
+    )
     flops_per_token = nnx.merge(graphdef, params).flops_per_token()
     rows = s["batch_size"] * sharding.batch_shards(mesh)
     batch_sharding = sharding.batch_sharding(mesh)
     t_compile = time.perf_counter()
-    fit, auto_line = auto_settings.compile_train_step(graphdef, params, opt_state, tx,
-                                                      (s["accum"], rows, s["block_size"]), batch_sharding, s, 1.0)
+    fit, auto_line = auto_settings.compile_train_step(
+        graphdef, params, opt_state, tx, (s["accum"], rows, s["block_size"]), batch_sharding, s, 1.0
+    )
     step = fit.step
     compile_s = time.perf_counter() - t_compile
-    # XLA's own account of the step's scratch memory (activations, grads in flight): exact, on any backend
+    # XLA's own account of the step's scratch memory (activations, grads in flight): exact, on any
+    # backend
     temp = step.memory_analysis().temp_size_in_bytes
-    params, opt_state = jax.tree.leaves(params), jax.tree.leaves(opt_state)  # as train.py's loop holds them
+    # as train.py's loop holds them
+    params, opt_state = jax.tree.leaves(params), jax.tree.leaves(opt_state)
     rng = np.random.default_rng(0)
-    batch = rng.integers(0, s["vocab_size"], (s["accum"], rows, s["block_size"] + 1)).astype(np.int32)
-    x, y = jax.device_put(batch[..., :-1], batch_sharding), jax.device_put(batch[..., 1:], batch_sharding)
+    batch = rng.integers(0, s["vocab_size"], (s["accum"], rows, s["block_size"] + 1)).astype(
+        np.int32
+    )
+    x, y = (
+        jax.device_put(batch[..., :-1], batch_sharding),
+        jax.device_put(batch[..., 1:], batch_sharding),
+    )
     key = jax.random.key(0)
     times = []
     for i in range(s["warmup"] + s["steps"]):
@@ -98,15 +136,24 @@ def bench_jax(s):
         float(metrics["loss"])  # sync, to time each step
         times.append(time.perf_counter() - t0)
     peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
-    dt = float(np.median(times[s["warmup"]:]))
+    dt = float(np.median(times[s["warmup"] :]))
     tokens = s["accum"] * rows * s["block_size"]
-    return {"ms": dt * 1000, "compile_s": compile_s, "peak_mb": (peak or rss_bytes()) / 2**20,
-            "memory": "device" if peak else "RSS", "mfu": runlog.mfu(flops_per_token * tokens, dt, jax.devices()),
-            "device": jax.devices()[0].device_kind, "temp_mb": temp / 2**20, "tokens": tokens, "auto": auto_line}
+    return {
+        "ms": dt * 1000,
+        "compile_s": compile_s,
+        "peak_mb": (peak or rss_bytes()) / 2**20,
+        "memory": "device" if peak else "RSS",
+        "mfu": runlog.mfu(flops_per_token * tokens, dt, jax.devices()),
+        "device": jax.devices()[0].device_kind,
+        "temp_mb": temp / 2**20,
+        "tokens": tokens,
+        "auto": auto_line,
+    }
 
 
 def model_config(s, platform):
-    """The GPTConfig of the preset's shape and our settings, scan_layers resolved for `platform` as train.py does."""
+    """The GPTConfig of the preset's shape and our settings, scan_layers resolved for `platform` as
+    train.py does."""
     import auto_settings
     from model import GPTConfig
     from settings import resolve_scan_layers
@@ -114,8 +161,14 @@ def model_config(s, platform):
     fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dtype", "attention")
     scan_layers = resolve_scan_layers(s["scan_layers"], platform)
     arch = s.get("arch", "gpt2")
-    return GPTConfig(**{k: s[k] for k in fields}, arch=arch, bias=arch == "gpt2", scan_layers=scan_layers,
-                     **auto_settings.first_candidate(s))  # remat, loss_chunk: compile_fitting picks where 'auto'
+    return GPTConfig(
+        **{k: s[k] for k in fields},
+        arch=arch,
+        bias=arch == "gpt2",
+        scan_layers=scan_layers,
+        # remat, loss_chunk: compile_fitting picks where 'auto'
+        **auto_settings.first_candidate(s),
+    )
 
 
 def optimizer_settings(s, **c):
@@ -126,10 +179,11 @@ def optimizer_settings(s, **c):
 
 
 def bench_memory(s):
-    """The memory per device of a train step on a mesh, from abstract state: train_step.init_state traced only
-    (jax.eval_shape), XLA compiles the step for ShapeDtypeStructs, nothing is materialized, so a laptop can size a
-    pod's run. With a topology, libtpu's compiler compiles it for that TPU; a step that does not fit its HBM comes
-    back as the compiler's refusal. With a GPU, XLA:GPU compiles it for that GPU's spec (sharding.GPUS)."""
+    """The memory per device of a train step on a mesh, from abstract state: train_step.init_state
+    traced only (jax.eval_shape), XLA compiles the step for ShapeDtypeStructs, nothing is
+    materialized, so a laptop can size a pod's run. With a topology, libtpu's compiler compiles it
+    for that TPU; a step that does not fit its HBM comes back as the compiler's refusal. With a GPU,
+    XLA:GPU compiles it for that GPU's spec (sharding.GPUS)."""
     import jax
 
     import auto_settings
@@ -137,12 +191,15 @@ def bench_memory(s):
     import train_step
 
     if s["topology"] or s["gpu"]:  # compile-only devices
-        devices = (sharding.topology_devices(s["topology"]) if s["topology"] else
-                   sharding.gpu_devices(s["gpu"], s["devices"]))[:s["devices"]]
+        devices = (
+            sharding.topology_devices(s["topology"])
+            if s["topology"]
+            else sharding.gpu_devices(s["gpu"], s["devices"])
+        )[: s["devices"]]
     elif jax.device_count() < s["devices"]:
         return {"too_few_devices": jax.device_count()}
     else:
-        devices = jax.devices()[:s["devices"]]
+        devices = jax.devices()[: s["devices"]]
     mesh = sharding.make_mesh(s["fsdp"], s["tensor_parallel"], devices)
     platform = sharding.platform_of(mesh)
     config = model_config(s, platform)
@@ -153,108 +210,201 @@ def bench_memory(s):
     params, opt_state = (sharding.abstract(t, sharding.shardings_for(t, mesh)) for t in state)
     shape = (1, s["batch_size"] * sharding.batch_shards(mesh), s["block_size"])
     t0 = time.perf_counter()
-    fit, auto = auto_settings.compile_train_step(graphdef, params, opt_state, tx, shape, sharding.batch_sharding(mesh),
-                                                 s, 1.0)
-    return {"state": fit.state_bytes, "backend": platform, "mesh": dict(mesh.shape), "scan_layers": config.scan_layers,
-            "device_kind": devices[0].device_kind, "hbm": sharding.usable_bytes(devices[0]), "auto": auto,
-            "peak": fit.peak, "refused": fit.step is None, "available": fit.limit, "remat": fit.config.remat,
-            "loss_chunk": fit.config.loss_chunk, "attention": auto_settings.kernel(fit.config, devices[0]),
-            "compile_s": time.perf_counter() - t0}
+    fit, auto = auto_settings.compile_train_step(
+        graphdef, params, opt_state, tx, shape, sharding.batch_sharding(mesh), s, 1.0
+    )
+    return {
+        "state": fit.state_bytes,
+        "backend": platform,
+        "mesh": dict(mesh.shape),
+        "scan_layers": config.scan_layers,
+        "device_kind": devices[0].device_kind,
+        "hbm": sharding.usable_bytes(devices[0]),
+        "auto": auto,
+        "peak": fit.peak,
+        "refused": fit.step is None,
+        "available": fit.limit,
+        "remat": fit.config.remat,
+        "loss_chunk": fit.config.loss_chunk,
+        "attention": auto_settings.kernel(fit.config, devices[0]),
+        "compile_s": time.perf_counter() - t0,
+    }
 
 
 def step_options(p):
-    """The options that choose the step, on `p`: preset, batch size, dtype, train.py's compute settings."""
+    """The options that choose the step, on `p`: preset, batch size, dtype, train.py's compute
+    settings."""
     import attention
     from layers import REMAT
 
     p.add_argument("--preset", default="baby", choices=PRESETS)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batch_size", type=int, default=None)
-    p.add_argument("--remat", choices=["auto", *REMAT], help="ours: train.py's remat (default: the preset's config "
-                   "file's: gpt2 config/train_gpt2.py, gpt2-xl config/finetune_shakespeare.py)")
-    p.add_argument("--loss_chunk", type=lambda v: v if v == "auto" else int(v),
-                   help="ours: train.py's loss_chunk, or auto (default: as --remat)")
-    p.add_argument("--scan_layers", choices=list(SCAN_LAYERS),
-                   help="ours: train.py's scan_layers (default: as --remat)")
-    p.add_argument("--attention", default="auto", choices=attention.SETTINGS, help="ours: train.py's attention")
+    p.add_argument(
+        "--remat",
+        choices=["auto", *REMAT],
+        help="ours: train.py's remat (default: the preset's config "
+        "file's: gpt2 config/train_gpt2.py, gpt2-xl config/finetune_shakespeare.py)",
+    )
+    p.add_argument(
+        "--loss_chunk",
+        type=lambda v: v if v == "auto" else int(v),
+        help="ours: train.py's loss_chunk, or auto (default: as --remat)",
+    )
+    p.add_argument(
+        "--scan_layers",
+        choices=list(SCAN_LAYERS),
+        help="ours: train.py's scan_layers (default: as --remat)",
+    )
+    p.add_argument(
+        "--attention", default="auto", choices=attention.SETTINGS, help="ours: train.py's attention"
+    )
 
 
 def step_settings(args, **extra):
-    """(settings, where its compute settings came from): the preset's shape at the options' batch size and dtype,
-    `extra`, and remat, loss_chunk, scan_layers as given, else as the preset's config file sets them for its run."""
-    compute = {"remat": args.remat, "loss_chunk": args.loss_chunk, "scan_layers": SCAN_LAYERS.get(args.scan_layers)}
+    """(settings, where its compute settings came from): the preset's shape at the options' batch
+    size and dtype, `extra`, and remat, loss_chunk, scan_layers as given, else as the preset's
+    config file sets them for its run."""
+    compute = {
+        "remat": args.remat,
+        "loss_chunk": args.loss_chunk,
+        "scan_layers": SCAN_LAYERS.get(args.scan_layers),
+    }
     path = PRESET_CONFIGS[args.preset] if None in compute.values() else None
     if path:
         from settings import DEFAULTS
 
-        config = configure(DEFAULTS, [path])  # scan_layers may be 'auto': resolved where the step compiles
+        # scan_layers may be 'auto': resolved where the step compiles
+        config = configure(DEFAULTS, [path])
         compute = {k: config[k] if v is None else v for k, v in compute.items()}
     preset = PRESETS[args.preset]
-    return (dict(preset, batch_size=args.batch_size or preset["batch_size"], dtype=args.dtype, **compute,
-                 attention=args.attention, **extra), f" (from {path})" if path else "")
+    return (
+        dict(
+            preset,
+            batch_size=args.batch_size or preset["batch_size"],
+            dtype=args.dtype,
+            **compute,
+            attention=args.attention,
+            **extra,
+        ),
+        f" (from {path})" if path else "",
+    )
 
 
 def memory(args):
-    s, source = step_settings(args, devices=args.devices or 1, fsdp=args.fsdp, tensor_parallel=args.tensor_parallel,
-                              topology=args.topology, gpu=args.gpu)
+    s, source = step_settings(
+        args,
+        devices=args.devices or 1,
+        fsdp=args.fsdp,
+        tensor_parallel=args.tensor_parallel,
+        topology=args.topology,
+        gpu=args.gpu,
+    )
     if args.topology or args.gpu:
         import attention
         import sharding
 
-        devices = (sharding.topology_devices(args.topology) if args.topology  # a bad name: one line, before any worker
-                   else sharding.gpu_devices(args.gpu, args.gpus))
-        attention.check_run(model_config(s, devices[0].platform), devices[0])  # e.g. splash in bf16 on a v3: one line
+        # a bad name: one line, before any worker
+        devices = (
+            sharding.topology_devices(args.topology)
+            if args.topology
+            else sharding.gpu_devices(args.gpu, args.gpus)
+        )
+        # e.g. splash in bf16 on a v3: one line
+        attention.check_run(model_config(s, devices[0].platform), devices[0])
         n = len(devices)
         if (args.devices or n) > n:
-            raise UsageError(f"--devices={args.devices}: the target {args.topology or args.gpu} has {n}")
+            raise UsageError(
+                f"--devices={args.devices}: the target {args.topology or args.gpu} has {n}"
+            )
         s["devices"] = args.devices or n
-        # the host's backend is not the program's; JAX's compilation cache cannot load a compile-only client's programs
-        r = run_worker("memory", s, {"JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "false"})
+        # the host's backend is not the program's; JAX's compilation cache cannot load a
+        # compile-only client's programs
+        r = run_worker(
+            "memory", s, {"JAX_PLATFORMS": "cpu", "JAX_ENABLE_COMPILATION_CACHE": "false"}
+        )
     else:
         env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={s['devices']}"}
         r = run_worker("memory", s, env)
-        if "too_few_devices" in r:  # e.g. one GPU asked for 8 devices: XLA:CPU's analysis on fake CPU devices
+        # e.g. one GPU asked for 8 devices: XLA:CPU's analysis on fake CPU devices
+        if "too_few_devices" in r:
             r = run_worker("memory", s, dict(env, JAX_PLATFORMS="cpu"))
     m = r["mesh"]
-    where = f" of {args.topology or args.gpu} ({r['device_kind']})" if args.topology or args.gpu else ""
-    print(f"{args.preset}, batch {s['batch_size']} x {s['block_size']} per batch shard, {s['dtype']}, "
-          f"{s['devices']} {r['backend']} device(s){where}, mesh data {m['data']} x fsdp {m['fsdp']} x tensor "
-          f"{m['tensor']}, remat {r['remat']}, loss_chunk {r['loss_chunk']}, scan_layers {r['scan_layers']}{source}, "
-          f"attention {r['attention']}")
+    where = (
+        f" of {args.topology or args.gpu} ({r['device_kind']})" if args.topology or args.gpu else ""
+    )
+    print(
+        f"{args.preset}, batch {s['batch_size']} x {s['block_size']} per batch shard, "
+        f"{s['dtype']}, {s['devices']} {r['backend']} device(s){where}, mesh data {m['data']} x "
+        f"fsdp {m['fsdp']} x tensor {m['tensor']}, remat {r['remat']}, loss_chunk "
+        f"{r['loss_chunk']}, scan_layers {r['scan_layers']}{source}, attention {r['attention']}"
+    )
     if r["auto"]:
         print(r["auto"])
     if r["refused"]:  # by the TPU compiler, every candidate of remat and loss_chunk
-        print(f"memory per device: state {r['state'] / 2**30:.2f} GiB; does not fit: needs ~{r['peak'] / 2**30:.2f} "
-              f"GiB of {r['available'] / 2**30:.2f} GiB HBM (the TPU compiler's figure)")
+        print(
+            f"memory per device: state {r['state'] / 2**30:.2f} GiB; does not fit: needs "
+            f"~{r['peak'] / 2**30:.2f} GiB of {r['available'] / 2**30:.2f} GiB HBM (the TPU "
+            "compiler's figure)"
+        )
         return 0
-    print(f"memory per device: state {r['state'] / 2**30:.2f} GiB, step peak {r['peak'] / 2**30:.2f} GiB")
-    if args.topology or args.gpu:  # the TPU compiler refuses a step that does not fit (above), XLA:GPU compiles any
-        fits = (f"fits, step peak {r['peak'] / r['hbm']:.0%} of it" if r["peak"] <= r["hbm"] else
-                f"does not fit, by {(r['peak'] - r['hbm']) / 2**30:.2f} GiB")
-        what = "HBM" if args.topology else f"memory {sharding.GPUS[args.gpu].memory / 2**30:.2f} GiB, for JAX"
-        print(f"{r['device_kind']} {what} {r['hbm'] / 2**30:.2f} GiB per device: {fits} (compiled by "
-              f"{'libtpu' if args.topology else 'XLA:GPU'} for {args.topology or args.gpu} in {r['compile_s']:.1f} s)")
+    print(
+        f"memory per device: state {r['state'] / 2**30:.2f} GiB, step peak {r['peak'] / 2**30:.2f} "
+        "GiB"
+    )
+    # the TPU compiler refuses a step that does not fit (above), XLA:GPU compiles any
+    if args.topology or args.gpu:
+        fits = (
+            f"fits, step peak {r['peak'] / r['hbm']:.0%} of it"
+            if r["peak"] <= r["hbm"]
+            else f"does not fit, by {(r['peak'] - r['hbm']) / 2**30:.2f} GiB"
+        )
+        what = (
+            "HBM"
+            if args.topology
+            else f"memory {sharding.GPUS[args.gpu].memory / 2**30:.2f} GiB, for JAX"
+        )
+        print(
+            f"{r['device_kind']} {what} {r['hbm'] / 2**30:.2f} GiB per device: {fits} (compiled by "
+            f"{'libtpu' if args.topology else 'XLA:GPU'} for {args.topology or args.gpu} in "
+            f"{r['compile_s']:.1f} s)"
+        )
     else:
         print(f"compiled by XLA:{r['backend'].upper()} in {r['compile_s']:.1f} s")
     return 0
 
 
 def torch_model(s, device):
-    """(model, loss_fn) for s["framework"]: nanoGPT's GPT (parity/nanogpt_reference.py: its model.py's modules,
-    init, weight tying, loss; bias on, dropout 0) or transformers' GPT2LMHeadModel."""
+    """(model, loss_fn) for s["framework"]: nanoGPT's GPT (parity/nanogpt_reference.py: its
+    model.py's modules, init, weight tying, loss; bias on, dropout 0) or transformers'
+    GPT2LMHeadModel."""
     import torch
 
     if s["framework"] == "nanogpt":
         from parity.nanogpt_reference import GPT, GPTConfig
 
-        model = GPT(GPTConfig(**{k: s[k] for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")},
-                              dropout=0.0, bias=True))
+        model = GPT(
+            GPTConfig(
+                **{k: s[k] for k in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd")},
+                dropout=0.0,
+                bias=True,
+            )
+        )
         return model.to(device).train(), lambda x, y: model(x, y)[1]
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_positions=s["block_size"], vocab_size=s["vocab_size"], n_layer=s["n_layer"],
-                        n_head=s["n_head"], n_embd=s["n_embd"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=None, eos_token_id=None)
+    config = GPT2Config(
+        n_positions=s["block_size"],
+        vocab_size=s["vocab_size"],
+        n_layer=s["n_layer"],
+        n_head=s["n_head"],
+        n_embd=s["n_embd"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     model = GPT2LMHeadModel(config).to(device).train()
 
     def loss_fn(x, y):
@@ -265,14 +415,15 @@ def torch_model(s, device):
 
 
 def torch_mfu(model, s, dt, device_name):
-    """nanoGPT's estimate_mfu for a torch model over the device's bf16 peak (runlog.PEAK_BF16_FLOPS); None where
-    the peak is unknown (CPU)."""
+    """nanoGPT's estimate_mfu for a torch model over the device's bf16 peak
+    (runlog.PEAK_BF16_FLOPS); None where the peak is unknown (CPU)."""
     from model import flops_per_token
     from runlog import peak_flops_of
 
     if (peak := peak_flops_of(device_name)) is None:
         return None
-    n = sum(p.numel() for name, p in model.named_parameters() if "wpe" not in name)  # N without position embeddings
+    # N without position embeddings
+    n = sum(p.numel() for name, p in model.named_parameters() if "wpe" not in name)
     flops = flops_per_token(n, s["n_layer"], s["n_head"], s["n_embd"], s["block_size"])
     return flops * s["block_size"] * s["accum"] * s["batch_size"] / dt / peak
 
@@ -288,13 +439,18 @@ def bench_torch(s):
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, loss_fn = torch_model(s, device)
-    opt = configure_optimizers(model, dict(learning_rate=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95))
-    if (device == "cuda" or s["as_on_gpu"]) and s["framework"] == "nanogpt":  # as nanoGPT's train.py on a GPU
+    opt = configure_optimizers(
+        model, dict(learning_rate=1e-3, weight_decay=0.1, beta1=0.9, beta2=0.95)
+    )
+    # as nanoGPT's train.py on a GPU
+    if (device == "cuda" or s["as_on_gpu"]) and s["framework"] == "nanogpt":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         opt = torch.optim.AdamW(opt.param_groups, lr=1e-3, betas=(0.9, 0.95), fused=True)
         loss_fn = torch.compile(loss_fn)
     rng = np.random.default_rng(0)
-    batch = torch.from_numpy(rng.integers(0, s["vocab_size"], (s["accum"], s["batch_size"], s["block_size"] + 1)))
+    batch = torch.from_numpy(
+        rng.integers(0, s["vocab_size"], (s["accum"], s["batch_size"], s["block_size"] + 1))
+    )
     x, y = batch[..., :-1].contiguous().to(device), batch[..., 1:].contiguous().to(device)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=s["dtype"] == "bfloat16")
     times = []
@@ -310,24 +466,49 @@ def bench_torch(s):
         loss.item()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-    dt = float(np.median(times[s["warmup"]:]))
+    dt = float(np.median(times[s["warmup"] :]))
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     # peak_mb before mfu: torch_mfu imports jax, which the RSS must not count
-    return {"ms": dt * 1000, "compile_s": None, "peak_mb": (peak or rss_bytes()) / 2**20,
-            "memory": "device" if peak else "RSS", "mfu": torch_mfu(model, s, dt, name), "temp_mb": None,
-            "device": name, "tokens": s["accum"] * s["batch_size"] * s["block_size"]}
+    return {
+        "ms": dt * 1000,
+        "compile_s": None,
+        "peak_mb": (peak or rss_bytes()) / 2**20,
+        "memory": "device" if peak else "RSS",
+        "mfu": torch_mfu(model, s, dt, name),
+        "temp_mb": None,
+        "device": name,
+        "tokens": s["accum"] * s["batch_size"] * s["block_size"],
+    }
 
 
 # the main command (Makefile: shakespeare), and nanoGPT's README command for the same run on CPU
-MAIN_RUN = dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128, max_iters=2000, lr_decay_iters=2000,
-                dropout=0.0, eval_iters=20, eval_interval=250, learning_rate=1e-3, min_lr=1e-4, warmup_iters=100,
-                decay_lr=True, beta1=0.9, beta2=0.99, weight_decay=0.1, grad_clip=1.0)
+MAIN_RUN = dict(
+    block_size=64,
+    batch_size=12,
+    n_layer=4,
+    n_head=4,
+    n_embd=128,
+    max_iters=2000,
+    lr_decay_iters=2000,
+    dropout=0.0,
+    eval_iters=20,
+    eval_interval=250,
+    learning_rate=1e-3,
+    min_lr=1e-4,
+    warmup_iters=100,
+    decay_lr=True,
+    beta1=0.9,
+    beta2=0.99,
+    weight_decay=0.1,
+    grad_clip=1.0,
+)
 
 
 def nanogpt_run(s):
-    """nanoGPT's train.py loop, single process, CPU, compile=False, with MAIN_RUN's settings: the random
-    windows of get_batch, get_lr, clip_grad_norm_, an eval of eval_iters batches per split every eval_interval
-    iterations, a checkpoint (torch.save) when val improves, loss.item() every iteration (log_interval=1)."""
+    """nanoGPT's train.py loop, single process, CPU, compile=False, with MAIN_RUN's settings: the
+    random windows of get_batch, get_lr, clip_grad_norm_, an eval of eval_iters batches per split
+    every eval_interval iterations, a checkpoint (torch.save) when val improves, loss.item() every
+    iteration (log_interval=1)."""
     import torch
 
     from parity.torch_reference import nanogpt_train_loop
@@ -337,19 +518,28 @@ def nanogpt_run(s):
     torch.manual_seed(1337)
     torch.set_num_threads(os.cpu_count())
     data_dir = os.path.join("data", "shakespeare_char")
-    model, _ = torch_model(dict(r, vocab_size=data_meta(data_dir)[0], framework="nanogpt"), "cpu")  # dropout 0 too
+    # dropout 0 too
+    model, _ = torch_model(dict(r, vocab_size=data_meta(data_dir)[0], framework="nanogpt"), "cpu")
     losses = nanogpt_train_loop(model, r, data_dir)
     return {"wall_s": time.time() - t_start, "val_loss": losses["val"]}
 
 
 def ours_run(compilation_cache):
-    """train.py with the main command's settings, in a subprocess, with JAX's persistent compilation cache in
-    the directory `compilation_cache` (a new one: cold; one a run has filled: warm): wall time, final val loss."""
+    """train.py with the main command's settings, in a subprocess, with JAX's persistent compilation
+    cache in the directory `compilation_cache` (a new one: cold; one a run has filled: warm): wall
+    time, final val loss."""
     with tempfile.TemporaryDirectory() as out_dir:
-        args = [f"--{k}={v}" for k, v in MAIN_RUN.items()] + [f"--out_dir={out_dir}", "--log_interval=100"]
+        args = [f"--{k}={v}" for k, v in MAIN_RUN.items()] + [
+            f"--out_dir={out_dir}",
+            "--log_interval=100",
+        ]
         t0 = time.time()
-        subprocess.run([sys.executable, "train.py", "config/train_shakespeare_char.py", *args], check=True,
-                       stdout=subprocess.DEVNULL, env=dict(os.environ, JAX_COMPILATION_CACHE_DIR=compilation_cache))
+        subprocess.run(
+            [sys.executable, "train.py", "config/train_shakespeare_char.py", *args],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            env=dict(os.environ, JAX_COMPILATION_CACHE_DIR=compilation_cache),
+        )
         wall = time.time() - t0
         with open(os.path.join(out_dir, "log.jsonl")) as f:
             val = [json.loads(line)["val_loss"] for line in f if '"val_loss"' in line][-1]
@@ -357,26 +547,36 @@ def ours_run(compilation_cache):
 
 
 def full_run(repeats):
-    """Whole runs, ours (cold, then warm compilation cache) then nanoGPT's, `repeats` times: a shared machine's
-    load drifts over minutes, so each round is reported and the median of the ratios is the figure."""
+    """Whole runs, ours (cold, then warm compilation cache) then nanoGPT's, `repeats` times: a
+    shared machine's load drifts over minutes, so each round is reported and the median of the
+    ratios is the figure."""
     if not os.path.exists(os.path.join("data", "shakespeare_char", "train.bin")):
         subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], check=True)
     print(f"main command settings: {MAIN_RUN}")
-    print(f"\n{'pair':<5} {'jax cold s':>10} {'jax warm s':>10} {'jax val':>8} {'nanoGPT wall s':>14} "
-          f"{'nanoGPT val':>11} {'cold / nanoGPT':>14} {'warm / nanoGPT':>14}")
+    print(
+        f"\n{'pair':<5} {'jax cold s':>10} {'jax warm s':>10} {'jax val':>8} "
+        f"{'nanoGPT wall s':>14} {'nanoGPT val':>11} {'cold / nanoGPT':>14} {'warm / nanoGPT':>14}"
+    )
     ratios = {"cold": [], "warm": []}
     for i in range(repeats):
-        with tempfile.TemporaryDirectory() as cache:  # new and empty: the first run compiles everything
+        # new and empty: the first run compiles everything
+        with tempfile.TemporaryDirectory() as cache:
             cold, warm = ours_run(cache), ours_run(cache)
         theirs = run_worker("nanogpt-run", {})
         ratios["cold"].append(cold["wall_s"] / theirs["wall_s"])
         ratios["warm"].append(warm["wall_s"] / theirs["wall_s"])
-        print(f"{i:<5} {cold['wall_s']:>10.1f} {warm['wall_s']:>10.1f} {cold['val_loss']:>8.4f} "
-              f"{theirs['wall_s']:>14.1f} {theirs['val_loss']:>11.4f} {ratios['cold'][-1]:>14.2f} "
-              f"{ratios['warm'][-1]:>14.2f}", flush=True)
+        print(
+            f"{i:<5} {cold['wall_s']:>10.1f} {warm['wall_s']:>10.1f} {cold['val_loss']:>8.4f} "
+            f"{theirs['wall_s']:>14.1f} {theirs['val_loss']:>11.4f} {ratios['cold'][-1]:>14.2f} "
+            f"{ratios['warm'][-1]:>14.2f}",
+            flush=True,
+        )
     median = {k: sorted(v)[len(v) // 2] for k, v in ratios.items()}
-    print(f"\njax / nanoGPT wall time, median of {repeats}: cold compilation cache {median['cold']:.2f}, warm "
-          f"{median['warm']:.2f} (train.py's includes its imports, compilation and orbax checkpoints)")
+    print(
+        f"\njax / nanoGPT wall time, median of {repeats}: cold compilation cache "
+        f"{median['cold']:.2f}, warm {median['warm']:.2f} (train.py's includes its imports, "
+        "compilation and orbax checkpoints)"
+    )
 
 
 def rss_bytes():
@@ -384,15 +584,21 @@ def rss_bytes():
 
 
 def run_worker(framework, settings, env=None):
-    out = subprocess.run([sys.executable, "-m", "bench.train", "--worker", framework, json.dumps(settings)],
-                         cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.train", "--worker", framework, json.dumps(settings)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     if out.returncode:
         raise SystemExit(f"{framework} worker failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main():
-    # run_worker's child skips the parser, whose choices import jax: a torch run's peak RSS is torch's own
+    # run_worker's child skips the parser, whose choices import jax: a torch run's peak RSS is
+    # torch's own
     if sys.argv[1:2] == ["--worker"]:
         framework, settings = sys.argv[2:]
         print(json.dumps(WORKERS[framework](dict(json.loads(settings), framework=framework))))
@@ -402,51 +608,91 @@ def main():
     p.add_argument("--steps", type=int, default=50, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps (the first compiles)")
     p.add_argument("--frameworks", default="jax,nanogpt,transformers")
-    p.add_argument("--no-accum", action="store_true", help="skip the accumulation 8 vs 1 memory check")
+    p.add_argument(
+        "--no-accum", action="store_true", help="skip the accumulation 8 vs 1 memory check"
+    )
     p.add_argument("--full-run", action="store_true", help="time whole training runs (see above)")
     p.add_argument("--repeats", type=int, default=3, help="--full-run: pairs of runs")
-    p.add_argument("--memory", action="store_true", help="memory per device of one step, compile only (see above)")
-    p.add_argument("--devices", type=int, help="--memory: devices (default 1; fake CPU ones if there are fewer); "
-                   "with --topology, the first N of its devices (default all)")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="memory per device of one step, compile only (see above)",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        help="--memory: devices (default 1; fake CPU ones if there are fewer); "
+        "with --topology, the first N of its devices (default all)",
+    )
     p.add_argument("--fsdp", type=int, default=1, help="--memory: the mesh's fsdp axis")
-    p.add_argument("--tensor_parallel", type=int, default=1, help="--memory: the mesh's tensor axis")
-    p.add_argument("--topology", help="--memory: compile for this TPU (e.g. v3:2x2, v5e:2x4, tpu7x:2x2x1) with "
-                   "libtpu, here")
-    p.add_argument("--gpu", help="--memory: compile for this NVIDIA GPU (a100-40, a100-80, h100, h200, b200), here")
-    p.add_argument("--gpus", type=int, default=1, help="--gpu: GPUs of a node (e.g. 8), or nodes of 8")
-    p.add_argument("--reference-as-on-gpu", action="store_true",
-                   help="run nanoGPT's reference as on a GPU (torch.compile, fused AdamW, TF32) on any device")
+    p.add_argument(
+        "--tensor_parallel", type=int, default=1, help="--memory: the mesh's tensor axis"
+    )
+    p.add_argument(
+        "--topology",
+        help="--memory: compile for this TPU (e.g. v3:2x2, v5e:2x4, tpu7x:2x2x1) with libtpu, here",
+    )
+    p.add_argument(
+        "--gpu",
+        help="--memory: compile for this NVIDIA GPU (a100-40, a100-80, h100, h200, b200), here",
+    )
+    p.add_argument(
+        "--gpus", type=int, default=1, help="--gpu: GPUs of a node (e.g. 8), or nodes of 8"
+    )
+    p.add_argument(
+        "--reference-as-on-gpu",
+        action="store_true",
+        help="run nanoGPT's reference as on a GPU (torch.compile, fused AdamW, TF32) on any device",
+    )
     args = p.parse_args()
     if (args.topology or args.gpu) and not args.memory:
-        raise UsageError("--topology and --gpu are for --memory: a step compiled here is sized, not run")
+        raise UsageError(
+            "--topology and --gpu are for --memory: a step compiled here is sized, not run"
+        )
     if args.full_run or args.memory:
         return full_run(args.repeats) if args.full_run else memory(args)
 
-    s, source = step_settings(args, steps=args.steps, warmup=args.warmup, accum=1, as_on_gpu=args.reference_as_on_gpu)
+    s, source = step_settings(
+        args, steps=args.steps, warmup=args.warmup, accum=1, as_on_gpu=args.reference_as_on_gpu
+    )
     print(f"preset {args.preset}: {s}{source}")
     rows = [(fw, 1, run_worker(fw, s)) for fw in args.frameworks.split(",")]
     if "jax" in args.frameworks and not args.no_accum:
-        rows.append(("jax", 8, run_worker("jax", dict(s, accum=8, steps=max(args.steps // 8, 5), warmup=2))))
-    print(f"\n{'framework':<12} {'accum':>5} {'ms/iter':>9} {'tok/s':>10} {'mfu':>7} {'peak MB':>9}  "
-          f"{'memory':<6} {'step temp MB':>12} {'compile s':>9}  device")
+        rows.append(
+            ("jax", 8, run_worker("jax", dict(s, accum=8, steps=max(args.steps // 8, 5), warmup=2)))
+        )
+    print(
+        f"\n{'framework':<12} {'accum':>5} {'ms/iter':>9} {'tok/s':>10} {'mfu':>7} {'peak MB':>9}  "
+        f"{'memory':<6} {'step temp MB':>12} {'compile s':>9}  device"
+    )
     for fw, accum, r in rows:
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "n/a"
         comp = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
         temp = f"{r['temp_mb']:.1f}" if r["temp_mb"] is not None else "-"
-        print(f"{fw:<12} {accum:>5} {r['ms']:>9.2f} {r['tokens'] / r['ms'] * 1000:>10,.0f} {mfu:>7} "
-              f"{r['peak_mb']:>9.0f}  {r['memory']:<6} {temp:>12} {comp:>9}  {r['device']}")
+        print(
+            f"{fw:<12} {accum:>5} {r['ms']:>9.2f} {r['tokens'] / r['ms'] * 1000:>10,.0f} {mfu:>7} "
+            f"{r['peak_mb']:>9.0f}  {r['memory']:<6} {temp:>12} {comp:>9}  {r['device']}"
+        )
     by = {(fw, a): r for fw, a, r in rows}
     print()
     for ref in ("nanogpt", "transformers"):
         if ("jax", 1) in by and (ref, 1) in by:
             print(f"jax / {ref} ms per iteration: {by['jax', 1]['ms'] / by[ref, 1]['ms']:.2f}")
     if ("jax", 8) in by:
-        print(f"jax peak memory, accumulation 8 / 1: {by['jax', 8]['peak_mb'] / by['jax', 1]['peak_mb']:.3f} "
-              f"(step scratch memory: {by['jax', 8]['temp_mb'] / by['jax', 1]['temp_mb']:.3f})")
+        print(
+            "jax peak memory, accumulation 8 / 1: "
+            f"{by['jax', 8]['peak_mb'] / by['jax', 1]['peak_mb']:.3f} (step scratch memory: "
+            f"{by['jax', 8]['temp_mb'] / by['jax', 1]['temp_mb']:.3f})"
+        )
 
 
-WORKERS = {"jax": bench_jax, "nanogpt": bench_torch, "transformers": bench_torch, "nanogpt-run": nanogpt_run,
-           "memory": bench_memory}
+WORKERS = {
+    "jax": bench_jax,
+    "nanogpt": bench_torch,
+    "transformers": bench_torch,
+    "nanogpt-run": nanogpt_run,
+    "memory": bench_memory,
+}
 
 if __name__ == "__main__":
     exit_on_bad_input(main)

@@ -23,7 +23,8 @@ max_iters = 20
 learning_rate = 3e-5
 decay_lr = False
 
-# memory: gpt2-xl's step at batch 1 x 1024 needs 40.5 GiB per device as a replica, 25.2 GiB with --fsdp=8 (XLA:CPU's
-# analysis). remat and loss_chunk 'auto' (the defaults) recompute as little as fits the device, said at start-up: on a
-# v5e-8 (16 GB chips) with --fsdp=8, check it with bench/train.py --memory --topology=v5e:2x4 --preset gpt2-xl
-# --fsdp=8 --batch_size=1 --dtype=bfloat16 (docs/tpu.md)
+# memory: gpt2-xl's step at batch 1 x 1024 needs 40.5 GiB per device as a replica, 25.2 GiB with
+# --fsdp=8 (XLA:CPU's analysis). remat and loss_chunk 'auto' (the defaults) recompute as little as
+# fits the device, said at start-up: on a v5e-8 (16 GB chips) with --fsdp=8, check it with
+# bench/train.py --memory --topology=v5e:2x4 --preset gpt2-xl --fsdp=8 --batch_size=1
+# --dtype=bfloat16 (docs/tpu.md)

@@ -1,13 +1,14 @@
-# modded-nanogpt's record 5 (2024-10-14, "ModernArch": 3.28 FineWeb val loss in 5100 steps, 15.2 min on 8x H100):
-# rotary, QK-norm, weightless RMSNorm, ReLU², zero-init projections, no position embedding (arch='speedrun'),
-# Muon on the blocks' matrices and Adam on the tied embedding, a trapezoid schedule. docs/speedrun.md.
-# data: python data/fineweb10B/prepare.py --num_chunks=27   (the record's cached GPT-2 tokens, ~5.4 GB)
-# run:  python train.py config/speedrun_gpt2.py
+# modded-nanogpt's record 5 (2024-10-14, "ModernArch": 3.28 FineWeb val loss in 5100 steps, 15.2 min
+# on 8x H100): rotary, QK-norm, weightless RMSNorm, ReLU², zero-init projections, no position
+# embedding (arch='speedrun'), Muon on the blocks' matrices and Adam on the tied embedding, a
+# trapezoid schedule. docs/speedrun.md. data: python data/fineweb10B/prepare.py --num_chunks=27
+# (the record's cached GPT-2 tokens, ~5.4 GB) run:  python train.py config/speedrun_gpt2.py
 
 out_dir = "out-speedrun"
 dataset = "fineweb10B"
 
-# 8 devices x 64 x 1024 = 524,288 tokens per step, as the record's 8 GPUs; fewer devices accumulate to match
+# 8 devices x 64 x 1024 = 524,288 tokens per step, as the record's 8 GPUs; fewer devices accumulate
+# to match
 total_batch_size = 524288
 batch_size = 64  # per device
 block_size = 1024
@@ -25,8 +26,8 @@ learning_rate = 0.0036  # Adam's, on the tied embedding / head
 muon_learning_rate = 0.00036  # 0.1 x learning_rate, as the record
 muon_momentum = 0.95
 muon_ns_dtype = "bfloat16"
-# memory: remat and loss_chunk 'auto' (the defaults): the least recompute that fits the device, said at start-up
-# (docs/gpu.md, docs/tpu.md)
+# memory: remat and loss_chunk 'auto' (the defaults): the least recompute that fits the device, said
+# at start-up (docs/gpu.md, docs/tpu.md)
 beta1 = 0.9
 beta2 = 0.95
 weight_decay = 0.0

@@ -1,7 +1,8 @@
-# The speedrun recipe (config/speedrun_gpt2.py: record 5's architecture, Muon, trapezoid) at the CPU baby model's
-# size and data: `make shakespeare`'s run (4 layers, 4 heads, 128 wide, block 64, batch 12, char-level Shakespeare),
-# with the record's choices for the rest. Learning rates picked from a few tried (docs/speedrun.md), on train loss.
-# run: python data/shakespeare_char/prepare.py && python train.py config/speedrun_shakespeare_char.py
+# The speedrun recipe (config/speedrun_gpt2.py: record 5's architecture, Muon, trapezoid) at the CPU
+# baby model's size and data: `make shakespeare`'s run (4 layers, 4 heads, 128 wide, block 64, batch
+# 12, char-level Shakespeare), with the record's choices for the rest. Learning rates picked from a
+# few tried (docs/speedrun.md), on train loss. run: python data/shakespeare_char/prepare.py &&
+# python train.py config/speedrun_shakespeare_char.py
 
 out_dir = "out-speedrun-shakespeare-char"
 dataset = "shakespeare_char"
@@ -17,7 +18,8 @@ bias = False
 dropout = 0.0
 
 optimizer = "muon"
-muon_ns_dtype = "float32"  # as the rest of this CPU run (dtype auto: float32); the record's bf16 is for its GPUs
+# as the rest of this CPU run (dtype auto: float32); the record's bf16 is for its GPUs
+muon_ns_dtype = "float32"
 learning_rate = 0.02  # Adam's, on the tied embedding / head
 muon_learning_rate = 0.04
 muon_momentum = 0.95

@@ -1,4 +1,5 @@
-"""The local tasks' data, read from files beside this one (any working directory): lm-eval's `custom_dataset`."""
+"""The local tasks' data, read from files beside this one (any working directory): lm-eval's
+`custom_dataset`."""
 
 import re
 from pathlib import Path
@@ -28,8 +29,12 @@ def shakespeare_lines(**_):
 
 
 def perplexity_results(doc, results):
-    """wikitext's metrics (lm-eval's preprocess_wikitext), over a plain text: words and bytes of the document."""
+    """wikitext's metrics (lm-eval's preprocess_wikitext), over a plain text: words and bytes of the
+    document."""
     (loglikelihood,) = results
     words, n_bytes = len(re.split(r"\s+", doc["text"])), len(doc["text"].encode("utf-8"))
-    return {"word_perplexity": (loglikelihood, words), "byte_perplexity": (loglikelihood, n_bytes),
-            "bits_per_byte": (loglikelihood, n_bytes)}
+    return {
+        "word_perplexity": (loglikelihood, words),
+        "byte_perplexity": (loglikelihood, n_bytes),
+        "bits_per_byte": (loglikelihood, n_bytes),
+    }

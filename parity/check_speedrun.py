@@ -1,19 +1,24 @@
 """
-Training parity for the speedrun recipe: modded-nanogpt's record 5 in PyTorch (parity/speedrun_reference.py: its
-GPT, Muon on the blocks and Adam on the tied head, the trapezoid schedule, its sequential shard loader) against
-train.py's own jitted step with arch='speedrun', optimizer='muon', lr_schedule='trapezoid' (train_step's
-make_optimizer, init_state and make_train_step on sharding.py's mesh), from the same weights (a state_step.pt the
-reference writes, read by ours as --init_from reads it) on the same llm.c .bin shards (each side reads them with its
-own loader): loss, grad norm and lr at every step, every parameter at the end. The run crosses the zero-initialised
-projections' first steps and a warmdown to 0.
+Training parity for the speedrun recipe: modded-nanogpt's record 5 in PyTorch
+(parity/speedrun_reference.py: its GPT, Muon on the blocks and Adam on the tied head, the trapezoid
+schedule, its sequential shard loader) against train.py's own jitted step with arch='speedrun',
+optimizer='muon', lr_schedule='trapezoid' (train_step's make_optimizer, init_state and
+make_train_step on sharding.py's mesh), from the same weights (a state_step.pt the reference
+writes, read by ours as --init_from reads it) on the same llm.c .bin shards (each side reads them
+with its own loader): loss, grad norm and lr at every step, every parameter at the end.
+The run crosses the zero-initialised projections' first steps and a warmdown to 0.
 
-    python -m parity.check_speedrun                       # tiny, fp32 (Newton-Schulz in fp32), 12 steps, offline
-    python -m parity.check_speedrun --accum 2             # each step's rows as 2 micro-batches (the record's accum)
+    # tiny, fp32 (Newton-Schulz in fp32), 12 steps, offline
+    python -m parity.check_speedrun
+    # each step's rows as 2 micro-batches (the record's accum)
+    python -m parity.check_speedrun --accum 2
     python -m parity.check_speedrun --fsdp 4 --tensor_parallel 2   # sharded: 8 (fake CPU) devices
-    python -m parity.check_speedrun --dtype bfloat16      # ours bf16 (NS bf16) and torch autocast-bf16, vs fp32
+    # ours bf16 (NS bf16) and torch autocast-bf16, vs fp32
+    python -m parity.check_speedrun --dtype bfloat16
     python -m parity.check_speedrun --scan_layers --remat qkv_proj --attention splash --seq-len 128
 
-Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input. The tolerances are parity.check_train's.
+Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input. The tolerances are
+parity.check_train's.
 """
 
 import argparse
@@ -24,30 +29,44 @@ import tempfile
 import numpy as np
 
 from configurator import UsageError, exit_on_bad_input, require_extras
-from parity.check_train import JaxTrainer, Run, check_rows, report, rerun_with_fake_devices, train_side
+from parity.check_train import (
+    JaxTrainer,
+    Run,
+    check_rows,
+    report,
+    rerun_with_fake_devices,
+    train_side,
+)
 from parity.common import add_step_args, pin_numerics, print_table
 
 TINY = dict(vocab_size=128, n_layer=2, n_head=2, n_embd=64)
 # the record's optimizer settings at a learning rate that moves a tiny model far in a dozen steps
-TINY_RUN = dict(rows=16, seq_len=32, learning_rate=1e-2, muon_learning_rate=5e-3, steps=12, warmdown_iters=4)
-SHARD_TOKENS = 12_000  # per train shard: a dozen steps of 16 x 32 cross a shard end (its tail dropped)
+TINY_RUN = dict(
+    rows=16, seq_len=32, learning_rate=1e-2, muon_learning_rate=5e-3, steps=12, warmdown_iters=4
+)
+# per train shard: a dozen steps of 16 x 32 cross a shard end (its tail dropped)
+SHARD_TOKENS = 12_000
 
 
 def write_datafile(path, tokens, magic=None, version=None, count=None):
-    """As llm.c's write_datafile: a header of 256 int32 (magic 20240520, version 1, the token count, zeros), then
-    the tokens as uint16. magic, version, count: other values, for tests of bad shards."""
+    """As llm.c's write_datafile: a header of 256 int32 (magic 20240520, version 1, the token count,
+    zeros), then the tokens as uint16. magic, version, count: other values, for tests of bad
+    shards."""
     from dataloader import LLMC_HEADER, LLMC_MAGIC, LLMC_VERSION
 
     header = np.zeros(LLMC_HEADER // 4, "<i4")
-    header[:3] = (LLMC_MAGIC if magic is None else magic, LLMC_VERSION if version is None else version,
-                  len(tokens) if count is None else count)
+    header[:3] = (
+        LLMC_MAGIC if magic is None else magic,
+        LLMC_VERSION if version is None else version,
+        len(tokens) if count is None else count,
+    )
     with open(path, "wb") as f:
         f.write(header.tobytes() + np.asarray(tokens, np.uint16).tobytes())
 
 
 def write_shards(data_dir, vocab_size, n_shards=2, seed=0):
-    """llm.c .bin shards with something to learn: each token the previous one plus 1, 2 or 3 (mod vocab). -> the
-    shards' token arrays."""
+    """llm.c .bin shards with something to learn: each token the previous one plus 1, 2 or 3 (mod
+    vocab). -> the shards' token arrays."""
     rng = np.random.default_rng(seed)
     shards = []
     for i in range(n_shards):
@@ -57,13 +76,16 @@ def write_shards(data_dir, vocab_size, n_shards=2, seed=0):
 
 
 def make_batches(run, shards):
-    """run.steps batches (x, y), each (accum, rows / accum, T): ours from train.py's loader, asserted equal to the
-    record's loader's on the same shards (one process holding the record's ranks' rows)."""
+    """run.steps batches (x, y), each (accum, rows / accum, T): ours from train.py's loader,
+    asserted equal to the record's loader's on the same shards (one process holding the record's
+    ranks' rows)."""
     from dataloader import make_loader
     from parity.speedrun_reference import SequentialLoader
 
     B = run.rows // run.accum
-    ours = make_loader(run.data_dir, "train", run.seq_len, B, run.c["seed"], vocab_size=TINY["vocab_size"])
+    ours = make_loader(
+        run.data_dir, "train", run.seq_len, B, run.c["seed"], vocab_size=TINY["vocab_size"]
+    )
     theirs = SequentialLoader(shards, B, run.seq_len)
     batches = [ours.next(run.accum) for _ in range(run.steps)]
     for x, y in batches:
@@ -75,7 +97,8 @@ def make_batches(run, shards):
 
 
 class TorchSide:
-    """The record's model and training section (parity/speedrun_reference.py) from the state_step.pt."""
+    """The record's model and training section (parity/speedrun_reference.py) from the
+    state_step.pt."""
 
     def __init__(self, path, c, autocast_bf16=False):
         import torch
@@ -90,7 +113,8 @@ class TorchSide:
 
 
 class JaxSide(JaxTrainer):
-    """train.py's step (parity.check_train.JaxTrainer), its params named as the record's state dict."""
+    """train.py's step (parity.check_train.JaxTrainer), its params named as the record's state
+    dict."""
 
     def state_dict(self):
         from flax import nnx
@@ -102,7 +126,8 @@ class JaxSide(JaxTrainer):
 
 
 def make_run(args, tmp):
-    """(Run, the shards' tokens): the tiny record-5 model saved by the reference as a state_step.pt, the shards."""
+    """(Run, the shards' tokens): the tiny record-5 model saved by the reference as a state_step.pt,
+    the shards."""
     import torch
 
     from parity.speedrun_reference import GPT, GPTConfig
@@ -110,23 +135,56 @@ def make_run(args, tmp):
 
     torch.manual_seed(args.seed)
     model_path = os.path.join(tmp, "state_step000000.pt")
-    state = {f"_orig_mod.{k}": v for k, v in GPT(GPTConfig(**TINY)).state_dict().items()}  # as torch.compile's
+    # as torch.compile's
+    state = {f"_orig_mod.{k}": v for k, v in GPT(GPTConfig(**TINY)).state_dict().items()}
     torch.save(dict(step=0, model=state), model_path)
     data_dir = os.path.join(tmp, "data")
     os.makedirs(data_dir)
     shards = write_shards(data_dir, TINY["vocab_size"], seed=args.seed)
     seq_len = args.seq_len or TINY_RUN["seq_len"]
-    c = dict(DEFAULTS, arch="speedrun", n_layer=TINY["n_layer"], n_head=TINY["n_head"], n_embd=TINY["n_embd"],
-             bias=False, dropout=0.0, optimizer="muon", learning_rate=TINY_RUN["learning_rate"],
-             muon_learning_rate=TINY_RUN["muon_learning_rate"], muon_momentum=0.95,
-             muon_ns_dtype="float32" if args.dtype == "float32" else "bfloat16", beta1=0.9, beta2=0.95,
-             weight_decay=0.0, grad_clip=0.0, lr_schedule="trapezoid", warmup_iters=0,
-             warmdown_iters=TINY_RUN["warmdown_iters"], max_iters=args.steps, seed=args.seed,
-             attention=args.attention, remat=args.remat, loss_chunk=args.loss_chunk, scan_layers=args.scan_layers)
+    c = dict(
+        DEFAULTS,
+        arch="speedrun",
+        n_layer=TINY["n_layer"],
+        n_head=TINY["n_head"],
+        n_embd=TINY["n_embd"],
+        bias=False,
+        dropout=0.0,
+        optimizer="muon",
+        learning_rate=TINY_RUN["learning_rate"],
+        muon_learning_rate=TINY_RUN["muon_learning_rate"],
+        muon_momentum=0.95,
+        muon_ns_dtype="float32" if args.dtype == "float32" else "bfloat16",
+        beta1=0.9,
+        beta2=0.95,
+        weight_decay=0.0,
+        grad_clip=0.0,
+        lr_schedule="trapezoid",
+        warmup_iters=0,
+        warmdown_iters=TINY_RUN["warmdown_iters"],
+        max_iters=args.steps,
+        seed=args.seed,
+        attention=args.attention,
+        remat=args.remat,
+        loss_chunk=args.loss_chunk,
+        scan_layers=args.scan_layers,
+    )
     if args.attention == "splash" and seq_len % 128:  # else XLA's attention would run in its place
-        raise UsageError(f"--attention splash needs a --seq-len that is a multiple of 128, got {seq_len}")
-    run = Run(c, model_path, data_dir, args.steps, TINY_RUN["rows"], seq_len, args.accum, args.devices, args.fsdp,
-              args.tensor_parallel)
+        raise UsageError(
+            f"--attention splash needs a --seq-len that is a multiple of 128, got {seq_len}"
+        )
+    run = Run(
+        c,
+        model_path,
+        data_dir,
+        args.steps,
+        TINY_RUN["rows"],
+        seq_len,
+        args.accum,
+        args.devices,
+        args.fsdp,
+        args.tensor_parallel,
+    )
     return run, shards
 
 
@@ -137,41 +195,70 @@ def check(run, shards, dtype="float32"):
     pin_numerics()
     batches = make_batches(run, shards)
     c = run.c
-    print(f"{run.steps} steps of {run.rows} x {run.seq_len} tokens ({run.accum} micro-batch(es)), {dtype}; torch on "
-          f"cpu, ours on {run.devices} {jax.devices()[0].platform} device(s) (fsdp {run.fsdp}, tensor "
-          f"{run.tensor_parallel}; attention {c['attention']}, remat {c['remat']}, loss_chunk {c['loss_chunk']}, "
-          f"scan_layers {c['scan_layers']}); the two loaders' batches equal")
-    print(f"record 5: Adam lr {c['learning_rate']:g} on the tied head, Muon lr {c['muon_learning_rate']:g} (momentum "
-          f"{c['muon_momentum']}, Newton-Schulz in {c['muon_ns_dtype']}) on the blocks, trapezoid (warmup "
-          f"{c['warmup_iters']}, warmdown {c['warmdown_iters']} to 0 at {c['max_iters']}), no clipping")
-    sides = {"torch": lambda: TorchSide(run.model_dir, dict(c, muon_ns_dtype="float32")),
-             "jax": lambda: JaxSide(run, dtype)}
+    print(
+        f"{run.steps} steps of {run.rows} x {run.seq_len} tokens ({run.accum} micro-batch(es)), "
+        f"{dtype}; torch on cpu, ours on {run.devices} {jax.devices()[0].platform} device(s) (fsdp "
+        f"{run.fsdp}, tensor {run.tensor_parallel}; attention {c['attention']}, remat "
+        f"{c['remat']}, loss_chunk {c['loss_chunk']}, scan_layers {c['scan_layers']}); the two "
+        "loaders' batches equal"
+    )
+    print(
+        f"record 5: Adam lr {c['learning_rate']:g} on the tied head, Muon lr "
+        f"{c['muon_learning_rate']:g} (momentum {c['muon_momentum']}, Newton-Schulz in "
+        f"{c['muon_ns_dtype']}) on the blocks, trapezoid (warmup {c['warmup_iters']}, warmdown "
+        f"{c['warmdown_iters']} to 0 at {c['max_iters']}), no clipping"
+    )
+    sides = {
+        "torch": lambda: TorchSide(run.model_dir, dict(c, muon_ns_dtype="float32")),
+        "jax": lambda: JaxSide(run, dtype),
+    }
     if dtype == "bfloat16":  # the record's own bf16: autocast and Newton-Schulz in bf16
         sides["torch_bf16"] = lambda: TorchSide(run.model_dir, c, autocast_bf16=True)
     results = {side: train_side(make(), batches) for side, make in sides.items()}
     ok, figures = report(run, results, dtype)
-    moved = {k: float(np.abs(v).max()) for k, v in results["torch"]["final"].items() if k.endswith("c_proj.weight")}
-    print_table([[k, v] for k, v in moved.items()], ["zero-initialised projection", f"max |w| after {run.steps} steps"])
+    moved = {
+        k: float(np.abs(v).max())
+        for k, v in results["torch"]["final"].items()
+        if k.endswith("c_proj.weight")
+    }
+    print_table(
+        [[k, v] for k, v in moved.items()],
+        ["zero-initialised projection", f"max |w| after {run.steps} steps"],
+    )
     return ok and min(moved.values()) > 0, figures
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=TINY_RUN["steps"], help="steps (max_iters: the warmdown ends there)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=TINY_RUN["steps"],
+        help="steps (max_iters: the warmdown ends there)",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="the reference's init and the shards")
     add_step_args(p)
     args = p.parse_args(argv)
     args.devices = args.devices or args.fsdp * args.tensor_parallel
-    if args.steps <= TINY_RUN["warmdown_iters"] or min(args.accum, args.devices, args.fsdp, args.tensor_parallel) < 1:
-        raise UsageError(f"--steps must be > the warmdown's {TINY_RUN['warmdown_iters']}, and --accum, --devices, "
-                         f"--fsdp, --tensor_parallel >= 1, got {args.steps}, {args.accum}, {args.devices}, "
-                         f"{args.fsdp}, {args.tensor_parallel}")
+    if (
+        args.steps <= TINY_RUN["warmdown_iters"]
+        or min(args.accum, args.devices, args.fsdp, args.tensor_parallel) < 1
+    ):
+        raise UsageError(
+            f"--steps must be > the warmdown's {TINY_RUN['warmdown_iters']}, and --accum, "
+            f"--devices, --fsdp, --tensor_parallel >= 1, got {args.steps}, {args.accum}, "
+            f"{args.devices}, {args.fsdp}, {args.tensor_parallel}"
+        )
     if args.devices % (args.fsdp * args.tensor_parallel):
-        raise UsageError(f"--fsdp {args.fsdp} x --tensor_parallel {args.tensor_parallel} must divide --devices "
-                         f"{args.devices}")
+        raise UsageError(
+            f"--fsdp {args.fsdp} x --tensor_parallel {args.tensor_parallel} must divide --devices "
+            f"{args.devices}"
+        )
     check_rows(TINY_RUN["rows"], args.accum, args.devices, args.tensor_parallel)
     return args
 
@@ -186,7 +273,9 @@ def main(argv=None):
 
     sharding.start_backend()
     if args.devices > jax.device_count():
-        return rerun_with_fake_devices(argv, args.devices, jax.device_count(), module="parity.check_speedrun")
+        return rerun_with_fake_devices(
+            argv, args.devices, jax.device_count(), module="parity.check_speedrun"
+        )
     pin_numerics()
     with tempfile.TemporaryDirectory() as tmp:
         ok, _ = check(*make_run(args, tmp), args.dtype)

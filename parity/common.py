@@ -1,4 +1,5 @@
-"""What every parity check shares: pinned numerics, random HF GPT-2 checkpoints, and the diff report."""
+"""What every parity check shares: pinned numerics, random HF GPT-2 checkpoints, and the diff
+report."""
 
 import numpy as np
 
@@ -26,8 +27,8 @@ def pin_numerics():
 
 
 def random_hf_model(seed=0, **config_kwargs):
-    """A transformers GPT2LMHeadModel with *every* tensor random. HF's own init leaves biases at 0 and
-    LayerNorms at 1, which would hide a swapped or missing mapping."""
+    """A transformers GPT2LMHeadModel with *every* tensor random. HF's own init leaves biases at 0
+    and LayerNorms at 1, which would hide a swapped or missing mapping."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config_kwargs = {"vocab_size": 50257, "n_positions": 1024, **config_kwargs}
@@ -39,8 +40,8 @@ def random_hf_model(seed=0, **config_kwargs):
 
 
 def randomized(model, seed):
-    """`model` (HF's or nanoGPT's GPT-2: the same parameter names) with every parameter drawn anew: LayerNorms
-    1 + N(0, 0.1) and N(0, 0.1) (weight, bias), the rest N(0, 0.02)."""
+    """`model` (HF's or nanoGPT's GPT-2: the same parameter names) with every parameter drawn anew:
+    LayerNorms 1 + N(0, 0.1) and N(0, 0.1) (weight, bias), the rest N(0, 0.02)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -60,9 +61,9 @@ def save_random_hf_model(path, seed=0, **config_kwargs):
 
 
 def save_random_nanogpt_ckpt(path, seed=0, **config_kwargs):
-    """nanoGPT's ckpt.pt (parity/nanogpt_reference.py's GPT, nanoGPT's GPTConfig fields) with every tensor random,
-    its keys under torch.compile's prefix and with the causal-mask buffers (no flash attention), as nanoGPT's
-    train.py can leave them."""
+    """nanoGPT's ckpt.pt (parity/nanogpt_reference.py's GPT, nanoGPT's GPTConfig fields) with every
+    tensor random, its keys under torch.compile's prefix and with the causal-mask buffers (no flash
+    attention), as nanoGPT's train.py can leave them."""
     from parity import nanogpt_reference as nanogpt
 
     gpt = randomized(nanogpt.GPT(nanogpt.GPTConfig(**config_kwargs), flash=False).eval(), seed)
@@ -72,7 +73,9 @@ def save_random_nanogpt_ckpt(path, seed=0, **config_kwargs):
 
 def print_table(rows, headers):
     """rows: lists of cells, printed as an aligned text table."""
-    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else f"{c:.3g}" for c in r] for r in rows]
+    cells = [[str(h) for h in headers]] + [
+        [c if isinstance(c, str) else f"{c:.3g}" for c in r] for r in rows
+    ]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     for j, r in enumerate(cells):
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
@@ -90,13 +93,33 @@ def max_abs(a, b):
 
 
 def add_step_args(parser):
-    """The options check_train and check_speedrun share for our side: how a step's rows split (micro-batches, the
-    mesh's devices and axes) and train.py's compute settings, under train.py's names."""
-    parser.add_argument("--accum", type=int, default=1, help="micro-batches per step: the step's rows split K ways")
-    parser.add_argument("--devices", type=int, default=None, help="our mesh's devices (default fsdp x tensor_parallel)")
-    parser.add_argument("--fsdp", type=int, default=1, help="our mesh's fsdp axis: params and optimizer state split")
-    parser.add_argument("--tensor_parallel", type=int, default=1, help="our mesh's tensor axis (Megatron)")
-    parser.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "splash"], help="train.py's")
-    parser.add_argument("--remat", default="none", choices=["none", "block", "dots", "qkv_proj"], help="train.py's")
-    parser.add_argument("--loss-chunk", type=int, default=0, help="positions per loss chunk, 0 = none (train.py's)")
-    parser.add_argument("--scan_layers", action="store_true", help="the blocks under one lax.scan (train.py's)")
+    """The options check_train and check_speedrun share for our side: how a step's rows split
+    (micro-batches, the mesh's devices and axes) and train.py's compute settings, under train.py's
+    names."""
+    parser.add_argument(
+        "--accum", type=int, default=1, help="micro-batches per step: the step's rows split K ways"
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="our mesh's devices (default fsdp x tensor_parallel)",
+    )
+    parser.add_argument(
+        "--fsdp", type=int, default=1, help="our mesh's fsdp axis: params and optimizer state split"
+    )
+    parser.add_argument(
+        "--tensor_parallel", type=int, default=1, help="our mesh's tensor axis (Megatron)"
+    )
+    parser.add_argument(
+        "--attention", default="auto", choices=["auto", "xla", "cudnn", "splash"], help="train.py's"
+    )
+    parser.add_argument(
+        "--remat", default="none", choices=["none", "block", "dots", "qkv_proj"], help="train.py's"
+    )
+    parser.add_argument(
+        "--loss-chunk", type=int, default=0, help="positions per loss chunk, 0 = none (train.py's)"
+    )
+    parser.add_argument(
+        "--scan_layers", action="store_true", help="the blocks under one lax.scan (train.py's)"
+    )

@@ -1,9 +1,9 @@
 """
-nanoGPT's GPT in PyTorch (karpathy/nanoGPT model.py), the reference for its ckpt.pt files: the same module
-tree, so the same state-dict names (transformer.wte, transformer.h.{i}.attn.c_attn, ..., lm_head tied to
-wte), torch nn.Linear weights (out, in), the exact erf GELU, optional biases, and the causal-mask buffer
-`attn.bias` only when flash attention is off. Plus what its train.py writes and its sample.py reads:
-save_ckpt / load_ckpt.
+nanoGPT's GPT in PyTorch (karpathy/nanoGPT model.py), the reference for its ckpt.pt files: the same
+module tree, so the same state-dict names (transformer.wte, transformer.h.{i}.attn.c_attn, ...,
+lm_head tied to wte), torch nn.Linear weights (out, in), the exact erf GELU, optional biases, and
+the causal-mask buffer `attn.bias` only when flash attention is off. Plus what its train.py writes
+and its sample.py reads: save_ckpt / load_ckpt.
 """
 
 import math
@@ -42,19 +42,35 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.attn_dropout, self.resid_dropout = nn.Dropout(config.dropout), nn.Dropout(config.dropout)
-        self.n_head, self.n_embd, self.dropout, self.flash = config.n_head, config.n_embd, config.dropout, flash
-        if not flash:  # nanoGPT keeps the mask as a buffer, so its state dict has h.{i}.attn.bias then
+        self.attn_dropout, self.resid_dropout = (
+            nn.Dropout(config.dropout),
+            nn.Dropout(config.dropout),
+        )
+        self.n_head, self.n_embd, self.dropout, self.flash = (
+            config.n_head,
+            config.n_embd,
+            config.dropout,
+            flash,
+        )
+        # nanoGPT keeps the mask as a buffer, so its state dict has h.{i}.attn.bias then
+        if not flash:
             n = config.block_size
             self.register_buffer("bias", torch.tril(torch.ones(n, n)).view(1, 1, n, n))
 
     def forward(self, x):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (a.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for a in (q, k, v))  # (B, nh, T, hs)
+        # (B, nh, T, hs)
+        q, k, v = (a.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for a in (q, k, v))
         if self.flash:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0)
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=None,
+                is_causal=True,
+                dropout_p=self.dropout if self.training else 0,
+            )
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
             att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
@@ -92,15 +108,18 @@ class GPT(nn.Module):
     def __init__(self, config, flash=True):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, flash) for _ in range(config.n_layer)]),
-            ln_f=LayerNorm(config.n_embd, bias=config.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config, flash) for _ in range(config.n_layer)]),
+                ln_f=LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying: one tensor, two state-dict names
+        # weight tying: one tensor, two state-dict names
+        self.transformer.wte.weight = self.lm_head.weight
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
@@ -113,26 +132,32 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None):
-        """idx (B, T) -> logits (B, T, vocab) and the loss with targets; without, as nanoGPT, the logits of
-        the last position only, (B, 1, vocab)."""
+        """idx (B, T) -> logits (B, T, vocab) and the loss with targets; without, as nanoGPT, the
+        logits of the last position only, (B, 1, vocab)."""
         T = idx.size(1)
         assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
         pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        # (B, T, C)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None
         logits = self.lm_head(x)
-        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, F.cross_entropy(
+            logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
+        )
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """nanoGPT's loop: condition on the last block_size tokens, logits / temperature, top_k, sample.
-        temperature=0 (ours, for greedy comparisons) takes the argmax instead of sampling."""
+        """nanoGPT's loop: condition on the last block_size tokens, logits / temperature, top_k,
+        sample. temperature=0 (ours, for greedy comparisons) takes the argmax instead of
+        sampling."""
         for _ in range(max_new_tokens):
-            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+            idx_cond = (
+                idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size :]
+            )
             logits = self(idx_cond)[0][:, -1, :]  # (B, vocab)
             if temperature == 0:
                 idx_next = logits.argmax(dim=-1, keepdim=True)
@@ -147,17 +172,28 @@ class GPT(nn.Module):
 
 
 def save_ckpt(model, path, config=None, iter_num=0, best_val_loss=1e9, compiled=False):
-    """ckpt.pt as nanoGPT's train.py writes it (a torch.compile'd model's keys carry `_orig_mod.`)."""
+    """ckpt.pt as nanoGPT's train.py writes it (a torch.compile'd model's keys carry
+    `_orig_mod.`)."""
     state = model.state_dict()
     if compiled:
         state = {"_orig_mod." + k: v for k, v in state.items()}
     optimizer = torch.optim.AdamW(model.parameters())
-    torch.save({"model": state, "optimizer": optimizer.state_dict(), "model_args": asdict(model.config),
-                "iter_num": iter_num, "best_val_loss": torch.tensor(best_val_loss), "config": dict(config or {})}, path)
+    torch.save(
+        {
+            "model": state,
+            "optimizer": optimizer.state_dict(),
+            "model_args": asdict(model.config),
+            "iter_num": iter_num,
+            "best_val_loss": torch.tensor(best_val_loss),
+            "config": dict(config or {}),
+        },
+        path,
+    )
 
 
 def load_ckpt(path):
-    """A ckpt.pt as nanoGPT's sample.py reads it: GPTConfig(**model_args), `_orig_mod.` stripped, strict load."""
+    """A ckpt.pt as nanoGPT's sample.py reads it: GPTConfig(**model_args), `_orig_mod.` stripped,
+    strict load."""
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # nothing in it runs
     model = GPT(GPTConfig(**checkpoint["model_args"]))
     state = {k.removeprefix("_orig_mod."): v for k, v in checkpoint["model"].items()}

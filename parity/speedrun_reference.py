@@ -1,11 +1,13 @@
 """
-modded-nanogpt's record 5 in PyTorch (KellerJordan/modded-nanogpt, records/track_1_short/2024-10-14_ModernArch/
-train_gpt2.py), the reference that parity.check_train --recipe=speedrun holds our speedrun to: its GPT (rotary with
-bfloat16 tables, QK-norm, weightless RMSNorm, ReLU², zero-initialised projections, no position embedding, head tied
-to the embedding), its Muon, its trapezoid schedule, its two optimizers and its sequential shard loader, written
-from the record's code. Differences, each for a reason: the Newton-Schulz dtype is a parameter (the record: bf16;
-parity: float32), forward() without targets returns every position's logits (the record's only the last one, an
-inference shortcut), and nothing is compiled or distributed (CPU, one process standing for the record's W ranks).
+modded-nanogpt's record 5 in PyTorch (KellerJordan/modded-nanogpt,
+records/track_1_short/2024-10-14_ModernArch/ train_gpt2.py), the reference that parity.check_train
+--recipe=speedrun holds our speedrun to: its GPT (rotary with bfloat16 tables, QK-norm, weightless
+RMSNorm, ReLU², zero-initialised projections, no position embedding, head tied to the embedding),
+its Muon, its trapezoid schedule, its two optimizers and its sequential shard loader, written from
+the record's code. Differences, each for a reason: the Newton-Schulz dtype is a parameter (the
+record: bf16; parity: float32), forward() without targets returns every position's logits (the
+record's only the last one, an inference shortcut), and nothing is compiled or distributed (CPU, one
+process standing for the record's W ranks).
 """
 
 from dataclasses import dataclass
@@ -19,8 +21,8 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the record's quintic: the slope a
 
 
 def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=torch.bfloat16):
-    """The record's orthogonalisation of a 2-D G: ~U V^T of its SVD, by `steps` quintic Newton-Schulz iterations
-    on the wide orientation, in `dtype`."""
+    """The record's orthogonalisation of a 2-D G: ~U V^T of its SVD, by `steps` quintic
+    Newton-Schulz iterations on the wide orientation, in `dtype`."""
     assert G.ndim == 2
     a, b, c = NS_COEFFICIENTS
     X = G.to(dtype)
@@ -36,12 +38,29 @@ def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=torch.bfloat16):
 
 
 class Muon(torch.optim.Optimizer):
-    """The record's Muon: SGD momentum (buf = m*buf + g), Nesterov (g + m*buf), the update orthogonalised and scaled
-    by sqrt(max(rows, cols)); a (3C, C) fused QKV weight as three (C, C) matrices, scaled by sqrt(C)."""
+    """The record's Muon: SGD momentum (buf = m*buf + g), Nesterov (g + m*buf), the update
+    orthogonalised and scaled by sqrt(max(rows, cols)); a (3C, C) fused QKV weight as three (C, C)
+    matrices, scaled by sqrt(C)."""
 
-    def __init__(self, params, lr=3e-4, momentum=0.95, nesterov=True, backend_steps=5, ns_dtype=torch.bfloat16):
-        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, backend_steps=backend_steps,
-                                      ns_dtype=ns_dtype))
+    def __init__(
+        self,
+        params,
+        lr=3e-4,
+        momentum=0.95,
+        nesterov=True,
+        backend_steps=5,
+        ns_dtype=torch.bfloat16,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                momentum=momentum,
+                nesterov=nesterov,
+                backend_steps=backend_steps,
+                ns_dtype=ns_dtype,
+            ),
+        )
 
     @torch.no_grad()
     def step(self):
@@ -69,7 +88,8 @@ class Muon(torch.optim.Optimizer):
 
 
 def get_lr(it, num_iterations, warmup_iters, warmdown_iters):
-    """The record's schedule, a multiplier of each optimizer's lr: linear warmup, constant, linear warmdown to 0."""
+    """The record's schedule, a multiplier of each optimizer's lr: linear warmup, constant, linear
+    warmdown to 0."""
     assert it <= num_iterations
     if it < warmup_iters:
         return (it + 1) / warmup_iters
@@ -86,7 +106,8 @@ class Rotary(nn.Module):
     def forward(self, x):
         t = torch.arange(x.shape[1]).type_as(self.inv_freq)
         freqs = torch.outer(t, self.inv_freq)
-        # the record caches its tables in bfloat16, and applies them to float32 activations as they are
+        # the record caches its tables in bfloat16, and applies them to float32 activations as they
+        # are
         return freqs.cos().bfloat16()[None, :, None, :], freqs.sin().bfloat16()[None, :, None, :]
 
 
@@ -110,11 +131,16 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.size()
-        q, k, v = (f(x).view(B, T, self.n_head, self.head_dim) for f in (self.c_q, self.c_k, self.c_v))
+        q, k, v = (
+            f(x).view(B, T, self.n_head, self.head_dim) for f in (self.c_q, self.c_k, self.c_v)
+        )
         cos, sin = self.rotary(q)
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-        q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))  # QK norm suggested by @Grad62304977
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        # QK norm suggested by @Grad62304977
+        q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         return self.c_proj(y.transpose(1, 2).contiguous().view_as(x))
 
 
@@ -126,7 +152,8 @@ class MLP(nn.Module):
         self.c_proj.weight.data.zero_()  # zero init suggested by @Grad62304977
 
     def forward(self, x):
-        return self.c_proj(F.relu(self.c_fc(x)).square())  # ReLU² suggested by @SKYLINEZ007 and @Grad62304977
+        # ReLU² suggested by @SKYLINEZ007 and @Grad62304977
+        return self.c_proj(F.relu(self.c_fc(x)).square())
 
 
 class Block(nn.Module):
@@ -152,10 +179,15 @@ class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(config.vocab_size, config.n_embd),
-                                              h=nn.ModuleList([Block(config) for _ in range(config.n_layer)])))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied: the embedding is lm_head's Linear init
+        # tied: the embedding is lm_head's Linear init
+        self.transformer.wte.weight = self.lm_head.weight
 
     def forward(self, idx, targets=None):
         """idx (B, T) -> (logits (B, T, vocab) float32, the mean cross-entropy or None)."""
@@ -163,23 +195,38 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         logits = self.lm_head(F.rms_norm(x, (x.size(-1),))).float()
-        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
-                                                            ignore_index=-1)
+        loss = (
+            None
+            if targets is None
+            else F.cross_entropy(
+                logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
+            )
+        )
         return logits, loss
 
 
-def make_optimizers(model, learning_rate, muon_learning_rate, momentum=0.95, ns_dtype=torch.bfloat16):
-    """The record's pair: Adam (AdamW without decay) on the head (= the tied embedding), Muon on the blocks."""
-    adam = torch.optim.AdamW(model.lm_head.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
-    muon = Muon(model.transformer.h.parameters(), lr=muon_learning_rate, momentum=momentum, ns_dtype=ns_dtype)
+def make_optimizers(
+    model, learning_rate, muon_learning_rate, momentum=0.95, ns_dtype=torch.bfloat16
+):
+    """The record's pair: Adam (AdamW without decay) on the head (= the tied embedding), Muon on the
+    blocks."""
+    adam = torch.optim.AdamW(
+        model.lm_head.parameters(), lr=learning_rate, betas=(0.9, 0.95), weight_decay=0.0
+    )
+    muon = Muon(
+        model.transformer.h.parameters(),
+        lr=muon_learning_rate,
+        momentum=momentum,
+        ns_dtype=ns_dtype,
+    )
     return [adam, muon]
 
 
 class SequentialLoader:
-    """The record's DistributedDataLoader for `world` ranks at once: rank r's batch k is B*T+1 tokens from
-    r*B*T of the k-th global window of world*B*T tokens; a shard's tail that cannot hold the next window (+1) is
-    dropped, the next shard starts over. `shards`: the shards' token arrays. next_batch() -> (x, y) of every rank,
-    ranks stacked: (world*B, T)."""
+    """The record's DistributedDataLoader for `world` ranks at once: rank r's batch k is B*T+1
+    tokens from r*B*T of the k-th global window of world*B*T tokens; a shard's tail that cannot hold
+    the next window (+1) is dropped, the next shard starts over. `shards`: the shards' token arrays.
+    next_batch() -> (x, y) of every rank, ranks stacked: (world*B, T)."""
 
     def __init__(self, shards, B, T, world=1):
         self.shards, self.B, self.T, self.world = [np.asarray(s) for s in shards], B, T, world
@@ -191,7 +238,9 @@ class SequentialLoader:
 
     def next_batch(self):
         n = self.world * self.B * self.T
-        buf = torch.tensor(self.shards[self.shard][self.position:self.position + n + 1].astype(np.int64))
+        buf = torch.tensor(
+            self.shards[self.shard][self.position : self.position + n + 1].astype(np.int64)
+        )
         self.position += n
         if self.position + n + 1 > len(self.shards[self.shard]):
             self.shard, self.position = (self.shard + 1) % len(self.shards), 0
@@ -199,29 +248,36 @@ class SequentialLoader:
 
 
 class Trainer:
-    """The record's training section on `model`: each micro-batch's loss backpropagated (under bf16 autocast with
-    autocast_bf16), the summed gradients divided by their number, no clipping, both optimizers stepped, then their
-    LambdaLR(get_lr) schedulers. c: train.py's settings (learning_rate, muon_learning_rate, muon_momentum,
-    muon_ns_dtype, max_iters, warmup_iters, warmdown_iters)."""
+    """The record's training section on `model`: each micro-batch's loss backpropagated (under bf16
+    autocast with autocast_bf16), the summed gradients divided by their number, no clipping, both
+    optimizers stepped, then their LambdaLR(get_lr) schedulers. c: train.py's settings
+    (learning_rate, muon_learning_rate, muon_momentum, muon_ns_dtype, max_iters, warmup_iters,
+    warmdown_iters)."""
 
     def __init__(self, model, c, autocast_bf16=False):
         self.model, self.autocast_bf16 = model.train(), autocast_bf16
         ns_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[c["muon_ns_dtype"]]
-        self.optimizers = make_optimizers(model, c["learning_rate"], c["muon_learning_rate"], c["muon_momentum"],
-                                          ns_dtype)
+        self.optimizers = make_optimizers(
+            model, c["learning_rate"], c["muon_learning_rate"], c["muon_momentum"], ns_dtype
+        )
         schedule = lambda it: get_lr(it, c["max_iters"], c["warmup_iters"], c["warmdown_iters"])  # noqa: E731
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, schedule) for opt in self.optimizers]
+        self.schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(opt, schedule) for opt in self.optimizers
+        ]
 
     def step(self, x, y):
-        """x, y: (accum, B, T) int arrays -> {"loss": mean micro-batch loss, "grad_norm", "lr": Adam's}."""
+        """x, y: (accum, B, T) int arrays -> {"loss": mean micro-batch loss, "grad_norm", "lr":
+        Adam's}."""
         from parity.torch_reference import global_norm
 
         accum, lr = x.shape[0], self.optimizers[0].param_groups[0]["lr"]
         losses = []
         for X, Y in zip(x, y):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast_bf16):
-                _, loss = self.model(torch.from_numpy(np.asarray(X, np.int64)),
-                                     torch.from_numpy(np.asarray(Y, np.int64)))
+                _, loss = self.model(
+                    torch.from_numpy(np.asarray(X, np.int64)),
+                    torch.from_numpy(np.asarray(Y, np.int64)),
+                )
             loss.backward()
             losses.append(loss.item())
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -235,6 +291,10 @@ class Trainer:
         return {"loss": float(np.mean(losses)), "grad_norm": float(grad_norm), "lr": lr}
 
     def state_dict(self):
-        """{the record's name: float32 numpy}, without the tied lm_head.weight (transformer.wte.weight holds it)."""
-        return {k: v.detach().float().numpy().copy() for k, v in self.model.state_dict().items()
-                if k != "lm_head.weight"}
+        """{the record's name: float32 numpy}, without the tied lm_head.weight
+        (transformer.wte.weight holds it)."""
+        return {
+            k: v.detach().float().numpy().copy()
+            for k, v in self.model.state_dict().items()
+            if k != "lm_head.weight"
+        }

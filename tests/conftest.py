@@ -4,44 +4,63 @@ import pickle
 import numpy as np
 import pytest
 
-# Tests run on one CPU device; multi-device tests start subprocesses with fake devices (helpers.fake_devices).
+# Tests run on one CPU device; multi-device tests start subprocesses with fake devices
+# (helpers.fake_devices).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-# torch (and numpy's BLAS) start a thread per core in every process: with two pytest workers and the commands they
-# start on 2 cores, those threads only contend (docs/benchmarks.md#the-test-suite)
+# torch (and numpy's BLAS) start a thread per core in every process: with two pytest workers and the
+# commands they start on 2 cores, those threads only contend (docs/benchmarks.md#the-test-suite)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# JAX's persistent compilation cache, for this process and the scripts the tests start: a second run of
-# the suite compiles little (the scripts turn it on themselves; here it stays out of the user's cache)
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax"))
-# every compilation, as the scripts cache them (sharding.use_compilation_cache): the two pytest workers and the
-# scripts the tests start compile many of the same small programs
+# JAX's persistent compilation cache, for this process and the scripts the tests start: a second run
+# of the suite compiles little (the scripts turn it on themselves; here it stays out of the user's
+# cache)
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax"
+    ),
+)
+# every compilation, as the scripts cache them (sharding.use_compilation_cache): the two pytest
+# workers and the scripts the tests start compile many of the same small programs
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# XLA:CPU compiles the suite's programs in about half the time with LLVM at -O0 and its older fusion code generator:
-# in this process, the pytest workers and every command the tests start. Their numbers differ from XLA's defaults in
-# the last bits (tanh by 5e-7); every parity test holds its tolerance either way, but for check_train's: its 10 training
-# steps amplify them to its grad-norm tolerance (|Δgnorm|/gnorm vs PyTorch 1.04e-4 with 4 micro-batches, over 1e-4;
-# 2.9e-5 at XLA's defaults). Tests marked xla_defaults compile at XLA's defaults, as users do.
+# XLA:CPU compiles the suite's programs in about half the time with LLVM at -O0 and its older fusion
+# code generator: in this process, the pytest workers and every command the tests start. Their
+# numbers differ from XLA's defaults in the last bits (tanh by 5e-7); every parity test holds its
+# tolerance either way, but for check_train's: its 10 training steps amplify them to its grad-norm
+# tolerance (|Δgnorm|/gnorm vs PyTorch 1.04e-4 with 4 micro-batches, over 1e-4; 2.9e-5 at XLA's
+# defaults). Tests marked xla_defaults compile at XLA's defaults, as users do.
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK_COMPILE = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
 XLA_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
 # the user's XLA_FLAGS (a worker inherits this process's, QUICK_COMPILE included)
-XLA_FLAGS_OUTSIDE = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f not in QUICK_COMPILE)
+XLA_FLAGS_OUTSIDE = " ".join(
+    f for f in os.environ.get("XLA_FLAGS", "").split() if f not in QUICK_COMPILE
+)
 os.environ["XLA_FLAGS"] = " ".join([XLA_FLAGS_OUTSIDE, *QUICK_COMPILE]).strip()
 
 
-# Modules whose tests share a module-scoped fixture that takes long to make: pytest-xdist runs each on one worker.
-ONE_WORKER = {"test_sharding.py", "test_check_train.py", "test_compute_settings.py", "test_hellaswag.py",
-              "test_sample.py", "test_fineweb.py", "test_eval.py", "test_gcs_run.py"}
+# Modules whose tests share a module-scoped fixture that takes long to make: pytest-xdist runs each
+# on one worker.
+ONE_WORKER = {
+    "test_sharding.py",
+    "test_check_train.py",
+    "test_compute_settings.py",
+    "test_hellaswag.py",
+    "test_sample.py",
+    "test_fineweb.py",
+    "test_eval.py",
+    "test_gcs_run.py",
+}
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """With pytest-xdist's --dist load (make test: -n auto), a module of ONE_WORKER is one unit of work, so that its
-    fixtures are made once (--dist load's chunks of consecutive tests may split it between workers); every other
-    test is a unit of its own. Workers take the next unit as they free up: the modules first, then the tests."""
+    """With pytest-xdist's --dist load (make test: -n auto), a module of ONE_WORKER is one unit of
+    work, so that its fixtures are made once (--dist load's chunks of consecutive tests may split it
+    between workers); every other test is a unit of its own. Workers take the next unit as they free
+    up: the modules first, then the tests."""
     from xdist.scheduler import LoadScopeScheduling
 
     class Scheduling(LoadScopeScheduling):
@@ -53,13 +72,15 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def compile_at_xla_defaults(on):
-    """This process's compilations and the commands it starts: at XLA's defaults (on) or QUICK_COMPILE."""
+    """This process's compilations and the commands it starts: at XLA's defaults (on) or
+    QUICK_COMPILE."""
     import jax
     from jax._src import compiler
 
     global mode, quick_compile_options
     if mode is None:
-        mode = jax.make_user_context(False)  # part of jit's cache keys: no program reused across modes
+        # part of jit's cache keys: no program reused across modes
+        mode = jax.make_user_context(False)
         jax.devices()  # XLA reads XLA_FLAGS once, as its backend starts: with QUICK_COMPILE
         quick_compile_options = compiler.get_compile_options
     if on == mode.get_global():
@@ -70,8 +91,9 @@ def compile_at_xla_defaults(on):
 
 
 def at_xla_defaults(*args, env_options_overrides=None, **kwargs):
-    return quick_compile_options(*args, env_options_overrides={**XLA_DEFAULTS, **(env_options_overrides or {})},
-                                 **kwargs)
+    return quick_compile_options(
+        *args, env_options_overrides={**XLA_DEFAULTS, **(env_options_overrides or {})}, **kwargs
+    )
 
 
 mode = quick_compile_options = None
@@ -79,15 +101,17 @@ mode = quick_compile_options = None
 
 @pytest.fixture(scope="module", autouse=True)
 def xla_defaults_module(request):
-    """A module marked xla_defaults (its pytestmark) compiles at XLA's defaults from its first fixture on."""
+    """A module marked xla_defaults (its pytestmark) compiles at XLA's defaults from its first
+    fixture on."""
     compile_at_xla_defaults(request.node.get_closest_marker("xla_defaults") is not None)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def matmul_precision_of_the_module():
-    """parity's pin_numerics sets JAX's default matmul precision for the whole process; set it back after each
-    module, so that what the next module compiles (and its key in the compilation cache, shared with the other
-    worker and the scripts) does not depend on which modules this worker ran before."""
+    """parity's pin_numerics sets JAX's default matmul precision for the whole process; set it back
+    after each module, so that what the next module compiles (and its key in the compilation cache,
+    shared with the other worker and the scripts) does not depend on which modules this worker ran
+    before."""
     import jax
 
     before = jax.config.jax_default_matmul_precision
@@ -105,24 +129,38 @@ def dataset(tmp_path_factory):
     text.astype(np.uint16)[27000:].tofile(d / "val.bin")
     chars = [chr(48 + i) for i in range(64)]  # '0'..'o'
     with open(d / "meta.pkl", "wb") as f:  # as nanoGPT's data/shakespeare_char/prepare.py writes it
-        pickle.dump({"vocab_size": 64, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}, f)
+        pickle.dump(
+            {
+                "vocab_size": 64,
+                "itos": dict(enumerate(chars)),
+                "stoi": {c: i for i, c in enumerate(chars)},
+            },
+            f,
+        )
     return str(d)
 
 
 @pytest.fixture(scope="session")
 def gcs():
-    """A Cloud Storage emulator on loopback (tools/gcs_emulator.py), one per pytest worker, in memory: this process
-    and the commands the tests start reach it through the environment it sets. Yields that environment."""
+    """A Cloud Storage emulator on loopback (tools/gcs_emulator.py), one per pytest worker, in
+    memory: this process and the commands the tests start reach it through the environment it sets.
+    Yields that environment."""
     import subprocess
     import sys
     import uuid
 
-    from tools.gcs_emulator import client_env
     from helpers import free_port
 
+    from tools.gcs_emulator import client_env
+
     port = free_port()
-    server = subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "gcs_emulator.py"), str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # its per-request noise
+    server = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "tools", "gcs_emulator.py"), str(port)],
+        # its per-request noise
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     assert server.stdout.readline().strip() == "ready", "the GCS emulator did not start"
     env = client_env(port)
     saved = {k: os.environ.get(k) for k in env}

@@ -1,4 +1,5 @@
-"""Shared test helpers: tiny settings, train.py in-process and as a command, what a run leaves behind."""
+"""Shared test helpers: tiny settings, train.py in-process and as a command, what a run leaves
+behind."""
 
 import contextlib
 import json
@@ -16,15 +17,16 @@ from configurator import configure
 from settings import DEFAULTS
 
 
-
 def assert_close(actual, expected, rtol=0.0, atol=0.0, what=""):
     """np.testing-style closeness, but the failure message reports max and mean abs diff."""
     a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     assert a.shape == e.shape, f"{what} shape {a.shape} != {e.shape}"
     diff = np.abs(a - e)
     bad = diff > atol + rtol * np.abs(e)
-    assert not bad.any(), (f"{what} not close: max abs diff {diff.max():.3g}, mean abs diff {diff.mean():.3g}, "
-                           f"{bad.sum()} of {bad.size} beyond atol={atol:g} rtol={rtol:g}")
+    assert not bad.any(), (
+        f"{what} not close: max abs diff {diff.max():.3g}, mean abs diff {diff.mean():.3g}, "
+        f"{bad.sum()} of {bad.size} beyond atol={atol:g} rtol={rtol:g}"
+    )
 
 
 def rel_diff(a, b):
@@ -35,8 +37,8 @@ def rel_diff(a, b):
 
 @contextlib.contextmanager
 def one_torch_thread():
-    """Torch on one thread, and the pythons a test starts too (OMP_NUM_THREADS): its OpenMP threads spin at barriers,
-    and on 2 shared cores they slow the tiny model 10x (test_check_train.py)."""
+    """Torch on one thread, and the pythons a test starts too (OMP_NUM_THREADS): its OpenMP threads
+    spin at barriers, and on 2 shared cores they slow the tiny model 10x (test_check_train.py)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -50,41 +52,71 @@ def one_torch_thread():
 
 
 def save_ours(out_dir, model, config=None, iter_num=5):
-    """A checkpoint of `model` as train.py writes it, its settings `config` (the optimizer state is not what an
-    export reads)."""
-    import checkpoint
+    """A checkpoint of `model` as train.py writes it, its settings `config` (the optimizer state is
+    not what an export reads)."""
     from flax import nnx
 
+    import checkpoint
+
     mngr = checkpoint.manager(out_dir)
-    meta = checkpoint.meta_for(model.config, {"dataset": "x"} if config is None else config, iter_num, 1.5, {})
+    meta = checkpoint.meta_for(
+        model.config, {"dataset": "x"} if config is None else config, iter_num, 1.5, {}
+    )
     checkpoint.save(mngr, iter_num, nnx.state(model), {"count": np.zeros((), np.int32)}, meta)
     mngr.wait_until_finished()
     mngr.close()
 
 
 def random_nanogpt(seed=0, bias=True, flash=True, **kw):
-    """nanoGPT's GPT (parity/nanogpt_reference.py, torch) with every tensor random (parity.common.randomized: its
-    init leaves biases 0 and LayerNorms 1, which would hide a swapped or missing mapping)."""
+    """nanoGPT's GPT (parity/nanogpt_reference.py, torch) with every tensor random
+    (parity.common.randomized: its init leaves biases 0 and LayerNorms 1, which would hide a swapped
+    or missing mapping)."""
     from parity import nanogpt_reference as nanogpt
     from parity.common import randomized
 
-    config = nanogpt.GPTConfig(**{"block_size": 32, "vocab_size": 65, "n_layer": 2, "n_head": 2, "n_embd": 48,
-                                  "bias": bias, **kw})
+    config = nanogpt.GPTConfig(
+        **{
+            "block_size": 32,
+            "vocab_size": 65,
+            "n_layer": 2,
+            "n_head": 2,
+            "n_embd": 48,
+            "bias": bias,
+            **kw,
+        }
+    )
     return randomized(nanogpt.GPT(config, flash=flash).eval(), seed)
 
 
 def tiny_config(**kw):
     from model import GPTConfig
 
-    return GPTConfig(**{"block_size": 32, "vocab_size": 128, "n_layer": 2, "n_head": 2, "n_embd": 64, **kw})
+    return GPTConfig(
+        **{"block_size": 32, "vocab_size": 128, "n_layer": 2, "n_head": 2, "n_embd": 64, **kw}
+    )
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HELLASWAG_FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_small.jsonl")  # 20 HellaSwag examples
-TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4",
-        "--gradient_accumulation_steps=1", "--eval_iters=2", "--eval_interval=1000", "--log_interval=1",
-        "--max_iters=4", "--warmup_iters=2", "--lr_decay_iters=10", "--learning_rate=1e-2", "--dtype=float32",
-        "--dropout=0.0", "--bias=True"]
+# 20 HellaSwag examples
+HELLASWAG_FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_small.jsonl")
+TINY = [
+    "--n_layer=2",
+    "--n_head=2",
+    "--n_embd=32",
+    "--block_size=16",
+    "--batch_size=4",
+    "--gradient_accumulation_steps=1",
+    "--eval_iters=2",
+    "--eval_interval=1000",
+    "--log_interval=1",
+    "--max_iters=4",
+    "--warmup_iters=2",
+    "--lr_decay_iters=10",
+    "--learning_rate=1e-2",
+    "--dtype=float32",
+    "--dropout=0.0",
+    "--bias=True",
+]
 
 
 def settings(dataset, out_dir, *extra):
@@ -96,7 +128,8 @@ def run(dataset, out_dir, *extra):
 
 
 def read_log(out_dir, key):
-    """(iter, value) of each record with `key`, in out_dir's log.jsonl (a local path or a gs:// URL)."""
+    """(iter, value) of each record with `key`, in out_dir's log.jsonl (a local path or a gs://
+    URL)."""
     import storage
 
     text = storage.read_bytes(storage.join(str(out_dir), "log.jsonl")).decode()
@@ -104,17 +137,30 @@ def read_log(out_dir, key):
 
 
 def fake_devices(n):
-    """The environment of a python with n fake CPU devices: this one's, its XLA_FLAGS too (conftest.QUICK_COMPILE)."""
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
-    return {**os.environ, "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])}
+    """The environment of a python with n fake CPU devices: this one's, its XLA_FLAGS too
+    (conftest.QUICK_COMPILE)."""
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
+    ).split()
+    return {
+        **os.environ,
+        "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={n}"]),
+    }
 
 
 def train_cli(args, devices=1, env=None, **kw):
-    """train.py as a command. On 1 device in this process's environment: XLA_FLAGS are part of the compilation
-    cache's key, and what the tests compiled in process, it finds in the cache."""
+    """train.py as a command. On 1 device in this process's environment: XLA_FLAGS are part of the
+    compilation cache's key, and what the tests compiled in process, it finds in the cache."""
     env = {**(fake_devices(devices) if devices > 1 else os.environ), **(env or {})}
-    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300, **kw)
+    return subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kw,
+    )
 
 
 def free_port():
@@ -124,27 +170,43 @@ def free_port():
 
 
 def snapshot(path):
-    return {os.path.join(r, f): os.stat(os.path.join(r, f)).st_mtime_ns for r, _, fs in os.walk(path) for f in fs}
+    return {
+        os.path.join(r, f): os.stat(os.path.join(r, f)).st_mtime_ns
+        for r, _, fs in os.walk(path)
+        for f in fs
+    }
 
 
 def one_line_error(result, code):
     err = result.stderr.strip()
-    assert result.returncode == code and err.startswith("error: ") and "\n" not in err, result.stderr[-3000:]
+    assert result.returncode == code and err.startswith("error: ") and "\n" not in err, (
+        result.stderr[-3000:]
+    )
     return err
 
 
 def popen_train(args, process_id, port, devices=2):
-    """Process `process_id` of a train.py run of 2 processes (each compiles its own programs: JAX caches process 0's
-    only)."""
-    env = {**fake_devices(devices), "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-           "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(process_id)}
-    return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    """Process `process_id` of a train.py run of 2 processes (each compiles its own programs: JAX
+    caches process 0's only)."""
+    env = {
+        **fake_devices(devices),
+        "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+        "JAX_NUM_PROCESSES": "2",
+        "JAX_PROCESS_ID": str(process_id),
+    }
+    return subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def transpose_c_proj_on_restore(monkeypatch):
-    """A bug planted in our checkpoint loader: layer 0's square attn.c_proj comes back transposed (a parity check
-    whose reference reads the checkpoint by its own path must catch it)."""
+    """A bug planted in our checkpoint loader: layer 0's square attn.c_proj comes back transposed (a
+    parity check whose reference reads the checkpoint by its own path must catch it)."""
     import checkpoint
 
     load = checkpoint.load_checkpoint_model
@@ -153,11 +215,13 @@ def transpose_c_proj_on_restore(monkeypatch):
         model, meta = load(*args, **kwargs)
         model.h[0].attn.c_proj.kernel.set_value(model.h[0].attn.c_proj.kernel[...].T)
         return model, meta
+
     monkeypatch.setattr(checkpoint, "load_checkpoint_model", transposed)
 
 
 def equations(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs inside it (jit, scan, cond, custom_vjp, remat)."""
+    """Every equation of `jaxpr` and of the jaxprs inside it (jit, scan, cond, custom_vjp,
+    remat)."""
     from jax.extend.core import jaxprs_in_params
 
     for eqn in jaxpr.eqns:
@@ -167,7 +231,8 @@ def equations(jaxpr):
 
 
 class Call:
-    """Pickles as the call fn(*args), which a plain pickle.load makes (a file's payload the readers must refuse)."""
+    """Pickles as the call fn(*args), which a plain pickle.load makes (a file's payload the readers
+    must refuse)."""
 
     def __init__(self, fn, *args):
         self.fn, self.args = fn, args

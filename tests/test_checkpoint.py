@@ -1,10 +1,10 @@
 """python -m pytest tests/test_checkpoint.py -q
 
-Checkpoints that verify themselves, and a rotation that keeps the best: a flipped bit in any array file never loads
-(orbax's error or our checksum's, one line naming the step to fall back on); an array's checksum is the same on any
-mesh, and is the sums it says it is; a meta no model can be made from is one line in train, sample and export; the
-checkpoint of the best val loss outlives rotation, across a resume; a step is restored by its number. A save that fails:
-tests/test_failed_saves.py."""
+Checkpoints that verify themselves, and a rotation that keeps the best: a flipped bit in any array
+file never loads (orbax's error or our checksum's, one line naming the step to fall back on); an
+array's checksum is the same on any mesh, and is the sums it says it is; a meta no model can be made
+from is one line in train, sample and export; the checkpoint of the best val loss outlives rotation,
+across a resume; a step is restored by its number. A save that fails: tests/test_failed_saves.py."""
 
 import json
 import math
@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import REPO, fake_devices, run, settings, tiny_config
 
 import checkpoint
 import export
@@ -27,7 +28,6 @@ import sample
 import train
 import train_step
 from configurator import UsageError
-from helpers import REPO, fake_devices, run, settings, tiny_config
 from model import GPT
 
 
@@ -40,15 +40,19 @@ def flip_bit(path, offset, bit):
 
 
 def array_files(out_dir, step, item):
-    """The files holding an item's arrays (tensorstore's OCDBT data files: chunks and the tree that finds them)."""
+    """The files holding an item's arrays (tensorstore's OCDBT data files: chunks and the tree that
+    finds them)."""
     root = os.path.join(out_dir, "ckpt", str(step), item)
-    return sorted(os.path.join(r, f) for r, _, fs in os.walk(root) for f in fs if os.path.basename(r) == "d")
+    return sorted(
+        os.path.join(r, f) for r, _, fs in os.walk(root) for f in fs if os.path.basename(r) == "d"
+    )
 
 
 def test_a_flipped_bit_in_any_array_file_never_loads(dataset, tmp_path):
-    """Bits flipped at random in params and opt_state files, one at a time: each restore either fails in one line
-    (orbax cannot read it, or the checksum of an array differs) or returns exactly the saved arrays (the bit was one
-    nothing reads). Orbax alone loads some of them as other numbers; ours catches them in both items."""
+    """Bits flipped at random in params and opt_state files, one at a time: each restore either
+    fails in one line (orbax cannot read it, or the checksum of an array differs) or returns exactly
+    the saved arrays (the bit was one nothing reads). Orbax alone loads some of them as other
+    numbers; ours catches them in both items."""
     out = tmp_path / "out"
     t = run(dataset, out, "--max_iters=4", "--eval_interval=2")  # checkpoints 2 and 4
     meta = checkpoint.restore(out)["meta"]
@@ -69,25 +73,35 @@ def test_a_flipped_bit_in_any_array_file_never_loads(dataset, tmp_path):
                 restored = restore()
             except checkpoint.CheckpointError as e:
                 message = str(e)
-                assert "\n" not in message and re.search(r"ckpt/4 did not restore \(.*\); move it away to resume from "
-                                                         r"step 2$", message), message
-                checksum = re.search(r"\((\S+) differs from the checksum saved with it: the checkpoint is corrupt\)",
-                                     message)
+                assert "\n" not in message and re.search(
+                    r"ckpt/4 did not restore \(.*\); move it away to resume from "
+                    r"step 2$",
+                    message,
+                ), message
+                checksum = re.search(
+                    r"\((\S+) differs from the checksum saved with it: the checkpoint is corrupt\)",
+                    message,
+                )
                 if checksum:
                     assert checksum[1].startswith(f"{item}/"), message
                     caught[item] += 1
                 else:  # orbax's error: its type and its first line
-                    kind, words = re.search(r"did not restore \((\w+): (.*)\); move", message).groups()
+                    kind, words = re.search(
+                        r"did not restore \((\w+): (.*)\); move", message
+                    ).groups()
                     assert kind.endswith(("Error", "Exception")) and words != "None", message
             else:
                 for a, b in zip(jax.tree.leaves(restored), saved):
-                    np.testing.assert_array_equal(np.asarray(a), b, err_msg=f"{path} +{offset} bit {bit} loaded")
+                    np.testing.assert_array_equal(
+                        np.asarray(a), b, err_msg=f"{path} +{offset} bit {bit} loaded"
+                    )
             finally:
                 flip_bit(path, offset, bit)
     assert caught["params"] and caught["opt_state"], caught
 
 
-# The digests of the same values (pickled by the test) placed on meshes of 8 fake devices, printed as JSON.
+# The digests of the same values (pickled by the test) placed on meshes of 8 fake devices, printed
+# as JSON.
 DIGESTS_ON_MESHES = r"""
 import json, pickle, sys
 import jax, ml_dtypes  # ml_dtypes: the pickled bfloat16 array's dtype
@@ -108,27 +122,41 @@ for fsdp, tp in ((8, 1), (2, 2)):
     out[f"fsdp {fsdp} x tensor {tp}"] = checkpoint.digests(placed)
     out[f"whole axes {fsdp} x {tp}"] = checkpoint._whole_axes(placed["mixed"]["f32"])
 print("DIGESTS " + json.dumps(out))
-"""
+"""  # noqa: E501
 
 
 def gpt_params():
-    return nnx.state(GPT(tiny_config(n_layer=2, n_embd=64, n_head=4, vocab_size=96, scan_layers=True), nnx.Rngs(0)))
+    return nnx.state(
+        GPT(
+            tiny_config(n_layer=2, n_embd=64, n_head=4, vocab_size=96, scan_layers=True),
+            nnx.Rngs(0),
+        )
+    )
 
 
 def mixed_arrays():
     rng = np.random.default_rng(0)
-    return {"f32": rng.standard_normal((64, 40), np.float32),
-            "bf16": rng.standard_normal((7, 9)).astype(ml_dtypes.bfloat16),
-            "int8": rng.integers(-128, 128, (16, 24), np.int8), "uint16": rng.integers(0, 2**16, (8, 3), np.uint16),
-            "bool": rng.random(8) > 0.5, "scalar": np.int32(7), "long": rng.standard_normal(3000, np.float32),
-            "odd": rng.standard_normal((3, 1001), np.float32)}  # an odd axis: summed whole, not halved
+    return {
+        "f32": rng.standard_normal((64, 40), np.float32),
+        "bf16": rng.standard_normal((7, 9)).astype(ml_dtypes.bfloat16),
+        "int8": rng.integers(-128, 128, (16, 24), np.int8),
+        "uint16": rng.integers(0, 2**16, (8, 3), np.uint16),
+        "bool": rng.random(8) > 0.5,
+        "scalar": np.int32(7),
+        "long": rng.standard_normal(3000, np.float32),
+        # an odd axis: summed whole, not halved
+        "odd": rng.standard_normal((3, 1001), np.float32),
+    }
 
 
 def reference_digest(x):
-    """The definition, in numpy, over the flattened array: two sums mod 2^32 of its bits as uint32."""
+    """The definition, in numpy, over the flattened array: two sums mod 2^32 of its bits as
+    uint32."""
     x = np.asarray(x)
     x = x.astype(np.uint8) if x.dtype == bool else x
-    bits = x.reshape(-1).view({1: np.uint8, 2: np.uint16}.get(x.itemsize, np.uint32)).astype(np.uint64)
+    bits = (
+        x.reshape(-1).view({1: np.uint8, 2: np.uint16}.get(x.itemsize, np.uint32)).astype(np.uint64)
+    )
     i = np.arange(bits.size, dtype=np.uint64)
     m = np.uint64(2**32 - 1)
     h = bits ^ ((i * np.uint64(0x9E3779B9)) & m)
@@ -141,17 +169,27 @@ def reference_digest(x):
 
 
 def test_an_arrays_checksum_is_the_same_on_any_mesh_and_is_its_definition(tmp_path):
-    params = {jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value"): np.asarray(x)
-              for p, x in jax.tree_util.tree_leaves_with_path(gpt_params())}  # the blocks stacked (scan_layers)
+    params = {
+        jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value"): np.asarray(x)
+        # the blocks stacked (scan_layers)
+        for p, x in jax.tree_util.tree_leaves_with_path(gpt_params())
+    }
     values = {"params": params, "mixed": mixed_arrays()}
     with open(tmp_path / "values.pkl", "wb") as f:
         pickle.dump(values, f)
     env = fake_devices(8)
-    p = subprocess.run([sys.executable, "-c", DIGESTS_ON_MESHES, str(tmp_path / "values.pkl")], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", DIGESTS_ON_MESHES, str(tmp_path / "values.pkl")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
-    meshes = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("DIGESTS "))[8:])
-    # the axes a device holds whole, summed where they lie: (64, 40) split 8 ways by rows, then 2 x 2
+    meshes = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("DIGESTS "))[8:])
+    # the axes a device holds whole, summed where they lie: (64, 40) split 8 ways by rows, then 2 x
+    # 2
     assert (meshes.pop("whole axes 8 x 1"), meshes.pop("whole axes 2 x 2")) == ([1], [])
     here = checkpoint.digests(values)  # this process's one device
     for mesh, digests in meshes.items():
@@ -159,9 +197,13 @@ def test_an_arrays_checksum_is_the_same_on_any_mesh_and_is_its_definition(tmp_pa
     for item, arrays in values.items():
         for key, x in arrays.items():
             assert here[f"{item}/{key}"] == reference_digest(x), key
-    assert "params/h/attn/c_attn/kernel" in checkpoint.digests({"params": gpt_params()})  # the path, without /value
+    # the path, without /value
+    assert "params/h/attn/c_attn/kernel" in checkpoint.digests({"params": gpt_params()})
     with jax.enable_x64(True):  # 8-byte dtypes: two uint32 each, summed as uint32
-        wide = {"f64": np.random.default_rng(1).standard_normal((5, 300)), "i64": np.arange(-700, 700) * 2**40}
+        wide = {
+            "f64": np.random.default_rng(1).standard_normal((5, 300)),
+            "i64": np.arange(-700, 700) * 2**40,
+        }
         assert checkpoint.digests(wide) == {k: reference_digest(x) for k, x in wide.items()}
     # one flipped bit anywhere changes it: the weighted sum alone sees every one
     x = mixed_arrays()["long"]
@@ -172,26 +214,55 @@ def test_an_arrays_checksum_is_the_same_on_any_mesh_and_is_its_definition(tmp_pa
 
 
 BAD_META = {  # (what is changed, the one line's reason)
-    "an unknown model_args key": ({"model_args": {"n_layers": 2}},
-                                  "its model_args has 'n_layers', which is not a model.GPTConfig field"),
+    "an unknown model_args key": (
+        {"model_args": {"n_layers": 2}},
+        "its model_args has 'n_layers', which is not a model.GPTConfig field",
+    ),
     "a str for an int": ({"model_args": {"n_layer": "2"}}, "its model_args n_layer='2' is not int"),
     "an int for a bool": ({"model_args": {"bias": 1}}, "its model_args bias=1 is not bool"),
-    "scan_layers not a bool": ({"model_args": {"scan_layers": "yes"}}, "its model_args scan_layers='yes' is not bool"),
-    "a float for an int": ({"model_args": {"n_embd": 32.0}}, "its model_args n_embd=32.0 is not int"),
-    "no model": ({"model_args": {"n_head": 3}}, "its model_args are no model: n_embd=32 must be divisible by n_head=3"),
+    "scan_layers not a bool": (
+        {"model_args": {"scan_layers": "yes"}},
+        "its model_args scan_layers='yes' is not bool",
+    ),
+    "a float for an int": (
+        {"model_args": {"n_embd": 32.0}},
+        "its model_args n_embd=32.0 is not int",
+    ),
+    "no model": (
+        {"model_args": {"n_head": 3}},
+        "its model_args are no model: n_embd=32 must be divisible by n_head=3",
+    ),
     "iter_num not an int": ({"iter_num": "2"}, "its meta's iter_num is '2', not an integer >= 0"),
-    "best_val_loss not a number": ({"best_val_loss": None}, "its meta's best_val_loss is None, not a number"),
+    "best_val_loss not a number": (
+        {"best_val_loss": None},
+        "its meta's best_val_loss is None, not a number",
+    ),
     "config not an object": ({"config": [1]}, "its meta's config is list, not a JSON object"),
-    "digests not strings": ({"digests": {"params/wte/embedding": 5}}, "its meta's digests are not a JSON object of"),
-    "a checksum missing": (lambda meta: {**meta, "digests": {k: v for k, v in meta["digests"].items()
-                                                             if k != "params/wte/embedding"}},
-                           "its meta has no checksum of params/wte/embedding"),
+    "digests not strings": (
+        {"digests": {"params/wte/embedding": 5}},
+        "its meta's digests are not a JSON object of",
+    ),
+    "a checksum missing": (
+        lambda meta: {
+            **meta,
+            "digests": {k: v for k, v in meta["digests"].items() if k != "params/wte/embedding"},
+        },
+        "its meta has no checksum of params/wte/embedding",
+    ),
     "not an object": (lambda meta: [meta], "its meta is not a JSON object"),
-    "keys missing": (lambda meta: {k: v for k, v in meta.items() if k not in ("loader", "config")},
-                     "its meta lacks config, loader"),
-    "architecture missing": (lambda meta: {**meta, "model_args": {k: v for k, v in meta["model_args"].items()
-                                                                  if k not in ("bias", "n_layer")}},
-                             "its model_args lack n_layer, bias"),
+    "keys missing": (
+        lambda meta: {k: v for k, v in meta.items() if k not in ("loader", "config")},
+        "its meta lacks config, loader",
+    ),
+    "architecture missing": (
+        lambda meta: {
+            **meta,
+            "model_args": {
+                k: v for k, v in meta["model_args"].items() if k not in ("bias", "n_layer")
+            },
+        },
+        "its model_args lack n_layer, bias",
+    ),
 }
 
 
@@ -200,15 +271,19 @@ def test_a_bad_meta_is_one_line_in_train_sample_and_export(dataset, tmp_path, ca
     run(dataset, out, "--max_iters=4", "--eval_interval=2")
     meta_file = out / "ckpt" / "4" / "meta" / "metadata"
     good = json.loads(meta_file.read_text())
-    assert checkpoint.load_model("resume", out, dropout=0.1)[0].config.dropout == 0.1  # the caller's, not the run's
+    # the caller's, not the run's
+    assert checkpoint.load_model("resume", out, dropout=0.1)[0].config.dropout == 0.1
 
     # a checkpoint saved before the checksums: it loads, and one line says it is unverified
     meta_file.write_text(json.dumps({k: v for k, v in good.items() if k != "digests"}))
     capsys.readouterr()
     checkpoint.load_model("resume", out)
     err = capsys.readouterr().err.strip()
-    assert re.fullmatch(r"checkpoint \S+/ckpt/4 carries no checksums \(saved before they were kept\): its arrays "
-                        r"load unverified", err), err
+    assert re.fullmatch(
+        r"checkpoint \S+/ckpt/4 carries no checksums \(saved before they were kept\): its arrays "
+        r"load unverified",
+        err,
+    ), err
 
     for what, (change, reason) in BAD_META.items():
         meta = json.loads(json.dumps(good))
@@ -218,9 +293,14 @@ def test_a_bad_meta_is_one_line_in_train_sample_and_export(dataset, tmp_path, ca
             for key, value in change.items():
                 meta[key] = {**meta[key], **value} if key == "model_args" else value
         meta_file.write_text(json.dumps(meta))
-        message = re.escape(f"ckpt/4 did not restore ({reason}") + r".*\); move it away to resume from step 2$"
-        for load in (lambda: checkpoint.load_model("resume", out),
-                     lambda: train.Trainer(settings(dataset, out, "--init_from=resume"))):
+        message = (
+            re.escape(f"ckpt/4 did not restore ({reason}")
+            + r".*\); move it away to resume from step 2$"
+        )
+        for load in (
+            lambda: checkpoint.load_model("resume", out),
+            lambda: train.Trainer(settings(dataset, out, "--init_from=resume")),
+        ):
             with pytest.raises(checkpoint.CheckpointError, match=message) as e:
                 load()
             assert "\n" not in str(e.value), what
@@ -233,22 +313,31 @@ def test_a_bad_meta_is_one_line_in_train_sample_and_export(dataset, tmp_path, ca
 
 
 def test_a_step_is_restored_by_its_number_and_a_missing_one_names_those_there(dataset, tmp_path):
-    """export.py's --step: an earlier checkpoint than the latest, its own arrays; a step not saved is one line."""
+    """export.py's --step: an earlier checkpoint than the latest, its own arrays; a step not saved
+    is one line."""
     run(dataset, tmp_path, "--max_iters=4", "--eval_interval=2")
-    (model, meta), (latest, _) = (checkpoint.load_checkpoint_model(tmp_path, step=s) for s in (2, None))
-    assert meta["iter_num"] == 2 and not np.array_equal(model.wte.embedding[...], latest.wte.embedding[...])
-    for loaded in (model, latest, checkpoint.load_model("resume", tmp_path)[0]):  # for inference: no dropout, fp32
+    (model, meta), (latest, _) = (
+        checkpoint.load_checkpoint_model(tmp_path, step=s) for s in (2, None)
+    )
+    assert meta["iter_num"] == 2 and not np.array_equal(
+        model.wte.embedding[...], latest.wte.embedding[...]
+    )
+    # for inference: no dropout, fp32
+    for loaded in (model, latest, checkpoint.load_model("resume", tmp_path)[0]):
         assert (loaded.config.dropout, loaded.config.dtype) == (0.0, "float32")
     assert checkpoint.load_model("resume", tmp_path, dtype="bfloat16")[0].config.dtype == "bfloat16"
     model, _, step = checkpoint.load_with_codec("resume", tmp_path, "bfloat16")  # sample.py's
     assert (model.config.dtype, step) == ("bfloat16", 4)
-    with pytest.raises(checkpoint.CheckpointError, match=r"^no checkpoint of step 3 in \S+/ckpt: it has steps 2, 4$"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"^no checkpoint of step 3 in \S+/ckpt: it has steps 2, 4$",
+    ):
         checkpoint.restore(tmp_path, step=3)
 
 
 def test_rotation_keeps_the_latest_and_the_best(tmp_path):
-    """keep 2: saves with a val loss and without one (checkpoint_interval, a stop); a reopened directory (a resumed
-    run) still knows which is best."""
+    """keep 2: saves with a val loss and without one (checkpoint_interval, a stop); a reopened
+    directory (a resumed run) still knows which is best."""
     mngr = checkpoint.manager(tmp_path, keep=2)
     params, opt_state = {"w": np.arange(3, dtype=np.float32)}, {"count": np.zeros((), np.int32)}
 
@@ -274,10 +363,13 @@ def test_rotation_keeps_the_latest_and_the_best(tmp_path):
 
 
 def test_the_best_checkpoint_outlives_blown_up_ones(dataset, tmp_path, monkeypatch, caplog):
-    """The issue's run: checkpoint_interval=1, keep_checkpoints=2, the val loss blows up to 1.6e10 (finite: the
-    run goes on) after step 2. A step that is evaluated is saved by its eval, with its val loss."""
+    """The issue's run: checkpoint_interval=1, keep_checkpoints=2, the val loss blows up to 1.6e10
+    (finite: the run goes on) after step 2. A step that is evaluated is saved by its eval, with its
+    val loss."""
     vals = {0: 4.0, 2: 2.0, 4: 1.6e10, 6: 1.6e10, 8: 3.0e10, 10: 1.6e10}
-    monkeypatch.setattr(train.Trainer, "estimate_loss", lambda self: {"train": 1.0, "val": vals[self.iter_num]})
+    monkeypatch.setattr(
+        train.Trainer, "estimate_loss", lambda self: {"train": 1.0, "val": vals[self.iter_num]}
+    )
     args = ["--eval_interval=2", "--checkpoint_interval=1", "--keep_checkpoints=2"]
     run(dataset, tmp_path, "--max_iters=6", *args)
     assert checkpoint.all_steps(tmp_path) == [2, 5, 6]

@@ -1,9 +1,10 @@
 """python -m pytest tests/test_dataloader.py -q
 
-The loaders: determinism, per-process rows composing the global batch, shard order, wrap-around across
-shards, exact resume position, the missing-data errors, and the prefetching thread. Read without a memory map:
-the same tokens as the memory-mapped reference, and a data file that changes under a run (truncated, rewritten,
-a shard deleted or broken) stops it with one line, where a mapped file killed it with SIGBUS."""
+The loaders: determinism, per-process rows composing the global batch, shard order, wrap-around
+across shards, exact resume position, the missing-data errors, and the prefetching thread. Read
+without a memory map: the same tokens as the memory-mapped reference, and a data file that changes
+under a run (truncated, rewritten, a shard deleted or broken) stops it with one line, where a mapped
+file killed it with SIGBUS."""
 
 import gc
 import os
@@ -14,12 +15,12 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import REPO, TINY, run, snapshot
 
 import checkpoint
 import dataloader
 from configurator import RunStopped, UsageError
 from dataloader import BinLoader, Prefetcher, ShardLoader, make_loader
-from helpers import REPO, TINY, run, snapshot
 from token_files import prepare_hint, token_file
 
 FIX = "the run stopped; restore the file and resume with --init_from=resume"
@@ -60,12 +61,16 @@ def test_bin_windows_are_targets_shifted_by_one_and_deterministic(bin_file):
 
 def test_process_rows_compose_the_global_batch(bin_file):
     whole = BinLoader(bin_file, 8, rows=6, seed=0).next(2)[0]
-    parts = [BinLoader(bin_file, 8, rows=6, seed=0, row_slice=slice(i, i + 2)).next(2)[0] for i in (0, 2, 4)]
+    parts = [
+        BinLoader(bin_file, 8, rows=6, seed=0, row_slice=slice(i, i + 2)).next(2)[0]
+        for i in (0, 2, 4)
+    ]
     np.testing.assert_array_equal(np.concatenate(parts, axis=1), whole)
 
 
 def test_accumulation_layout_is_the_same_tokens(bin_file):
-    """accum 4 x rows 2 and accum 1 x rows 8 read the same windows (the accumulation equivalence)."""
+    """accum 4 x rows 2 and accum 1 x rows 8 read the same windows (the accumulation
+    equivalence)."""
     a = BinLoader(bin_file, 8, rows=2, seed=3).next(4)[0]
     b = BinLoader(bin_file, 8, rows=8, seed=3).next(1)[0]
     np.testing.assert_array_equal(a.reshape(8, 8), b.reshape(8, 8))
@@ -97,7 +102,9 @@ def test_shards_are_read_in_order_and_wrap_around(shards):
 def test_shard_rows_per_process_and_exact_resume(shards):
     _, paths = shards
     whole = ShardLoader(paths, 10, rows=4, seed=0)
-    halves = [ShardLoader(paths, 10, rows=4, seed=0, row_slice=s) for s in (slice(0, 2), slice(2, 4))]
+    halves = [
+        ShardLoader(paths, 10, rows=4, seed=0, row_slice=s) for s in (slice(0, 2), slice(2, 4))
+    ]
     for _ in range(5):
         x = whole.next(2)[0]
         np.testing.assert_array_equal(np.concatenate([h.next(2)[0] for h in halves], axis=1), x)
@@ -114,7 +121,8 @@ def test_shuffled_shard_order_is_seeded_per_epoch(shards):
 
     def epoch_order(seed, epochs=4):
         loader = ShardLoader(paths, block_size=10, rows=1, seed=seed, shuffle_shards=True)
-        firsts = [int(loader.next(30)[0].reshape(-1)[0]) for _ in range(epochs)]  # 300 tokens = 1 epoch
+        # 300 tokens = 1 epoch
+        firsts = [int(loader.next(30)[0].reshape(-1)[0]) for _ in range(epochs)]
         return firsts
 
     a, b = epoch_order(0), epoch_order(0)
@@ -134,7 +142,8 @@ def test_val_batches_restart_from_the_beginning(shards):
 
 def test_shard_eval_batches_are_epoch_0s_first_and_ids_are_checked(shards):
     tmp, paths = shards
-    loader = ShardLoader(paths, block_size=10, rows=3, seed=1, shuffle_shards=True)  # seed 1: epoch 1 starts elsewhere
+    # seed 1: epoch 1 starts elsewhere
+    loader = ShardLoader(paths, block_size=10, rows=3, seed=1, shuffle_shards=True)
     first = ShardLoader(paths, block_size=10, rows=3, seed=1, shuffle_shards=True).next(4)
     for _ in range(12):  # into epoch 1
         loader.next(1)
@@ -144,28 +153,41 @@ def test_shard_eval_batches_are_epoch_0s_first_and_ids_are_checked(shards):
     assert loader.state_dict() == {"epoch": 1, "shard": 0, "offset": 60}
     with pytest.raises(UsageError) as bad:
         ShardLoader(paths, block_size=10, rows=3, seed=0, vocab_size=20).next(1)  # ids 0..30
-    assert str(bad.value) == (f"{tmp} holds token id 30, outside the model's vocabulary (vocab_size 20): set "
-                              "--vocab_size, or prepare the data with the model's tokenizer")
+    assert str(bad.value) == (
+        f"{tmp} holds token id 30, outside the model's vocabulary (vocab_size 20): set "
+        "--vocab_size, or prepare the data with the model's tokenizer"
+    )
 
 
 def test_missing_data_names_the_command(tmp_path):
     (tmp_path / "edu_fineweb10B").mkdir()
     with pytest.raises(FileNotFoundError, match="run `python fineweb.py` first"):
         make_loader(str(tmp_path / "edu_fineweb10B"), "train", 8, 2, 0)
-    with pytest.raises(FileNotFoundError, match=r"no train.bin .* run `python data/nope/prepare.py` first"):
+    with pytest.raises(
+        FileNotFoundError, match=r"no train.bin .* run `python data/nope/prepare.py` first"
+    ):
         make_loader("data/nope", "train", 8, 2, 0)
     # a URL folder has no prepare.py to ask: the hint is by its name
-    assert prepare_hint("gs://bucket/runs/shakespeare_char/") == "python data/shakespeare_char/prepare.py"
+    assert (
+        prepare_hint("gs://bucket/runs/shakespeare_char/")
+        == "python data/shakespeare_char/prepare.py"
+    )
     assert prepare_hint("gs://bucket/edu_fineweb10B") == "python fineweb.py"
-    assert prepare_hint("gs://bucket/shakespeare_char", bin_shards=True) == "python data/fineweb10B/prepare.py"
+    assert (
+        prepare_hint("gs://bucket/shakespeare_char", bin_shards=True)
+        == "python data/fineweb10B/prepare.py"
+    )
 
 
 def test_prefetcher_gives_the_loaders_batches_and_the_position_after_the_last_taken(shards):
     _, paths = shards
     direct = ShardLoader(paths, block_size=4, rows=2, seed=0)
-    ahead = Prefetcher(ShardLoader(paths, block_size=4, rows=2, seed=0), accum=3, put=np.copy, depth=2)
+    ahead = Prefetcher(
+        ShardLoader(paths, block_size=4, rows=2, seed=0), accum=3, put=np.copy, depth=2
+    )
     try:
-        assert ahead.state == direct.state_dict()  # before the first batch: the loader's (a checkpoint at step 0)
+        # before the first batch: the loader's (a checkpoint at step 0)
+        assert ahead.state == direct.state_dict()
         for _ in range(5):  # wraps around the shards
             x, y = ahead.next()
             want = direct.next(3)
@@ -178,21 +200,34 @@ def test_prefetcher_gives_the_loaders_batches_and_the_position_after_the_last_ta
 
 def test_prefetcher_raises_a_read_error_at_the_batch_that_hit_it(tmp_path):
     np.full(200, 64, np.uint16).tofile(tmp_path / "train.bin")
-    loader = BinLoader(str(tmp_path / "train.bin"), block_size=4, rows=2, seed=0, vocab_size=64)  # every id is 64
+    # every id is 64
+    loader = BinLoader(str(tmp_path / "train.bin"), block_size=4, rows=2, seed=0, vocab_size=64)
     ahead = Prefetcher(loader, accum=1, put=np.copy)
     with pytest.raises(UsageError) as bad:
         ahead.next()
-    assert str(bad.value).startswith(f"{tmp_path / 'train.bin'} holds token id 64, outside the model's vocabulary")
+    assert str(bad.value).startswith(
+        f"{tmp_path / 'train.bin'} holds token id 64, outside the model's vocabulary"
+    )
     assert not ahead._thread.is_alive()
 
 
 def test_a_run_that_dies_without_closing_its_prefetcher_still_exits(bin_file):
-    """The thread is a daemon: an error in the training loop ends the process, where it would wait on the thread."""
-    script = ("import sys, numpy as np; from dataloader import BinLoader, Prefetcher; "
-              "Prefetcher(BinLoader(sys.argv[1], 8, 4, seed=0), accum=1, put=np.copy).next(); sys.exit(3)")
-    r = subprocess.run([sys.executable, "-c", script, bin_file], cwd=REPO, capture_output=True, text=True, timeout=60)
+    """The thread is a daemon: an error in the training loop ends the process, where it would wait
+    on the thread."""
+    script = (
+        "import sys, numpy as np; from dataloader import BinLoader, Prefetcher; "
+        "Prefetcher(BinLoader(sys.argv[1], 8, 4, seed=0), accum=1, put=np.copy).next(); sys.exit(3)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script, bin_file],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 3, r.stderr[-2000:]
-    # in this process too: mutmut runs a test against a mutant only where the test calls its function in-process
+    # in this process too: mutmut runs a test against a mutant only where the test calls its
+    # function in-process
     ahead = Prefetcher(BinLoader(bin_file, 8, 4, seed=0), accum=1, put=np.copy)
     ahead.close()
     assert ahead._thread.daemon
@@ -200,27 +235,48 @@ def test_a_run_that_dies_without_closing_its_prefetcher_still_exits(bin_file):
 
 def test_make_loader_hands_each_loader_its_settings(shards):
     tmp, _ = shards
-    for split, shuffled in (("train", True), ("val", False)):  # shuffle_shards: the train split's only
-        got = make_loader(str(tmp), split, 10, 4, seed=1, row_slice=slice(1, 3), shuffle_shards=True, vocab_size=2000)
-        assert (got.seed, got.row_slice, got.shuffle_shards, got.vocab_size) == (1, slice(1, 3), shuffled, 2000)
+    # shuffle_shards: the train split's only
+    for split, shuffled in (("train", True), ("val", False)):
+        got = make_loader(
+            str(tmp),
+            split,
+            10,
+            4,
+            seed=1,
+            row_slice=slice(1, 3),
+            shuffle_shards=True,
+            vocab_size=2000,
+        )
+        assert (got.seed, got.row_slice, got.shuffle_shards, got.vocab_size) == (
+            1,
+            slice(1, 3),
+            shuffled,
+            2000,
+        )
     np.arange(100, dtype=np.uint16).tofile(tmp / "train.bin")
     got = make_loader(str(tmp), "train", 10, 4, seed=1, row_slice=slice(1, 3), vocab_size=2000)
     assert (type(got), got.seed, got.row_slice, got.vocab_size) == (BinLoader, 1, slice(1, 3), 2000)
 
 
-# --- no memory map: the same tokens, and one line when the data changes under the run ----------------------
+# --- no memory map: the same tokens, and one line when the data changes under the run
+# ----------------------
+
 
 def memmap_batch(path, seed, key, accum, rows, block_size):
     """BinLoader.batch as it was on np.memmap: the reference, bit for bit."""
     data = np.memmap(path, dtype=np.uint16, mode="r")
-    starts = np.random.default_rng([seed, *key]).integers(0, len(data) - block_size - 1, (accum, rows))
-    tokens = data[starts[..., None] + np.arange(block_size + 1)].astype(np.int32)  # (accum, rows, T+1)
+    starts = np.random.default_rng([seed, *key]).integers(
+        0, len(data) - block_size - 1, (accum, rows)
+    )
+    # (accum, rows, T+1)
+    tokens = data[starts[..., None] + np.arange(block_size + 1)].astype(np.int32)
     return tokens[..., :-1], tokens[..., 1:]
 
 
 def test_bin_batches_equal_the_memory_mapped_reference(tmp_path):
     path = str(tmp_path / "train.bin")
-    np.random.default_rng(0).integers(0, 2**16, 5000, dtype=np.uint16).tofile(path)  # every byte matters
+    # every byte matters
+    np.random.default_rng(0).integers(0, 2**16, 5000, dtype=np.uint16).tofile(path)
     loader = BinLoader(path, block_size=16, rows=6, seed=7, row_slice=slice(2, 4))
     for step in range(5):
         x, y = loader.next(3)
@@ -241,7 +297,9 @@ def test_shard_batches_equal_the_loaded_reference(tmp_path):
     for i, (n, version) in enumerate([(100, (1, 0)), (70, (2, 0)), (130, (1, 0))]):
         paths.append(str(tmp_path / f"shard_train_{i}.npy"))
         with open(paths[-1], "wb") as f:
-            np.lib.format.write_array(f, rng.integers(0, 2**16, n, dtype=np.uint16), version=version)
+            np.lib.format.write_array(
+                f, rng.integers(0, 2**16, n, dtype=np.uint16), version=version
+            )
     stream = np.concatenate([np.load(p) for p in paths]).astype(np.int32)  # 300 tokens
     loader = ShardLoader(paths, block_size=10, rows=4, seed=0)
     for step in range(6):  # 80 tokens a step: 480, past the epoch's end
@@ -249,33 +307,44 @@ def test_shard_batches_equal_the_loaded_reference(tmp_path):
         at = step * 80 + np.arange(81)
         np.testing.assert_array_equal(x.reshape(-1), stream[at[:-1] % 300])
         np.testing.assert_array_equal(y.reshape(-1), stream[at[1:] % 300])
-    assert loader.state_dict() == {"epoch": 1, "shard": 2, "offset": 10}  # 480 = 300 + 100 + 70 + 10
+    # 480 = 300 + 100 + 70 + 10
+    assert loader.state_dict() == {"epoch": 1, "shard": 2, "offset": 10}
 
 
 def test_bin_of_odd_size_is_a_usage_error(tmp_path):
     (tmp_path / "train.bin").write_bytes(bytes(2001))
-    with pytest.raises(UsageError, match=r"train.bin holds 2001 bytes, not whole uint16 tokens: rerun `python"):
+    with pytest.raises(
+        UsageError, match=r"train.bin holds 2001 bytes, not whole uint16 tokens: rerun `python"
+    ):
         BinLoader(str(tmp_path / "train.bin"), block_size=8, rows=2, seed=0)
 
 
 def test_a_bin_empty_or_too_short_for_one_window_is_one_line(tmp_path):
     path = tmp_path / "train.bin"
-    for n, what in ((0, "is empty: rerun `python"), (9, "holds 9 tokens: too few for block_size 8")):  # 9 = T + 1
+    # 9 = T + 1
+    for n, what in (
+        (0, "is empty: rerun `python"),
+        (9, "holds 9 tokens: too few for block_size 8"),
+    ):
         np.arange(n, dtype=np.uint16).tofile(path)
         with pytest.raises(UsageError) as bad:
             BinLoader(str(path), block_size=8, rows=2, seed=0)
         assert str(bad.value).startswith(f"{path} {what}")
     np.arange(10, dtype=np.uint16).tofile(path)  # T + 2 tokens: one window, from token 0
-    np.testing.assert_array_equal(BinLoader(str(path), 8, rows=2, seed=0).next(1)[1], [[np.arange(1, 9)] * 2])
+    np.testing.assert_array_equal(
+        BinLoader(str(path), 8, rows=2, seed=0).next(1)[1], [[np.arange(1, 9)] * 2]
+    )
 
 
 def test_a_token_file_closes_its_descriptor_when_dropped(bin_file):
-    """A long run opens each shard again every epoch: the files it is done with hold no descriptor."""
+    """A long run opens each shard again every epoch: the files it is done with hold no
+    descriptor."""
     before = len(os.listdir("/dev/fd"))
     for _ in range(20):
         token_file(bin_file).read([0], 4)
     gc.collect()
-    assert len(os.listdir("/dev/fd")) < before + 10  # not one per file (other threads may hold a few meanwhile)
+    # not one per file (other threads may hold a few meanwhile)
+    assert len(os.listdir("/dev/fd")) < before + 10
 
 
 TRUNCATE_BETWEEN_BATCHES = """if True:
@@ -294,15 +363,26 @@ TRUNCATE_BETWEEN_BATCHES = """if True:
 
 @pytest.mark.parametrize("kind", ["bin", "npy"])
 def test_a_file_truncated_between_batches_stops_the_next_in_one_line(kind, request):
-    """In a python of its own: a memory-mapped file that shrinks kills the process (SIGBUS), pytest with it."""
+    """In a python of its own: a memory-mapped file that shrinks kills the process (SIGBUS), pytest
+    with it."""
     if kind == "bin":
         truncated = request.getfixturevalue("bin_file")
         data_dir, size, what = os.path.dirname(truncated), 100, "now 50 tokens, was 5000"
     else:
         tmp, paths = request.getfixturevalue("shards")
-        data_dir, truncated, size, what = str(tmp), paths[0], NPY_HEADER + 40, "now 20 tokens, was 100"
-    r = subprocess.run([sys.executable, "-c", TRUNCATE_BETWEEN_BATCHES, data_dir, truncated, str(size)], cwd=REPO,
-                       capture_output=True, text=True, timeout=60)
+        data_dir, truncated, size, what = (
+            str(tmp),
+            paths[0],
+            NPY_HEADER + 40,
+            "now 20 tokens, was 100",
+        )
+    r = subprocess.run(
+        [sys.executable, "-c", TRUNCATE_BETWEEN_BATCHES, data_dir, truncated, str(size)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
     assert r.stderr.strip() == f"error: {truncated} changed while the run read it ({what}): {FIX}"
 
@@ -317,7 +397,9 @@ def test_a_read_that_comes_back_short_stops_the_run(bin_file):
         os.truncate(bin_file, 20)
 
     loader.file.check = check_then_truncate
-    with pytest.raises(RunStopped, match=r"train.bin changed while the run read it \(now 10 tokens, was 5000\)"):
+    with pytest.raises(
+        RunStopped, match=r"train.bin changed while the run read it \(now 10 tokens, was 5000\)"
+    ):
         loader.next(1)
 
 
@@ -327,7 +409,9 @@ def test_a_file_rewritten_in_place_stops_the_run(bin_file):
     np.arange(5000, dtype=np.uint16)[::-1].tofile(bin_file)  # the same size
     mtime = os.stat(bin_file).st_mtime_ns
     os.utime(bin_file, ns=(mtime, mtime + 10**9))  # a new mtime even where the clock is coarse
-    with pytest.raises(RunStopped, match=f"train.bin changed while the run read it \\(rewritten in place\\): {FIX}"):
+    with pytest.raises(
+        RunStopped, match=f"train.bin changed while the run read it \\(rewritten in place\\): {FIX}"
+    ):
         loader.next(1)
 
 
@@ -341,13 +425,17 @@ def test_a_file_deleted_or_replaced_after_opening_keeps_the_data_it_had(bin_file
     loader = ShardLoader(paths, block_size=10, rows=3, seed=0)
     loader.next(1)  # opens the first shard
     np.save(paths[0] + ".new.npy", np.zeros(100, np.uint16))
-    os.replace(paths[0] + ".new.npy", paths[0])  # a new file by rename: the loader reads the old one
+    # a new file by rename: the loader reads the old one
+    os.replace(paths[0] + ".new.npy", paths[0])
     np.testing.assert_array_equal(loader.next(1)[0].reshape(-1), np.arange(30, 60))
 
 
-def test_a_shard_deleted_before_the_loader_reaches_it_stops_the_prefetcher_in_one_error(shards, capfd):
+def test_a_shard_deleted_before_the_loader_reaches_it_stops_the_prefetcher_in_one_error(
+    shards, capfd
+):
     _, paths = shards
-    loader = ShardLoader(paths, block_size=10, rows=3, seed=0)  # 30 tokens a step: the 4th reaches shard 2
+    # 30 tokens a step: the 4th reaches shard 2
+    loader = ShardLoader(paths, block_size=10, rows=3, seed=0)
     os.remove(paths[1])
     ahead = Prefetcher(loader, accum=1, put=np.copy)
     for _ in range(3):
@@ -363,13 +451,23 @@ def test_a_broken_shard_stops_the_run_when_the_loader_reaches_it(shards):
     _, paths = shards
     shard = paths[0]
     faults = [
-        (lambda: os.truncate(shard, NPY_HEADER + 70),
-         "is truncated (it holds 35 of the 100 tokens its header declares)"),
-        (lambda: os.truncate(shard, 5), "has a bad .npy header (EOF: reading magic string, expected 8 bytes got 5)"),
-        (lambda: pathlib.Path(shard).write_bytes(b"tokens, not a .npy"),
-         "has a bad .npy header (the magic string is not correct; expected b'\\x93NUMPY', got b'tokens')"),
-        (lambda: np.save(shard, np.zeros((2, 50), np.uint16)),
-         "holds a uint16 array of shape (2, 50), not 1-D token ids"),
+        (
+            lambda: os.truncate(shard, NPY_HEADER + 70),
+            "is truncated (it holds 35 of the 100 tokens its header declares)",
+        ),
+        (
+            lambda: os.truncate(shard, 5),
+            "has a bad .npy header (EOF: reading magic string, expected 8 bytes got 5)",
+        ),
+        (
+            lambda: pathlib.Path(shard).write_bytes(b"tokens, not a .npy"),
+            "has a bad .npy header (the magic string is not correct; expected b'\\x93NUMPY', got "
+            "b'tokens')",
+        ),
+        (
+            lambda: np.save(shard, np.zeros((2, 50), np.uint16)),
+            "holds a uint16 array of shape (2, 50), not 1-D token ids",
+        ),
     ]
     for fault, what in faults:
         fault()
@@ -379,20 +477,39 @@ def test_a_broken_shard_stops_the_run_when_the_loader_reaches_it(shards):
 
 
 def test_train_py_stops_in_one_line_when_train_bin_is_truncated_mid_run(tmp_path):
-    """Resumed from a checkpoint, the run loses train.bin's tail while it runs: one line, exit 1 (it was SIGBUS,
-    exit -7, no word), and the checkpoint it resumed from as it was."""
+    """Resumed from a checkpoint, the run loses train.bin's tail while it runs: one line, exit 1 (it
+    was SIGBUS, exit -7, no word), and the checkpoint it resumed from as it was."""
     data, out = tmp_path / "data", tmp_path / "out"
     data.mkdir()  # data of its own to truncate: test_train's dataset is other tests' too
     (np.arange(30000) % 64).astype(np.uint16).tofile(data / "train.bin")
     (np.arange(3000) % 64).astype(np.uint16).tofile(data / "val.bin")
     chars = [chr(48 + i) for i in range(64)]
     with open(data / "meta.pkl", "wb") as f:
-        pickle.dump({"vocab_size": 64, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}, f)
+        pickle.dump(
+            {
+                "vocab_size": 64,
+                "itos": dict(enumerate(chars)),
+                "stoi": {c: i for i, c in enumerate(chars)},
+            },
+            f,
+        )
     run(str(data), out, "--max_iters=4")
     saved = snapshot(checkpoint.ckpt_dir(out))
-    p = subprocess.Popen([sys.executable, "train.py", *TINY, f"--dataset={data}", f"--out_dir={out}",
-                          "--init_from=resume", "--max_iters=100000"], cwd=REPO, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "train.py",
+            *TINY,
+            f"--dataset={data}",
+            f"--out_dir={out}",
+            "--init_from=resume",
+            "--max_iters=100000",
+        ],
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     for line in p.stdout:
         if line.startswith("iter "):  # the run is reading train.bin
             break
@@ -405,18 +522,25 @@ def test_train_py_stops_in_one_line_when_train_bin_is_truncated_mid_run(tmp_path
 
 
 def test_a_run_from_another_directory_finds_the_projects_data(tmp_path, monkeypatch):
-    """train.py --dataset=shakespeare_char started from another directory reads the project's data/shakespeare_char
-    (it said to run prepare.py); a local data/<name> or a path still comes first, and a name found nowhere is one
-    line naming where it looked and the datasets the project prepares (issue 33)."""
+    """train.py --dataset=shakespeare_char started from another directory reads the project's
+    data/shakespeare_char (it said to run prepare.py); a local data/<name> or a path still comes
+    first, and a name found nowhere is one line naming where it looked and the datasets the project
+    prepares (issue 33)."""
     project = os.path.join(REPO, "data", "shakespeare_char")
     monkeypatch.chdir(tmp_path)
     assert dataloader.data_dir_for("shakespeare_char") == project
     with pytest.raises(FileNotFoundError) as e:
         dataloader.data_dir_for("nowhere")
-    looked = [str(tmp_path / "data" / "nowhere"), str(tmp_path / "nowhere"), os.path.join(REPO, "data", "nowhere")]
-    assert str(e.value).startswith(f"no dataset 'nowhere': no such folder ({', '.join(looked)}): give --dataset")
-    assert "(fineweb10B, shakespeare, shakespeare_char: python data/NAME/prepare.py;" in str(e.value)
+    looked = [
+        str(tmp_path / "data" / "nowhere"),
+        str(tmp_path / "nowhere"),
+        os.path.join(REPO, "data", "nowhere"),
+    ]
+    assert str(e.value).startswith(
+        f"no dataset 'nowhere': no such folder ({', '.join(looked)}): give --dataset"
+    )
+    assert "(fineweb10B, shakespeare, shakespeare_char: python data/NAME/prepare.py;" in str(
+        e.value
+    )
     (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)
     assert dataloader.data_dir_for("shakespeare_char") == os.path.join("data", "shakespeare_char")
-
-

@@ -1,6 +1,7 @@
 """python -m pytest tests/test_fineweb.py -q
 
-fineweb.py on a few hundred local documents and tiny shards: layout, EOTs, resume, process count, input formats.
+fineweb.py on a few hundred local documents and tiny shards: layout, EOTs, resume, process count,
+input formats.
 """
 
 import glob
@@ -22,8 +23,19 @@ def make_docs(n=300, seed=0):
     """Prose-like documents of varied length, plus the awkward ones: empty, unicode, a literal
     '<|endoftext|>' (must stay ordinary text), and one longer than two shards."""
     rng = np.random.default_rng(seed)
-    words = "the of and to a in that is was he for it with as his on be at by I had not are but from".split()
-    words += ["FineWeb", "education", "tokens", "Ünïcödé", "日本語", "emoji🙂", "1234", "x=y+z;", "\n", "\n\n"]
+    words = "the of and to a in that is was he for it with as his on be at by I had not are".split()
+    words += [
+        "FineWeb",
+        "education",
+        "tokens",
+        "Ünïcödé",
+        "日本語",
+        "emoji🙂",
+        "1234",
+        "x=y+z;",
+        "\n",
+        "\n\n",
+    ]
     docs = [" ".join(rng.choice(words, size=rng.integers(1, 60))) for _ in range(n)]
     docs[3] = ""
     docs[7] = "a literal <|endoftext|> in the text is not the separator"
@@ -49,13 +61,17 @@ def corpus(tmp_path_factory):
 
 
 def run(pattern, out_dir, *extra):
-    """fineweb.py on the files matching pattern (or, with pattern "", the source that extra names)."""
+    """fineweb.py on the files matching pattern (or, with pattern "", the source that extra
+    names)."""
     local = ["--local", pattern] if pattern else []
-    assert fineweb.main([*local, "--out_dir", str(out_dir), "--shard_size", str(SHARD), *extra]) == 0
+    assert (
+        fineweb.main([*local, "--out_dir", str(out_dir), "--shard_size", str(SHARD), *extra]) == 0
+    )
 
 
 def shard_files(out_dir):
-    """In shard order ("val" sorts after "train", as in build-nanogpt; loaders sort within a split)."""
+    """In shard order ("val" sorts after "train", as in build-nanogpt; loaders sort within a
+    split)."""
     return sorted(glob.glob(os.path.join(out_dir, "*.npy")), key=lambda f: f[-10:])
 
 
@@ -75,11 +91,14 @@ def test_layout_eot_and_token_count(corpus, reference):
     _, docs, expected = corpus
     files = shard_files(reference)
     n_shards = -(-len(expected) // SHARD)
-    assert [os.path.basename(f) for f in files] == \
-        ["edufineweb_val_000000.npy"] + [f"edufineweb_train_{i:06d}.npy" for i in range(1, n_shards)]
+    assert [os.path.basename(f) for f in files] == ["edufineweb_val_000000.npy"] + [
+        f"edufineweb_train_{i:06d}.npy" for i in range(1, n_shards)
+    ]
     shards = [np.load(f) for f in files]
     assert all(s.dtype == np.uint16 for s in shards)
-    assert [len(s) for s in shards] == [SHARD] * (n_shards - 1) + [len(expected) - SHARD * (n_shards - 1)]
+    assert [len(s) for s in shards] == [SHARD] * (n_shards - 1) + [
+        len(expected) - SHARD * (n_shards - 1)
+    ]
     tokens = np.concatenate(shards)
     enc = get_encoding()
     assert len(tokens) == sum(len(enc.encode_ordinary(d)) + 1 for d in docs)
@@ -87,7 +106,8 @@ def test_layout_eot_and_token_count(corpus, reference):
     # one EOT per document, at its start: the literal "<|endoftext|>" in docs[7] is not one
     starts = np.cumsum([0] + [len(enc.encode_ordinary(d)) + 1 for d in docs[:-1]])
     np.testing.assert_array_equal(np.flatnonzero(tokens == EOT), starts)
-    assert len(enc.encode_ordinary(docs[100])) > 2 * SHARD  # the fixture really has a document spanning shards
+    # the fixture really has a document spanning shards
+    assert len(enc.encode_ordinary(docs[100])) > 2 * SHARD
     with open(os.path.join(reference, fineweb.PROGRESS)) as f:
         assert json.load(f)["done"] is True
 
@@ -133,7 +153,11 @@ def test_input_formats_agree(corpus, reference, tmp_path):
     import pyarrow.parquet as pq
 
     docs = corpus[1]
-    pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), tmp_path / "docs.parquet", row_group_size=64)
+    pq.write_table(
+        pa.table({"id": list(range(len(docs))), "text": docs}),
+        tmp_path / "docs.parquet",
+        row_group_size=64,
+    )
     run(str(tmp_path / "*.parquet"), tmp_path / "from_parquet", "--num_proc", "1")
     assert read_bytes(tmp_path / "from_parquet") == read_bytes(reference)
     (tmp_path / "txt").mkdir()
@@ -144,8 +168,8 @@ def test_input_formats_agree(corpus, reference, tmp_path):
 
 
 def test_hub_code_path_offline(corpus, reference, tmp_path, monkeypatch):
-    """The datasets route (load_dataset, batched iteration, skip on resume) on a local folder laid out like a
-    hub dataset, streamed: the same shards as --local."""
+    """The datasets route (load_dataset, batched iteration, skip on resume) on a local folder laid
+    out like a hub dataset, streamed: the same shards as --local."""
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -154,9 +178,20 @@ def test_hub_code_path_offline(corpus, reference, tmp_path, monkeypatch):
     docs = corpus[1]
     (tmp_path / "hub" / "data").mkdir(parents=True)
     for i, part in enumerate((docs[:170], docs[170:])):
-        pq.write_table(pa.table({"text": part}), tmp_path / "hub" / "data" / f"train-{i:05d}-of-00002.parquet")
-    hub = ["--dataset", str(tmp_path / "hub"), "--name", "default", "--streaming", "--num_proc", "1"]
-    with open(reference / fineweb.PROGRESS) as f:  # stop in the second file, so the resume skips across files
+        pq.write_table(
+            pa.table({"text": part}), tmp_path / "hub" / "data" / f"train-{i:05d}-of-00002.parquet"
+        )
+    hub = [
+        "--dataset",
+        str(tmp_path / "hub"),
+        "--name",
+        "default",
+        "--streaming",
+        "--num_proc",
+        "1",
+    ]
+    # stop in the second file, so the resume skips across files
+    with open(reference / fineweb.PROGRESS) as f:
         k = 1 + next(i for i, s in enumerate(json.load(f)["shards"]) if s["end"][0] > 170)
     run("", tmp_path / "out", *hub, "--max_shards", str(k))
     assert len(shard_files(tmp_path / "out")) == k
@@ -166,8 +201,11 @@ def test_hub_code_path_offline(corpus, reference, tmp_path, monkeypatch):
 
 def test_rerun_with_other_options_is_refused(corpus, reference, tmp_path):
     with pytest.raises(ValueError, match="another input or shard size"):
-        fineweb.main(["--local", corpus[0], "--out_dir", str(reference), "--shard_size", str(SHARD + 1)])
-    np.save(tmp_path / "edufineweb_val_000000.npy", np.zeros(3, np.uint16))  # shards of unknown origin
+        fineweb.main(
+            ["--local", corpus[0], "--out_dir", str(reference), "--shard_size", str(SHARD + 1)]
+        )
+    # shards of unknown origin
+    np.save(tmp_path / "edufineweb_val_000000.npy", np.zeros(3, np.uint16))
     with pytest.raises(ValueError, match="no progress.json"):
         run(corpus[0], tmp_path)
 
@@ -177,7 +215,8 @@ def test_bad_jsonl_line_is_reported_and_a_retry_with_good_input_runs(tmp_path):
     with pytest.raises(ValueError, match=r"bad.jsonl:2: no string field 'text'"):
         run(str(tmp_path / "*.jsonl"), tmp_path / "out", "--num_proc", "2")
     (tmp_path / "good.jsonl").write_text('{"text": "fine"}\n{"text": "also fine"}\n')
-    run(str(tmp_path / "good.jsonl"), tmp_path / "out")  # the same out_dir: the bad try left nothing to resume
+    # the same out_dir: the bad try left nothing to resume
+    run(str(tmp_path / "good.jsonl"), tmp_path / "out")
     assert len(shard_files(tmp_path / "out")) == 1
 
 
@@ -189,8 +228,12 @@ def test_uint16_check():
 
 @pytest.mark.parametrize("pattern", ["/nonexistent/dir/*.jsonl", "*.csv-that-is-not-there"])
 def test_bad_glob_cli(pattern, tmp_path):
-    r = subprocess.run([sys.executable, "fineweb.py", "--local", pattern, "--out_dir", str(tmp_path)],
-                       capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run(
+        [sys.executable, "fineweb.py", "--local", pattern, "--out_dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"error: --local {pattern!r} matches no files"]
     assert not os.listdir(tmp_path)

@@ -1,10 +1,11 @@
 """python -m pytest tests/test_hellaswag.py -q
 
-HellaSwag: build-nanogpt's rendering (from a file too, as train.py and hellaswag.py read it), accuracies worked by
-hand, the batched JAX scorer against a numpy computation from full logits and against the torch reference
-(transformers' GPT2LMHeadModel, parity/check_hellaswag.py) on a random HF checkpoint, 8 fake devices against 1, both
-command lines (hellaswag.py, python -m parity.check_hellaswag) end to end, in process, and a bug planted in our
-loaders caught by the parity check. Bad input and the download: tests/test_hellaswag_input.py.
+HellaSwag: build-nanogpt's rendering (from a file too, as train.py and hellaswag.py read it),
+accuracies worked by hand, the batched JAX scorer against a numpy computation from full logits and
+against the torch reference (transformers' GPT2LMHeadModel, parity/check_hellaswag.py) on a random
+HF checkpoint, 8 fake devices against 1, both command lines (hellaswag.py, python -m
+parity.check_hellaswag) end to end, in process, and a bug planted in our loaders caught by the
+parity check. Bad input and the download: tests/test_hellaswag_input.py.
 """
 
 import json
@@ -16,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import HELLASWAG_FIXTURE, assert_close, fake_devices, transpose_c_proj_on_restore
 
 import hellaswag
 import sharding
-from helpers import HELLASWAG_FIXTURE, assert_close, fake_devices, transpose_c_proj_on_restore
 from parity import check_hellaswag
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,15 +50,19 @@ def examples():
 
 @pytest.fixture(scope="module")
 def reference_rows():
-    """build-nanogpt's (tokens, mask, label) of each fixture example, by the reference's own code."""
+    """build-nanogpt's (tokens, mask, label) of each fixture example, by the reference's own
+    code."""
     enc = check_hellaswag.reference_encoding()
-    return [check_hellaswag.render_example(ex, enc, TINY["n_positions"])
-            for _, ex in check_hellaswag.iterate_examples(str(FIXTURE))]
+    return [
+        check_hellaswag.render_example(ex, enc, TINY["n_positions"])
+        for _, ex in check_hellaswag.iterate_examples(str(FIXTURE))
+    ]
 
 
 @pytest.fixture(scope="module")
 def jax_score(model, examples):
-    # 3 batches of 8, 8 and 4 examples: the scorer's batching, bucketing and reordering all take part
+    # 3 batches of 8, 8 and 4 examples: the scorer's batching, bucketing and reordering all take
+    # part
     return hellaswag.evaluate(model, examples, batch_size=8)
 
 
@@ -65,17 +70,29 @@ def losses(score):
     return np.array([r.sum_losses + r.mean_losses for r in score.results])  # (N, 8)
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # reading and rendering
 
 
 def test_fixture_is_the_real_format():
     raw = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
     assert len(raw) == 20
-    keys = {"ind", "activity_label", "ctx_a", "ctx_b", "ctx", "split", "split_type", "label", "endings", "source_id"}
+    keys = {
+        "ind",
+        "activity_label",
+        "ctx_a",
+        "ctx_b",
+        "ctx",
+        "split",
+        "split_type",
+        "label",
+        "endings",
+        "source_id",
+    }
     assert all(set(ex) == keys for ex in raw)
     assert {type(ex["label"]) for ex in raw} == {int, str}  # both spellings of a label occur
-    assert any(e[0] in ",.'-(" for ex in raw for e in ex["endings"])  # endings starting with punctuation
+    # endings starting with punctuation
+    assert any(e[0] in ",.'-(" for ex in raw for e in ex["endings"])
     exs = hellaswag.read_examples(str(FIXTURE))
     assert [ex["label"] for ex in exs] == [int(ex["label"]) for ex in raw]
     assert all(isinstance(ex["label"], int) for ex in exs)
@@ -84,14 +101,16 @@ def test_fixture_is_the_real_format():
 
 
 def test_rendering_matches_build_nanogpt(examples, reference_rows):
-    """Our rendering against the reference's (its own tokenizer settings, rows and mask, as build-nanogpt's)."""
+    """Our rendering against the reference's (its own tokenizer settings, rows and mask, as
+    build-nanogpt's)."""
     from tokenizer import get_encoding
 
     enc = get_encoding()
     raw = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
     for i, (ex, r, (tokens, mask, label)) in enumerate(zip(raw, examples, reference_rows)):
         assert r.ctx == enc.encode(ex["ctx"]) and r.truncated == 0
-        assert (r.line, r.ind) == (i + 1, ex["ind"])  # the place each result names (hellaswag.py --out)
+        # the place each result names (hellaswag.py --out)
+        assert (r.line, r.ind) == (i + 1, ex["ind"])
         assert r.endings == [enc.encode(" " + e) for e in ex["endings"]]
         # the space belongs to the ending's first token, punctuation included
         assert all(enc.decode(e[:1])[0] == " " for e in r.endings)
@@ -102,10 +121,12 @@ def test_rendering_matches_build_nanogpt(examples, reference_rows):
             assert tokens[i, :n].tolist() == r.ctx + e
             assert mask[i].tolist() == [0] * len(r.ctx) + [1] * len(e) + [0] * (tokens.shape[1] - n)
             assert (tokens[i, n:] == hellaswag.PAD).all()
-    unnumbered = hellaswag.render_example({k: v for k, v in raw[0].items() if k != "ind"})  # not from a file
+    # not from a file
+    unnumbered = hellaswag.render_example({k: v for k, v in raw[0].items() if k != "ind"})
     assert (unnumbered.line, unnumbered.ind) == (0, None)
     long = max(examples, key=lambda r: len(r.ctx))
-    assert len(long.ctx) > 3 * np.median([len(r.ctx) for r in examples])  # the fixture's long context
+    # the fixture's long context
+    assert len(long.ctx) > 3 * np.median([len(r.ctx) for r in examples])
 
 
 def test_long_context_is_cut_from_the_left():
@@ -115,34 +136,52 @@ def test_long_context_is_cut_from_the_left():
     longest = max(len(e) for e in full.endings)
     assert cut.endings == full.endings  # endings are scored whole
     assert cut.truncated == len(full.ctx) + longest - 64 > 0
-    assert cut.ctx == full.ctx[cut.truncated:] and len(cut.ctx) + longest == 64
-    tokens, mask, _ = check_hellaswag.render_example(ex, check_hellaswag.reference_encoding(), 64)  # the same cut
-    assert tokens.shape == (4, 64) and [row[m == 1].tolist() for row, m in zip(tokens, mask)] == cut.endings
+    assert cut.ctx == full.ctx[cut.truncated :] and len(cut.ctx) + longest == 64
+    # the same cut
+    tokens, mask, _ = check_hellaswag.render_example(ex, check_hellaswag.reference_encoding(), 64)
+    assert (
+        tokens.shape == (4, 64)
+        and [row[m == 1].tolist() for row, m in zip(tokens, mask)] == cut.endings
+    )
     assert (tokens[:, : len(cut.ctx)] == cut.ctx).all()
     with pytest.raises(ValueError, match="no room for context"):
         hellaswag.render_example(ex, max_len=longest)
-    # from the file, as train.py (load_examples) and hellaswag.py (render_all) read it: the same cut, `limit` examples,
-    # and an error naming the file and line
+    # from the file, as train.py (load_examples) and hellaswag.py (render_all) read it: the same
+    # cut, `limit` examples, and an error naming the file and line
     loaded = hellaswag.load_examples(str(FIXTURE), max_len=64, limit=11)
     assert len(loaded) == 11 and loaded[10] == cut
-    assert hellaswag.render_all(hellaswag.read_examples(str(FIXTURE), 11), 64, str(FIXTURE)) == loaded
-    with pytest.raises(ValueError, match=rf"^{re.escape(str(FIXTURE))}:\d+: an ending of \d+ tokens leaves no room"):
+    assert (
+        hellaswag.render_all(hellaswag.read_examples(str(FIXTURE), 11), 64, str(FIXTURE)) == loaded
+    )
+    with pytest.raises(
+        ValueError, match=rf"^{re.escape(str(FIXTURE))}:\d+: an ending of \d+ tokens leaves no room"
+    ):
         hellaswag.load_examples(str(FIXTURE), max_len=longest)
     with pytest.raises(ValueError, match=r"^f\.jsonl:11: an ending of \d+ tokens leaves no room"):
         hellaswag.render_all([ex], longest, "f.jsonl")
-    with pytest.raises(ValueError, match=r"^f\.jsonl:11: empty context: the first ending token would have nothing"):
+    with pytest.raises(
+        ValueError, match=r"^f\.jsonl:11: empty context: the first ending token would have nothing"
+    ):
         hellaswag.render_all([dict(ex, ctx="")], 64, "f.jsonl")
 
 
 def test_a_length_takes_the_least_bucket_that_holds_it_and_past_the_last_the_cap():
-    assert [hellaswag.bucket(n, (32, 40), 64) for n in (1, 32, 33, 40, 41, 64)] == [32, 32, 40, 40, 64, 64]
+    assert [hellaswag.bucket(n, (32, 40), 64) for n in (1, 32, 33, 40, 41, 64)] == [
+        32,
+        32,
+        40,
+        40,
+        64,
+        64,
+    ]
     assert hellaswag.bucket(30, (32, 40), 24) == 24  # the cap: the model's block_size
 
 
 def test_batches_score_only_ending_tokens(examples):
     plan = hellaswag.plan_batches(examples, batch_size=8, block_size=128)
     assert sorted(i for *_, idx in plan for i in idx) == list(range(len(examples)))
-    assert [L for L, *_ in plan] == sorted(L for L, *_ in plan)  # by length: few shapes, little padding
+    # by length: few shapes, little padding
+    assert [L for L, *_ in plan] == sorted(L for L, *_ in plan)
     for L, E, n, idx in plan:
         assert len(idx) <= n and L in hellaswag.LENGTH_BUCKETS and E in hellaswag.ENDING_BUCKETS
         b = hellaswag.make_batch([examples[i] for i in idx], n, L, E)
@@ -155,12 +194,15 @@ def test_batches_score_only_ending_tokens(examples):
                 # each target is the token right after the position that predicts it
                 assert b.tokens[row, b.pos[row, : len(e)] + 1].tolist() == e
                 assert b.pos[row, 0] == len(r.ctx) - 1
-        assert (b.targets[4 * len(idx):] == -1).all()  # filler rows are never scored
-    # a last batch of k examples: per batch shard, the least power of two that holds its share (1, 2 shards)
+        assert (b.targets[4 * len(idx) :] == -1).all()  # filler rows are never scored
+    # a last batch of k examples: per batch shard, the least power of two that holds its share (1, 2
+    # shards)
     for n_shards in (1, 2):
         batch_size = 8 // n_shards
         for k in range(1, 9):
-            *full, (_, _, n, idx) = hellaswag.plan_batches(examples[: 8 + k], batch_size, 128, n_shards)
+            *full, (_, _, n, idx) = hellaswag.plan_batches(
+                examples[: 8 + k], batch_size, 128, n_shards
+            )
             assert [len(b[-1]) for b in full] == [8] and len(idx) == k
             per_shard = 1
             while per_shard * n_shards < k:
@@ -169,37 +211,42 @@ def test_batches_score_only_ending_tokens(examples):
 
 
 def test_padding_never_changes_a_loss(model, examples):
-    """The same batch with random ids in every padded slot (after each row's end, and in filler rows)."""
+    """The same batch with random ids in every padded slot (after each row's end, and in filler
+    rows)."""
     import jax
 
     mesh = hellaswag.make_mesh(jax.devices()[:1])
-    L, E, n, idx = hellaswag.plan_batches(examples, 8, 128)[-1]  # jax_score's last batch shape: no recompile
+    # jax_score's last batch shape: no recompile
+    L, E, n, idx = hellaswag.plan_batches(examples, 8, 128)[-1]
     idx = idx[: n - 1]  # and one filler example
     b = hellaswag.make_batch([examples[i] for i in idx], n, L, E)
     real = np.zeros_like(b.tokens, bool)
     for k, i in enumerate(idx):
         for j, e in enumerate(examples[i].endings):
             real[4 * k + j, : len(examples[i].ctx) + len(e)] = True
-    noisy = np.where(real, b.tokens, np.random.default_rng(0).integers(0, 50257, b.tokens.shape)).astype(np.int32)
+    noisy = np.where(
+        real, b.tokens, np.random.default_rng(0).integers(0, 50257, b.tokens.shape)
+    ).astype(np.int32)
     assert (noisy != b.tokens).any()
     score = hellaswag._jitted_ending_losses(mesh)
     clean = np.asarray(score(model, *sharding.put_rows(b, mesh)))
     dirty = np.asarray(score(model, *sharding.put_rows(b._replace(tokens=noisy), mesh)))
     assert np.array_equal(clean, dirty)  # bitwise: right padding is causally invisible, and masked
-    assert (clean[: 4 * len(idx)] > 0).all() and (clean[4 * len(idx):] == 0).all()
+    assert (clean[: 4 * len(idx)] > 0).all() and (clean[4 * len(idx) :] == 0).all()
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # the scorer
 
 
 def test_scorer_matches_numpy_from_full_logits(model, examples, reference_rows, jax_score):
-    """Full logits (B, T, vocab) from the model's plain forward, then build-nanogpt's masked cross-entropy in
-    float64 numpy over each row's real tokens."""
+    """Full logits (B, T, vocab) from the model's plain forward, then build-nanogpt's masked
+    cross-entropy in float64 numpy over each row's real tokens."""
     import jax.numpy as jnp
     from flax import nnx
 
-    forward = nnx.jit(lambda model, idx: model(idx)[0])  # one shape for all: rows right-padded to block_size
+    # one shape for all: rows right-padded to block_size
+    forward = nnx.jit(lambda model, idx: model(idx)[0])
     assert jax_score.count == len(examples) == 20
     for r, res, (tokens, mask, _) in zip(examples, jax_score.results, reference_rows):
         padded = np.zeros((4, TINY["n_positions"]), np.int32)
@@ -220,11 +267,14 @@ def test_scorer_matches_numpy_from_full_logits(model, examples, reference_rows, 
 
 
 def test_accuracies_worked_by_hand():
-    """acc counts the lowest summed loss, acc_norm the lowest mean loss; a tie goes to the lower index."""
+    """acc counts the lowest summed loss, acc_norm the lowest mean loss; a tie goes to the lower
+    index."""
     cases = [  # label, summed losses, ending lengths -> pred, pred_norm
-        (0, [4.0, 6.0, 9.0, 8.0], [1, 2, 3, 4], 0, 3),  # means 4, 3, 3, 2: acc right, acc_norm wrong
+        # means 4, 3, 3, 2: acc right, acc_norm wrong
+        (0, [4.0, 6.0, 9.0, 8.0], [1, 2, 3, 4], 0, 3),
         (1, [3.0, 1.0, 1.0, 5.0], [2, 2, 2, 2], 1, 1),  # a tie, both right
-        (0, [2.0, 3.0, 4.0, 4.0], [1, 1, 1, 4], 0, 3),  # means 2, 3, 4, 1: acc right, acc_norm wrong
+        # means 2, 3, 4, 1: acc right, acc_norm wrong
+        (0, [2.0, 3.0, 4.0, 4.0], [1, 1, 1, 4], 0, 3),
         (3, [5.0, 5.0, 6.0, 2.0], [1, 1, 1, 1], 3, 3),  # both right
         (0, [2.0, 1.0, 3.0, 3.0], [1, 1, 1, 1], 1, 1),  # both wrong
     ]
@@ -243,8 +293,14 @@ def test_jax_matches_torch_reference(hf_dir, examples, jax_score):
 
     ref = check_hellaswag.evaluate_torch(torch_side.from_hf(hf_dir), str(FIXTURE))
     assert [x.line for x in ref.results] == [x.line for x in jax_score.results]
-    assert [(x.pred, x.pred_norm) for x in jax_score.results] == [(x.pred, x.pred_norm) for x in ref.results]
-    assert (jax_score.acc, jax_score.acc_norm, jax_score.count) == (ref.acc, ref.acc_norm, ref.count)
+    assert [(x.pred, x.pred_norm) for x in jax_score.results] == [
+        (x.pred, x.pred_norm) for x in ref.results
+    ]
+    assert (jax_score.acc, jax_score.acc_norm, jax_score.count) == (
+        ref.acc,
+        ref.acc_norm,
+        ref.count,
+    )
     assert_close(losses(jax_score), losses(ref), rtol=LOSS_RTOL, what="jax vs torch losses")
 
 
@@ -253,19 +309,25 @@ def test_scorer_refuses_what_it_cannot_score(model, examples):
     ex = ex | {"ctx": ex["ctx"] * 2}
     long = hellaswag.render_example(ex)
     n = len(long.ctx) + max(map(len, long.endings))
-    with pytest.raises(ValueError, match=f"^an example of {n} tokens exceeds block_size 128: render with max_len="):
+    with pytest.raises(
+        ValueError, match=f"^an example of {n} tokens exceeds block_size 128: render with max_len="
+    ):
         hellaswag.evaluate(model, [long])
-    cut = hellaswag.render_example(ex, max_len=128)  # exactly 128 tokens: scored, one example per batch too
+    # exactly 128 tokens: scored, one example per batch too
+    cut = hellaswag.render_example(ex, max_len=128)
     assert hellaswag.evaluate(model, [cut], batch_size=1).count == 1
     with pytest.raises(ValueError, match="^batch_size must be >= 1, got 0$"):
         hellaswag.evaluate(model, [cut], batch_size=0)
     with pytest.raises(ValueError, match="^no examples to score$"):
         hellaswag.evaluate(model, [])
-    with pytest.raises(ValueError, match="^the model's vocab_size 50256 does not cover GPT-2's 50257 BPE tokens$"):
+    with pytest.raises(
+        ValueError, match="^the model's vocab_size 50256 does not cover GPT-2's 50257 BPE tokens$"
+    ):
         hellaswag.check_vocab(50256)
 
 
-# 8 fake CPU devices in a fresh process (the device count is fixed when jax starts); weights travel as .npz
+# 8 fake CPU devices in a fresh process (the device count is fixed when jax starts); weights travel
+# as .npz
 MULTI_DEVICE = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
@@ -288,7 +350,7 @@ MULTI_DEVICE = textwrap.dedent("""
     print(json.dumps({"devices": jax.device_count(), "rows": tokens.shape[0],
                       "rows_per_shard": tokens.sharding.shard_shape(tokens.shape)[0],
                       "shards": len(tokens.addressable_shards)}))
-""")
+""")  # noqa: E501
 
 
 @pytest.mark.slow  # a mesh computes what one device does: make test checks it (test_sharding.py)
@@ -301,8 +363,14 @@ def test_eight_devices_give_the_same_losses(model, jax_score, tmp_path):
     np.savez(weights, **state_dict(model))
     (tmp_path / "w.npz.json").write_text(json.dumps(asdict(model.config)))
     env = {**fake_devices(8), "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", MULTI_DEVICE, str(weights), str(tmp_path / "out.npy"), str(FIXTURE)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", MULTI_DEVICE, str(weights), str(tmp_path / "out.npy"), str(FIXTURE)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     assert info == {"devices": 8, "rows": 32, "rows_per_shard": 4, "shards": 8}
@@ -310,7 +378,7 @@ def test_eight_devices_give_the_same_losses(model, jax_score, tmp_path):
     assert_close(np.load(tmp_path / "out.npy"), losses(jax_score), rtol=1e-6, what="8 devices vs 1")
 
 
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # the command line, end to end (the issue's "done when")
 
 
@@ -324,8 +392,13 @@ def resume_dir(model, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("run") / "out"
     mngr = checkpoint.manager(out)
-    checkpoint.save(mngr, 10, nnx.state(model, nnx.Param), {"count": jax.numpy.zeros((), "int32")},
-                    checkpoint.meta_for(model.config, {}, 10, 2.0, {}))
+    checkpoint.save(
+        mngr,
+        10,
+        nnx.state(model, nnx.Param),
+        {"count": jax.numpy.zeros((), "int32")},
+        checkpoint.meta_for(model.config, {}, 10, 2.0, {}),
+    )
     mngr.wait_until_finished()
     mngr.close()
     return str(out)
@@ -333,34 +406,62 @@ def resume_dir(model, tmp_path_factory):
 
 @pytest.mark.parametrize("source", ["hf_dir", "resume"])
 def test_cli_and_parity_cli(source, hf_dir, resume_dir, jax_score, tmp_path, capsys):
-    """hellaswag.py writes the scorer's predictions and prints its accuracies; parity.check_hellaswag finds the
-    torch reference in agreement (with resume: the reference reads the checkpoint with orbax itself)."""
-    init = [f"--init_from={hf_dir}"] if source == "hf_dir" else ["--init_from=resume", f"--out_dir={resume_dir}"]
+    """hellaswag.py writes the scorer's predictions and prints its accuracies;
+    parity.check_hellaswag finds the torch reference in agreement (with resume: the reference reads
+    the checkpoint with orbax itself)."""
+    init = (
+        [f"--init_from={hf_dir}"]
+        if source == "hf_dir"
+        else ["--init_from=resume", f"--out_dir={resume_dir}"]
+    )
     out = tmp_path / "preds.jsonl"
     assert hellaswag.main(["--path", str(FIXTURE), *init, "--out", str(out)]) == 0
     printed = capsys.readouterr()
     assert "hellaswag: 100%|" in printed.err  # the progress bar
     final = printed.out.strip().splitlines()[-1]
-    assert final.startswith(f"hellaswag: acc {jax_score.acc:.4f} acc_norm {jax_score.acc_norm:.4f} count 20 "), final
+    assert final.startswith(
+        f"hellaswag: acc {jax_score.acc:.4f} acc_norm {jax_score.acc_norm:.4f} count 20 "
+    ), final
     preds = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(preds) == 20 and set(preds[0]) == {"line", "ind", "label", "pred", "pred_norm", "sum_losses",
-                                                  "mean_losses"}
-    assert [(p["pred"], p["pred_norm"]) for p in preds] == [(r.pred, r.pred_norm) for r in jax_score.results]
+    assert len(preds) == 20 and set(preds[0]) == {
+        "line",
+        "ind",
+        "label",
+        "pred",
+        "pred_norm",
+        "sum_losses",
+        "mean_losses",
+    }
+    assert [(p["pred"], p["pred_norm"]) for p in preds] == [
+        (r.pred, r.pred_norm) for r in jax_score.results
+    ]
     raw = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
-    assert [(p["line"], p["ind"]) for p in preds] == [(i + 1, ex["ind"]) for i, ex in enumerate(raw)]
-    assert_close([p["sum_losses"] + p["mean_losses"] for p in preds], losses(jax_score), rtol=LOSS_RTOL,
-                 what="CLI losses")
+    assert [(p["line"], p["ind"]) for p in preds] == [
+        (i + 1, ex["ind"]) for i, ex in enumerate(raw)
+    ]
+    assert_close(
+        [p["sum_losses"] + p["mean_losses"] for p in preds],
+        losses(jax_score),
+        rtol=LOSS_RTOL,
+        what="CLI losses",
+    )
 
     assert check_hellaswag.main(["--path", str(FIXTURE), *init]) == 0
     printed = capsys.readouterr().out
-    for name, acc in (("acc (sum losses)", jax_score.acc), ("acc_norm (mean losses)", jax_score.acc_norm)):
+    for name, acc in (
+        ("acc (sum losses)", jax_score.acc),
+        ("acc_norm (mean losses)", jax_score.acc_norm),
+    ):
         row = next(line for line in printed.splitlines() if line.startswith(name)).split()
         assert row[-4:] == ["yes", "(20/20)", f"{acc:.4f}", f"{acc:.4f}"], row
-    assert printed.strip().endswith("HellaSwag parity (losses within 1e-05 relative, identical predictions): OK")
+    assert printed.strip().endswith(
+        "HellaSwag parity (losses within 1e-05 relative, identical predictions): OK"
+    )
 
 
 def test_parity_cli_exits_1_on_a_mismatch(hf_dir, monkeypatch, capsys):
-    """One ending's loss of the reference moved by 2e-5 relative: beyond the tolerance, same predictions."""
+    """One ending's loss of the reference moved by 2e-5 relative: beyond the tolerance, same
+    predictions."""
     evaluate_torch = check_hellaswag.evaluate_torch
 
     def nudged(hf_model, path, limit=None, progress=False):
@@ -378,13 +479,19 @@ def test_parity_cli_exits_1_on_a_mismatch(hf_dir, monkeypatch, capsys):
 
 
 def test_parity_figures():
-    """compare / agree on hand-made scores: a flipped prediction or a loss 2e-5 off fails, 5e-6 off passes."""
+    """compare / agree on hand-made scores: a flipped prediction or a loss 2e-5 off fails, 5e-6 off
+    passes."""
     r = hellaswag.Rendered([1], [[2], [3, 4], [5], [6]], 0, 1)
-    ref = hellaswag.summarize([hellaswag.make_result(r, [1.0, 3.0, 2.0, 4.0], [1.0, 1.5, 2.0, 4.0])])
-    for sums, means, ok in [([1.0, 3.0, 2.0, 4.0], [1.0, 1.5, 2.0, 4.0], True),
-                            ([1.0, 3.0, 2.0, 4.00002], [1.0, 1.5, 2.0, 4.0], True),  # 5e-6
-                            ([1.0, 3.0, 2.0, 4.00008], [1.0, 1.5, 2.0, 4.0], False),  # 2e-5
-                            ([1.0, 3.0, 2.0, 4.0], [1.0, 1.5, 2.0, 0.5], False)]:  # pred_norm 3, not 0
+    ref = hellaswag.summarize(
+        [hellaswag.make_result(r, [1.0, 3.0, 2.0, 4.0], [1.0, 1.5, 2.0, 4.0])]
+    )
+    for sums, means, ok in [
+        ([1.0, 3.0, 2.0, 4.0], [1.0, 1.5, 2.0, 4.0], True),
+        ([1.0, 3.0, 2.0, 4.00002], [1.0, 1.5, 2.0, 4.0], True),  # 5e-6
+        ([1.0, 3.0, 2.0, 4.00008], [1.0, 1.5, 2.0, 4.0], False),  # 2e-5
+        # pred_norm 3, not 0
+        ([1.0, 3.0, 2.0, 4.0], [1.0, 1.5, 2.0, 0.5], False),
+    ]:
         ours = hellaswag.summarize([hellaswag.make_result(r, sums, means)])
         figures = check_hellaswag.compare(ref, ours)
         assert check_hellaswag.agree(figures, 1) == ok, (sums, means, figures)
@@ -394,19 +501,27 @@ def test_parity_figures():
 
 @pytest.mark.parametrize("source", ["nanogpt", "resume"])
 def test_parity_cli_catches_a_bug_in_our_loader(source, resume_dir, tmp_path, monkeypatch, capsys):
-    """A square weight (layer 0's attn.c_proj) left in nanoGPT's (out, in) layout by pretrained.read_nanogpt, or
-    transposed by checkpoint.load_checkpoint_model: the reference loads the file by its own path
-    (parity/torch_side.py), so the check fails; with the loaders as they are, it passes."""
+    """A square weight (layer 0's attn.c_proj) left in nanoGPT's (out, in) layout by
+    pretrained.read_nanogpt, or transposed by checkpoint.load_checkpoint_model: the reference loads
+    the file by its own path (parity/torch_side.py), so the check fails; with the loaders as they
+    are, it passes."""
     import pretrained
     from parity.common import save_random_nanogpt_ckpt
 
     if source == "nanogpt":
-        ckpt = save_random_nanogpt_ckpt(tmp_path / "ckpt.pt", vocab_size=50257, block_size=128, n_layer=2, n_head=2,
-                                        n_embd=64)
-        init = [f"--init_from={ckpt}", "--limit=4"]  # 4 examples: one batch shape to compile, and enough
-        assert check_hellaswag.main(["--path", str(FIXTURE), *init]) == 0  # resume's is test_cli_and_parity_cli's
+        ckpt = save_random_nanogpt_ckpt(
+            tmp_path / "ckpt.pt", vocab_size=50257, block_size=128, n_layer=2, n_head=2, n_embd=64
+        )
+        # 4 examples: one batch shape to compile, and enough
+        init = [f"--init_from={ckpt}", "--limit=4"]
+        # resume's is test_cli_and_parity_cli's
+        assert check_hellaswag.main(["--path", str(FIXTURE), *init]) == 0
         names = pretrained.linear_names
-        monkeypatch.setattr(pretrained, "linear_names", lambda *a: names(*a) - {"transformer.h.0.attn.c_proj.weight"})
+        monkeypatch.setattr(
+            pretrained,
+            "linear_names",
+            lambda *a: names(*a) - {"transformer.h.0.attn.c_proj.weight"},
+        )
     else:
         init = ["--init_from=resume", f"--out_dir={resume_dir}", "--limit=4"]
         transpose_c_proj_on_restore(monkeypatch)

@@ -1,12 +1,13 @@
 """python -m pytest tests/test_muon.py -q
 
-optimizer='muon' and lr_schedule='trapezoid' (train_step.make_optimizer, get_lr, get_muon_lr) against modded-nanogpt's
-record 5 in PyTorch (parity/speedrun_reference.py): a few steps of Muon on the blocks' kernels in our (in, out)
-layout (c_fc's (C, 4C), c_proj's (4C, C), attn.c_proj's (C, C), the fused QKV (C, 3C) against the record's three
-(C, C)) and of Adam on the embedding, in float32 Newton-Schulz and in the record's bfloat16; the schedule at every
-step; the stacked kernels of scan_layers; a mesh of fsdp x tensor (8 fake CPU devices, one subprocess); the settings'
-one-line errors; where bf16 Newton-Schulz rounds, read off its jaxpr. And optimizer='adamw' against torch's AdamW,
-and the step's finite flag."""
+optimizer='muon' and lr_schedule='trapezoid' (train_step.make_optimizer, get_lr, get_muon_lr)
+against modded-nanogpt's record 5 in PyTorch (parity/speedrun_reference.py): a few steps of Muon on
+the blocks' kernels in our (in, out) layout (c_fc's (C, 4C), c_proj's (4C, C), attn.c_proj's (C, C),
+the fused QKV (C, 3C) against the record's three (C, C)) and of Adam on the embedding, in float32
+Newton-Schulz and in the record's bfloat16; the schedule at every step; the stacked kernels of
+scan_layers; a mesh of fsdp x tensor (8 fake CPU devices, one subprocess); the settings' one-line
+errors; where bf16 Newton-Schulz rounds, read off its jaxpr. And optimizer='adamw' against torch's
+AdamW, and the step's finite flag."""
 
 import json
 import subprocess
@@ -19,28 +20,46 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import REPO, assert_close, fake_devices
 
 import train_step
 from configurator import UsageError, configure
-from helpers import REPO, assert_close, fake_devices
 from model import GPTConfig
 from settings import DEFAULTS, fixed_by_checkpoint, validate
 
 C, V = 32, 64  # n_embd, vocab
-SETTINGS = dict(DEFAULTS, optimizer="muon", arch="speedrun", bias=False, learning_rate=0.01, muon_learning_rate=0.02,
-                lr_schedule="trapezoid", max_iters=6, warmup_iters=2, warmdown_iters=3, weight_decay=0.0,
-                muon_ns_dtype="float32")
+SETTINGS = dict(
+    DEFAULTS,
+    optimizer="muon",
+    arch="speedrun",
+    bias=False,
+    learning_rate=0.01,
+    muon_learning_rate=0.02,
+    lr_schedule="trapezoid",
+    max_iters=6,
+    warmup_iters=2,
+    warmdown_iters=3,
+    weight_decay=0.0,
+    muon_ns_dtype="float32",
+)
 STEPS = 6  # the schedule's multipliers 0.5, 1, 1, 1, 2/3, 1/3
-KERNELS = {"attn.c_attn": (C, 3 * C), "attn.c_proj": (C, C), "mlp.c_fc": (C, 4 * C), "mlp.c_proj": (4 * C, C)}
+KERNELS = {
+    "attn.c_attn": (C, 3 * C),
+    "attn.c_proj": (C, C),
+    "mlp.c_fc": (C, 4 * C),
+    "mlp.c_proj": (4 * C, C),
+}
 
 
 def uniform(rng, shape, fan_in=C):
-    """torch nn.Linear's init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)): the record's, the tied embedding's too."""
+    """torch nn.Linear's init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)): the record's, the tied
+    embedding's too."""
     return rng.uniform(-1, 1, shape).astype(np.float32) / np.float32(np.sqrt(fan_in))
 
 
 def block(rng, layers=None):
-    """One block's kernels {'attn': {'c_attn': {'kernel': (C, 3C)}, ...}}, or `layers` of them stacked."""
+    """One block's kernels {'attn': {'c_attn': {'kernel': (C, 3C)}, ...}}, or `layers` of them
+    stacked."""
     tree = {}
     for name, shape in KERNELS.items():
         module, linear = name.split(".")
@@ -50,10 +69,14 @@ def block(rng, layers=None):
 
 
 def params_and_grads(seed=0):
-    """Params of one block and the tied embedding, as model.GPT names them, and STEPS gradients for them."""
+    """Params of one block and the tied embedding, as model.GPT names them, and STEPS gradients for
+    them."""
     rng = np.random.default_rng(seed)
     params = {"h": {"0": block(rng)}, "wte": {"embedding": uniform(rng, (V, C))}}
-    grads = [jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32), params) for _ in range(STEPS)]
+    grads = [
+        jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32), params)
+        for _ in range(STEPS)
+    ]
     return params, grads
 
 
@@ -71,33 +94,47 @@ def train_ours(c, params, grads):
     for g in grads:
         params, state = step(params, state, g)
         out.append(jax.tree.map(np.asarray, params))
-    assert int(train_step.schedule_count(state)) == len(grads)  # the step's metrics["lr"] reads this count
+    # the step's metrics["lr"] reads this count
+    assert int(train_step.schedule_count(state)) == len(grads)
     return out
 
 
 def torch_layout(params):
-    """{the record's name: torch (out, in) array}: c_attn's column thirds are the record's c_q, c_k, c_v."""
+    """{the record's name: torch (out, in) array}: c_attn's column thirds are the record's c_q, c_k,
+    c_v."""
     block = params["h"]["0"]
     q, k, v = np.split(block["attn"]["c_attn"]["kernel"], 3, axis=1)
     out = {f"attn.{n}": w.T for n, w in zip(("c_q", "c_k", "c_v"), (q, k, v))}
-    out.update({name: block[name.split(".")[0]][name.split(".")[1]]["kernel"].T for name in KERNELS
-                if name != "attn.c_attn"})
+    out.update(
+        {
+            name: block[name.split(".")[0]][name.split(".")[1]]["kernel"].T
+            for name in KERNELS
+            if name != "attn.c_attn"
+        }
+    )
     return {**out, "wte": params["wte"]["embedding"]}
 
 
 def train_reference(c, params, grads, ns_dtype):
-    """The same steps with the record's optimizers: its Muon on the blocks, torch AdamW (no decay) on the embedding,
-    both under LambdaLR(get_lr). Returns the params after each step in the record's layout."""
+    """The same steps with the record's optimizers: its Muon on the blocks, torch AdamW (no decay)
+    on the embedding, both under LambdaLR(get_lr). Returns the params after each step in the
+    record's layout."""
     import torch
 
     from parity.speedrun_reference import Muon, get_lr
 
     tensors = {k: torch.tensor(v, requires_grad=True) for k, v in torch_layout(params).items()}
     blocks = [t for k, t in tensors.items() if k != "wte"]
-    adam = torch.optim.AdamW([tensors["wte"]], lr=c["learning_rate"], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    adam = torch.optim.AdamW(
+        [tensors["wte"]], lr=c["learning_rate"], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0
+    )
     muon = Muon(blocks, lr=c["muon_learning_rate"], momentum=c["muon_momentum"], ns_dtype=ns_dtype)
-    lambdas = [torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda it: get_lr(it, c["max_iters"], c["warmup_iters"], c["warmdown_iters"])) for opt in (adam, muon)]
+    lambdas = [
+        torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda it: get_lr(it, c["max_iters"], c["warmup_iters"], c["warmdown_iters"])
+        )
+        for opt in (adam, muon)
+    ]
     out = []
     for g in grads:
         for k, grad in torch_layout(g).items():
@@ -110,10 +147,12 @@ def train_reference(c, params, grads, ns_dtype):
 
 
 def step_diffs(ours, reference, start):
-    """Per step, the largest |ours - reference| of each param (both in the record's layout), over the largest
-    distance it moved from `start`."""
-    return [{k: float(np.abs(o[k] - r[k]).max() / np.abs(r[k] - start[k]).max()) for k in r}
-            for o, r in zip(ours, reference)]
+    """Per step, the largest |ours - reference| of each param (both in the record's layout), over
+    the largest distance it moved from `start`."""
+    return [
+        {k: float(np.abs(o[k] - r[k]).max() / np.abs(r[k] - start[k]).max()) for k in r}
+        for o, r in zip(ours, reference)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -121,22 +160,31 @@ def run():
     import torch
 
     params, grads = params_and_grads()
-    return params, grads, torch_layout(params), train_reference(SETTINGS, params, grads, torch.float32)
+    return (
+        params,
+        grads,
+        torch_layout(params),
+        train_reference(SETTINGS, params, grads, torch.float32),
+    )
 
 
 def test_muon_and_adam_steps_equal_the_record_in_float32(run):
-    """Every kernel shape, the fused QKV as three matrices, momentum and Nesterov over 6 steps of the trapezoid."""
+    """Every kernel shape, the fused QKV as three matrices, momentum and Nesterov over 6 steps of
+    the trapezoid."""
     params, grads, start, reference = run
     diffs = step_diffs(map(torch_layout, train_ours(SETTINGS, params, grads)), reference, start)
-    print("\nfloat32 Newton-Schulz, worst step:", {k: f"{max(d[k] for d in diffs):.1e}" for k in diffs[0]})
+    print(
+        "\nfloat32 Newton-Schulz, worst step:",
+        {k: f"{max(d[k] for d in diffs):.1e}" for k in diffs[0]},
+    )
     for i, d in enumerate(diffs):
         for name, rel in d.items():
             assert rel < 1e-5, f"step {i}: {name} {rel:.2g} of its update off the record's"
 
 
 def test_qkv_orthogonalised_whole_is_caught(run, monkeypatch):
-    """The comparison catches the classic slip: the fused (C, 3C) QKV orthogonalised as one matrix, scaled by
-    sqrt(3C), where the record has three (C, C) matrices."""
+    """The comparison catches the classic slip: the fused (C, 3C) QKV orthogonalised as one matrix,
+    scaled by sqrt(3C), where the record has three (C, C) matrices."""
     params, grads, start, reference = run
     monkeypatch.setattr(train_step, "FUSED_QKV", train_step.re.compile("no such param"))
     diffs = step_diffs(map(torch_layout, train_ours(SETTINGS, params, grads)), reference, start)
@@ -145,50 +193,85 @@ def test_qkv_orthogonalised_whole_is_caught(run, monkeypatch):
 
 
 def test_bfloat16_newton_schulz_is_as_close_to_float32_as_the_records(run):
-    """The record's bf16 Newton-Schulz (ours rounds where torch.compile's fused kernels did, the reference where
-    eager torch does): ours is no further from the float32 steps than the reference's bf16, in ||Δparam|| over
-    the distance the param moved, the mean over the steps."""
+    """The record's bf16 Newton-Schulz (ours rounds where torch.compile's fused kernels did, the
+    reference where eager torch does): ours is no further from the float32 steps than the
+    reference's bf16, in ||Δparam|| over the distance the param moved, the mean over the steps."""
     import torch
 
     params, grads, start, reference = run
 
     def off_float32(side):
-        return {k: np.mean([np.linalg.norm(s[k] - r[k]) / np.linalg.norm(r[k] - start[k]) for s, r in
-                            zip(side, reference)]) for k in start if k != "wte"}
+        return {
+            k: np.mean(
+                [
+                    np.linalg.norm(s[k] - r[k]) / np.linalg.norm(r[k] - start[k])
+                    for s, r in zip(side, reference)
+                ]
+            )
+            for k in start
+            if k != "wte"
+        }
 
-    ours = off_float32([torch_layout(p) for p in train_ours(dict(SETTINGS, muon_ns_dtype="bfloat16"), params, grads)])
+    ours = off_float32(
+        [
+            torch_layout(p)
+            for p in train_ours(dict(SETTINGS, muon_ns_dtype="bfloat16"), params, grads)
+        ]
+    )
     record = off_float32(train_reference(SETTINGS, params, grads, torch.bfloat16))
-    print("\nbfloat16 Newton-Schulz off float32 (ours, the reference's):",
-          {k: f"{ours[k]:.1e}, {record[k]:.1e}" for k in ours})
+    print(
+        "\nbfloat16 Newton-Schulz off float32 (ours, the reference's):",
+        {k: f"{ours[k]:.1e}, {record[k]:.1e}" for k in ours},
+    )
     for name in ours:
-        assert 0 < ours[name] <= record[name], f"{name}: {ours[name]:.2g} off float32, the reference {record[name]:.2g}"
+        assert 0 < ours[name] <= record[name], (
+            f"{name}: {ours[name]:.2g} off float32, the reference {record[name]:.2g}"
+        )
 
 
 def test_stacked_kernels_step_as_each_layer():
     """scan_layers' (n_layer, in, out) kernels: orthogonalised layer by layer, the same numbers."""
     rng = np.random.default_rng(1)
     stacked = {"h": block(rng, layers=2), "wte": {"embedding": uniform(rng, (V, C))}}
-    grads = [jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32), stacked) for _ in range(2)]
+    grads = [
+        jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32), stacked)
+        for _ in range(2)
+    ]
 
     def per_layer(tree):
-        return {"h": {str(i): jax.tree.map(lambda x: x[i], tree["h"]) for i in range(2)}, "wte": tree["wte"]}
+        return {
+            "h": {str(i): jax.tree.map(lambda x: x[i], tree["h"]) for i in range(2)},
+            "wte": tree["wte"],
+        }
 
     ours = train_ours(SETTINGS, stacked, grads)[-1]
     layers = train_ours(SETTINGS, per_layer(stacked), [per_layer(g) for g in grads])[-1]
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(per_layer(ours)), jax.tree.leaves(layers)):
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(per_layer(ours)), jax.tree.leaves(layers)
+    ):
         assert_close(a, b, rtol=1e-6, atol=1e-7, what=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("warmup, warmdown", [(0, 7), (3, 7), (1, 1)])  # 1: a step of each, at their bounds
+# 1: a step of each, at their bounds
+@pytest.mark.parametrize("warmup, warmdown", [(0, 7), (3, 7), (1, 1)])
 def test_trapezoid_equals_the_records_schedule_at_every_step(warmup, warmdown):
     from parity.speedrun_reference import get_lr
 
     c = dict(SETTINGS, max_iters=20, warmup_iters=warmup, warmdown_iters=warmdown)
     for it in range(c["max_iters"] + 1):
         multiplier = get_lr(it, c["max_iters"], warmup, c["warmdown_iters"])
-        assert_close(train_step.get_lr(it, c), c["learning_rate"] * multiplier, rtol=1e-6, what=f"Adam's lr at {it}")
-        assert_close(train_step.get_muon_lr(it, c), c["muon_learning_rate"] * multiplier, rtol=1e-6,
-                     what=f"Muon's lr at {it}")
+        assert_close(
+            train_step.get_lr(it, c),
+            c["learning_rate"] * multiplier,
+            rtol=1e-6,
+            what=f"Adam's lr at {it}",
+        )
+        assert_close(
+            train_step.get_muon_lr(it, c),
+            c["muon_learning_rate"] * multiplier,
+            rtol=1e-6,
+            what=f"Muon's lr at {it}",
+        )
     assert float(train_step.get_lr(c["max_iters"], dict(c, warmdown_iters=0))) == 0.0  # not 0/0
     assert train_step.get_lr(5, dict(c, decay_lr=False)) == np.float32(c["learning_rate"])
 
@@ -196,12 +279,18 @@ def test_trapezoid_equals_the_records_schedule_at_every_step(warmup, warmdown):
 def test_cosine_schedule_scales_muons_rate_alike():
     c = dict(SETTINGS, lr_schedule="cosine", warmup_iters=2, lr_decay_iters=5, min_lr=0.001)
     for it in range(7):
-        assert_close(train_step.get_muon_lr(it, c), train_step.get_lr(it, c) * 2, rtol=1e-6, what=f"lr at {it}")
+        assert_close(
+            train_step.get_muon_lr(it, c),
+            train_step.get_lr(it, c) * 2,
+            rtol=1e-6,
+            what=f"lr at {it}",
+        )
 
 
-# Runs in a python with 8 fake CPU devices: the step on the mesh (fsdp x tensor), each param and momentum placed by
-# sharding.PARAM_SPECS, jitted with them pinned and traced under the mesh (as train_step.compile_step); then the same
-# on one device. Stacked (scan_layers) and per-layer kernels side by side.
+# Runs in a python with 8 fake CPU devices: the step on the mesh (fsdp x tensor), each param and
+# momentum placed by sharding.PARAM_SPECS, jitted with them pinned and traced under the mesh (as
+# train_step.compile_step); then the same on one device. Stacked (scan_layers) and per-layer kernels
+# side by side.
 MESH_RUN = r"""
 import json, sys
 import jax, numpy as np
@@ -243,31 +332,47 @@ for fsdp, tp in meshes:
              zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(one))}
     report[f"fsdp{fsdp}_tp{tp}"] = {"diffs": diffs, "momentum": momentum}
 print("REPORT " + json.dumps(report))
-"""
+"""  # noqa: E501
 
 
 def test_a_mesh_steps_as_one_device():
-    """fsdp 4 x tensor 2 and data 2 x fsdp 2 x tensor 2: every param as one device computes it, the momentum split
-    like its param. In the record's bfloat16, where XLA's own split of Newton-Schulz's matmuls (partial sums rounded
-    to bf16) is 10^4-10^5 ulp off."""
+    """fsdp 4 x tensor 2 and data 2 x fsdp 2 x tensor 2: every param as one device computes it, the
+    momentum split like its param. In the record's bfloat16, where XLA's own split of
+    Newton-Schulz's matmuls (partial sums rounded to bf16) is 10^4-10^5 ulp off."""
     settings = dict(SETTINGS, muon_ns_dtype="bfloat16")
-    p = subprocess.run([sys.executable, "-c", MESH_RUN, json.dumps(settings), json.dumps([[4, 2], [2, 2]])],
-                       cwd=REPO, env=fake_devices(8), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", MESH_RUN, json.dumps(settings), json.dumps([[4, 2], [2, 2]])],
+        cwd=REPO,
+        env=fake_devices(8),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
-    report = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("REPORT "))[7:])
+    report = json.loads(
+        next(line for line in p.stdout.splitlines() if line.startswith("REPORT "))[7:]
+    )
     for mesh, r in report.items():
-        print(f"\n{mesh}: max |param diff| from one device {max(r['diffs'].values()):g} ulp (of its largest)")
-        for path, diff in r["diffs"].items():  # XLA:CPU's programs for 1 and 8 devices fuse the update differently
+        print(
+            f"\n{mesh}: max |param diff| from one device {max(r['diffs'].values()):g} ulp (of its "
+            "largest)"
+        )
+        # XLA:CPU's programs for 1 and 8 devices fuse the update differently
+        for path, diff in r["diffs"].items():
             assert diff <= 4, f"{mesh}: {path} differs from one device's by {diff:g} ulp"
         assert len(r["momentum"]) == 8 and len(r["diffs"]) == 9  # the blocks' 8 kernels; + wte
         for path, (same_spec, shard, size) in r["momentum"].items():
-            assert same_spec and shard < size, f"{mesh}: {path}'s momentum is not split like its param"
+            assert same_spec and shard < size, (
+                f"{mesh}: {path}'s momentum is not split like its param"
+            )
 
 
 def test_muon_steps_the_blocks_matrices_adam_the_rest():
     params, _ = params_and_grads()
-    labels = {jax.tree_util.keystr(k, simple=True, separator="."): v
-              for k, v in jax.tree_util.tree_leaves_with_path(train_step.muon_labels(params))}
+    labels = {
+        jax.tree_util.keystr(k, simple=True, separator="."): v
+        for k, v in jax.tree_util.tree_leaves_with_path(train_step.muon_labels(params))
+    }
     assert labels == {**{f"h.0.{name}.kernel": "muon" for name in KERNELS}, "wte.embedding": "adam"}
 
 
@@ -275,14 +380,21 @@ MUON = ["--optimizer=muon", "--arch=speedrun", "--bias=False", "--muon_learning_
 BAD = [
     (["--optimizer=sgd"], "optimizer must be 'adamw' or 'muon'"),
     (["--lr_schedule=linear"], "lr_schedule must be 'cosine' or 'trapezoid'"),
-    (["--lr_schedule=trapezoid", "--max_iters=100", "--warmdown_iters=101", "--warmup_iters=0"],
-     "warmdown_iters=101 exceeds max_iters=100"),
-    (["--lr_schedule=trapezoid", "--max_iters=100", "--warmdown_iters=60", "--warmup_iters=50"],
-     r"warmup_iters=50 \+ warmdown_iters=60 exceed max_iters=100"),
+    (
+        ["--lr_schedule=trapezoid", "--max_iters=100", "--warmdown_iters=101", "--warmup_iters=0"],
+        "warmdown_iters=101 exceeds max_iters=100",
+    ),
+    (
+        ["--lr_schedule=trapezoid", "--max_iters=100", "--warmdown_iters=60", "--warmup_iters=50"],
+        r"warmup_iters=50 \+ warmdown_iters=60 exceed max_iters=100",
+    ),
     ([*MUON, "--muon_ns_dtype=float16"], "muon_ns_dtype must be 'bfloat16' or 'float32'"),
     ([*MUON, "--muon_momentum=1.0"], r"muon_momentum must be in \[0, 1\)"),
     ([*MUON, "--muon_momentum=-0.1"], r"muon_momentum must be in \[0, 1\)"),
-    ([*MUON, "--arch=gpt2"], "GPT-2's blocks also hold biases and LayerNorm weights: use it with --arch=speedrun"),
+    (
+        [*MUON, "--arch=gpt2"],
+        "GPT-2's blocks also hold biases and LayerNorm weights: use it with --arch=speedrun",
+    ),
     ([*MUON, "--muon_learning_rate=0.0"], "needs --muon_learning_rate > 0"),
     ([*MUON, "--learning_rate=0.0"], "learning_rate must be > 0"),
     (["--arch=llama"], "arch must be 'gpt2' or 'speedrun'"),
@@ -304,17 +416,21 @@ def test_checkpoint_fixes_arch():
     c = dict(DEFAULTS)
     assert fixed_by_checkpoint(c, asdict(GPTConfig(arch="speedrun", bias=False)))["arch"] == "gpt2"
     assert c["arch"] == "speedrun"
-    older = {k: v for k, v in asdict(GPTConfig()).items() if k != "arch"}  # a checkpoint from before arch
+    # a checkpoint from before arch
+    older = {k: v for k, v in asdict(GPTConfig()).items() if k != "arch"}
     c = dict(DEFAULTS, arch="speedrun")
     assert fixed_by_checkpoint(c, older)["arch"] == "speedrun" and c["arch"] == "gpt2"
 
 
 def test_bfloat16_newton_schulz_rounds_where_the_record_does():
-    """Read off the jaxpr of a tall G (transposed: the matmuls on the small side): G and its norm rounded to bf16
-    first; each matmul bf16 in and out at HIGHEST precision (a TPU's default would drop the float32 accumulation the
-    record's torch matmuls keep); every elementwise sum, product and the norm's reduction in float32; the result bf16.
-    The accuracy test above is one-sided (no further from float32 than the record): this pins where ours rounds."""
-    jaxpr = jax.make_jaxpr(lambda g: train_step.newton_schulz(g, jnp.bfloat16))(jnp.ones((32, 16))).jaxpr
+    """Read off the jaxpr of a tall G (transposed: the matmuls on the small side): G and its norm
+    rounded to bf16 first; each matmul bf16 in and out at HIGHEST precision (a TPU's default would
+    drop the float32 accumulation the record's torch matmuls keep); every elementwise sum, product
+    and the norm's reduction in float32; the result bf16. The accuracy test above is one-sided (no
+    further from float32 than the record): this pins where ours rounds."""
+    jaxpr = jax.make_jaxpr(lambda g: train_step.newton_schulz(g, jnp.bfloat16))(
+        jnp.ones((32, 16))
+    ).jaxpr
     eqns, bf16 = jaxpr.eqns, jnp.dtype(jnp.bfloat16)
     names = [e.primitive.name for e in eqns]
     assert names[0] == "convert_element_type" and eqns[0].params["new_dtype"] == bf16
@@ -332,27 +448,51 @@ def test_bfloat16_newton_schulz_rounds_where_the_record_does():
     params = {"h": {"0": {"mlp": {"c_fc": {"kernel": jnp.ones((16, 32))}}}}}
     tx = train_step.orthogonalize("bfloat16")
     update = jax.make_jaxpr(lambda g: tx.update(g, tx.init(params), params)[0])(params).jaxpr
-    assert {e.invars[0].aval.dtype for e in update.eqns if e.primitive.name == "dot_general"} == {bf16}
+    assert {e.invars[0].aval.dtype for e in update.eqns if e.primitive.name == "dot_general"} == {
+        bf16
+    }
     assert update.outvars[0].aval.dtype == jnp.float32
 
 
 def test_adamw_takes_the_runs_betas_and_weight_decay_as_torch_does():
-    """optimizer='adamw' with betas and a weight decay that are neither optax's defaults nor torch's: three steps
-    equal torch.optim.AdamW's, the matrix decayed, the bias not (nanoGPT's groups)."""
+    """optimizer='adamw' with betas and a weight decay that are neither optax's defaults nor
+    torch's: three steps equal torch.optim.AdamW's, the matrix decayed, the bias not (nanoGPT's
+    groups)."""
     import torch
 
-    c = dict(DEFAULTS, optimizer="adamw", beta1=0.5, beta2=0.8, weight_decay=0.3, learning_rate=0.1, decay_lr=False)
+    c = dict(
+        DEFAULTS,
+        optimizer="adamw",
+        beta1=0.5,
+        beta2=0.8,
+        weight_decay=0.3,
+        learning_rate=0.1,
+        decay_lr=False,
+    )
     rng = np.random.default_rng(0)
-    params = {"kernel": rng.normal(size=(3, 4)).astype(np.float32), "bias": rng.normal(size=4).astype(np.float32)}
-    grads = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()} for _ in range(3)]
+    params = {
+        "kernel": rng.normal(size=(3, 4)).astype(np.float32),
+        "bias": rng.normal(size=4).astype(np.float32),
+    }
+    grads = [
+        {k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()}
+        for _ in range(3)
+    ]
     tx, ours = train_step.make_optimizer(c), jax.tree.map(jnp.asarray, params)
     state = tx.init(ours)
     for g in grads:
         updates, state = tx.update(jax.tree.map(jnp.asarray, g), state, ours)
         ours = optax.apply_updates(ours, updates)
     theirs = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
-    opt = torch.optim.AdamW([{"params": [theirs["kernel"]], "weight_decay": 0.3},
-                             {"params": [theirs["bias"]], "weight_decay": 0.0}], lr=0.1, betas=(0.5, 0.8), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [theirs["kernel"]], "weight_decay": 0.3},
+            {"params": [theirs["bias"]], "weight_decay": 0.0},
+        ],
+        lr=0.1,
+        betas=(0.5, 0.8),
+        eps=1e-8,
+    )
     for g in grads:
         for k, p in theirs.items():
             p.grad = torch.tensor(g[k])
@@ -362,30 +502,41 @@ def test_adamw_takes_the_runs_betas_and_weight_decay_as_torch_does():
 
 
 def linear_step():
-    """train_step's step (AdamW) on a Linear(2, 3), whose loss a test sets by patching train_step.batch_loss:
-    key -> the step's metrics on a batch of zeros."""
+    """train_step's step (AdamW) on a Linear(2, 3), whose loss a test sets by patching
+    train_step.batch_loss: key -> the step's metrics on a batch of zeros."""
     graphdef, params = nnx.split(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
     tx = train_step.make_optimizer(dict(DEFAULTS, optimizer="adamw"))
-    step, opt_state, x = train_step.make_train_step(graphdef, tx, grad_clip=1.0), tx.init(params), jnp.zeros((1, 2, 8))
+    step, opt_state, x = (
+        train_step.make_train_step(graphdef, tx, grad_clip=1.0),
+        tx.init(params),
+        jnp.zeros((1, 2, 8)),
+    )
     return lambda key: step(params, opt_state, x, x, key)[2]
 
 
 def test_a_step_hands_its_key_to_the_loss(monkeypatch):
-    """The step's key reaches the loss, whose dropout draws its masks from it: the same key, the same loss; another
-    key, another loss."""
-    monkeypatch.setattr(train_step, "batch_loss", lambda model, x, y, key: jnp.mean(model.bias[...]) +
-                        jax.random.uniform(key))
+    """The step's key reaches the loss, whose dropout draws its masks from it: the same key, the
+    same loss; another key, another loss."""
+    monkeypatch.setattr(
+        train_step,
+        "batch_loss",
+        lambda model, x, y, key: jnp.mean(model.bias[...]) + jax.random.uniform(key),
+    )
     step = linear_step()
     losses = [float(step(jax.random.key(k))["loss"]) for k in (0, 0, 1)]
     assert losses[0] == losses[1] != losses[2], losses
 
 
 def test_a_step_is_finite_only_where_its_loss_and_gradient_norm_both_are(monkeypatch):
-    """A loss of sqrt(b) at b = 0 (a Linear's bias starts at zeros): 0, finite, with an infinite gradient; such a
-    step is not finite (train.py stops the run before it is saved), nor is one whose loss is not."""
+    """A loss of sqrt(b) at b = 0 (a Linear's bias starts at zeros): 0, finite, with an infinite
+    gradient; such a step is not finite (train.py stops the run before it is saved), nor is one
+    whose loss is not."""
     step = linear_step()
-    for loss, finite in [(lambda m: jnp.mean(m.bias[...] ** 2), True), (lambda m: jnp.sqrt(m.bias[...][0]), False),
-                         (lambda m: jnp.log(m.bias[...][0]), False)]:
+    for loss, finite in [
+        (lambda m: jnp.mean(m.bias[...] ** 2), True),
+        (lambda m: jnp.sqrt(m.bias[...][0]), False),
+        (lambda m: jnp.log(m.bias[...][0]), False),
+    ]:
         monkeypatch.setattr(train_step, "batch_loss", lambda model, x, y, key: loss(model))
         metrics = step(jax.random.key(0))
         assert bool(metrics["finite"]) is finite, (metrics, finite)

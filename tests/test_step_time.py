@@ -1,8 +1,9 @@
 """python -m pytest tests/test_step_time.py -q
 
-Each logged time is the step's: the loop reads a step's metrics after dispatching the next step, and that dispatch
-can hold the host for much of a step (a speedrun step on an H200: the last iteration's line said 458 ms for a
-~1,225 ms step). runlog.RunLog.watch notes the time each step's outputs become ready, as they do, so a late read
+Each logged time is the step's: the loop reads a step's metrics after dispatching the next step, and
+that dispatch can hold the host for much of a step (a speedrun step on an H200: the last iteration's
+line said 458 ms for a ~1,225 ms step). runlog.RunLog.watch notes the time each step's outputs
+become ready, as they do, so a late read
 makes no step longer and none shorter."""
 
 import json
@@ -11,9 +12,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+from helpers import settings
 
 import runlog
-from helpers import settings
 
 
 @jax.jit
@@ -28,8 +29,13 @@ def test_a_step_read_late_logs_its_own_time(dataset, tmp_path):
     t0 = time.time()
     slow_step(x).block_until_ready()
     step_s = time.time() - t0
-    out = runlog.RunLog(settings(dataset, tmp_path), True, tokens_per_iter=1, flops_per_iter=1,
-                        devices=jax.devices())
+    out = runlog.RunLog(
+        settings(dataset, tmp_path),
+        True,
+        tokens_per_iter=1,
+        flops_per_iter=1,
+        devices=jax.devices(),
+    )
     out.start_clock(0)
     late = 1.0 + 2 * step_s  # the host busy well past both steps' ends before it reads them
     y0 = slow_step(x)
@@ -41,7 +47,8 @@ def test_a_step_read_late_logs_its_own_time(dataset, tmp_path):
         out.step(it, {"loss": float(y[0, 0]), "lr": 0.1, "grad_norm": 1.0})
     with open(os.path.join(tmp_path, runlog.LOG_FILE)) as f:
         ms = [r["ms"] for r in map(json.loads, f)]
-    for t in ms:  # each its step's time, not the 1 s and more until the host read them (then ~0 for the second)
+    # each its step's time, not the 1 s and more until the host read them (then ~0 for the second)
+    for t in ms:
         assert 1000 * step_s / 3 < t < 1000 * (step_s + late) / 2, (ms, step_s)
     # without watch, the time of the read: what train.py logged before
     out.start_clock(2)

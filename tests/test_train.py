@@ -18,43 +18,64 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import (
+    HELLASWAG_FIXTURE,
+    REPO,
+    TINY,
+    assert_close,
+    read_log,
+    run,
+    settings,
+    snapshot,
+    train_cli,
+)
 
 import hellaswag
 import train
-
 import train_step
 from configurator import ConfigError, UsageError, configure, exit_on_bad_input
-from helpers import HELLASWAG_FIXTURE, REPO, TINY, assert_close, read_log, run, settings, snapshot, train_cli
 from settings import DEFAULTS, validate
+
 
 def params_of(trainer):
     return [np.asarray(x) for x in jax.tree.leaves(trainer.params)]
 
 
-# --- configurator ----------------------------------------------------------------------------------
+# --- configurator
+# ----------------------------------------------------------------------------------
+
 
 def test_configurator_contract(tmp_path):
     defaults = {"batch_size": 12, "learning_rate": 6e-4, "dataset": "openwebtext", "decay_lr": True}
     cfg = tmp_path / "cfg.py"
-    cfg.write_text("import math\n_helper = 3\nbatch_size = 4 * _helper\ndataset = 'shakespeare_char'\n")
+    cfg.write_text(
+        "import math\n_helper = 3\nbatch_size = 4 * _helper\ndataset = 'shakespeare_char'\n"
+    )
     c = configure(defaults, [str(cfg), "--learning_rate=1", "--dataset=owt", "--decay_lr=False"])
     assert c == {"batch_size": 12, "learning_rate": 1.0, "dataset": "owt", "decay_lr": False}
     assert defaults["dataset"] == "openwebtext"  # no side effect on the defaults
 
-    with pytest.raises(ConfigError, match="unknown config key 'batch_szie'.*did you mean batch_size"):
+    with pytest.raises(
+        ConfigError, match="unknown config key 'batch_szie'.*did you mean batch_size"
+    ):
         configure(defaults, ["--batch_szie=3"])
     with pytest.raises(ConfigError, match="batch_size must be int .* got str 'big'"):
         configure(defaults, ["--batch_size=big"])
     with pytest.raises(ConfigError, match="decay_lr must be bool"):
         configure(defaults, ["--decay_lr=1"])
-    # None is no value for a setting whose default is not None (issue 33): not given, nor from a config file's
-    # os.environ.get of an unset variable; unless the script documents it (nullable: sample.py's top_k)
-    with pytest.raises(ConfigError, match=r"^dataset must be str \(default 'openwebtext'\), got NoneType None in "):
+    # None is no value for a setting whose default is not None (issue 33): not given, nor from a
+    # config file's os.environ.get of an unset variable; unless the script documents it (nullable:
+    # sample.py's top_k)
+    with pytest.raises(
+        ConfigError, match=r"^dataset must be str \(default 'openwebtext'\), got NoneType None in "
+    ):
         configure(defaults, ["--dataset=None"])
     cfg.write_text("import os\ndataset = os.environ.get('NANOGPT_JAX_NO_SUCH_VARIABLE')\n")
     with pytest.raises(ConfigError, match="dataset must be str .* got NoneType None in .*cfg.py"):
         configure(defaults, [str(cfg)])
-    assert configure(defaults, ["--batch_size=None"], nullable=("batch_size",))["batch_size"] is None
+    assert (
+        configure(defaults, ["--batch_size=None"], nullable=("batch_size",))["batch_size"] is None
+    )
     with pytest.raises(ConfigError, match="config file not found: nope.py"):
         configure(defaults, ["nope.py"])
     with pytest.raises(ConfigError, match="expected --key=value"):
@@ -65,13 +86,19 @@ def test_configurator_contract(tmp_path):
 
 
 def test_every_shipped_config_is_valid():
-    configs = [os.path.join(REPO, "config", f) for f in os.listdir(os.path.join(REPO, "config")) if f.endswith(".py")]
+    configs = [
+        os.path.join(REPO, "config", f)
+        for f in os.listdir(os.path.join(REPO, "config"))
+        if f.endswith(".py")
+    ]
     assert len(configs) >= 3
     for path in configs:
         validate(configure(DEFAULTS, [path]))  # every range checked, not only the names and types
 
 
-# --- optimizer -------------------------------------------------------------------------------------
+# --- optimizer
+# -------------------------------------------------------------------------------------
+
 
 def nanogpt_get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
     """nanoGPT's get_lr, verbatim logic, as the reference."""
@@ -94,7 +121,12 @@ def test_get_lr_matches_nanogpt():
     assert_close(train_step.get_lr(2000, dict(c, decay_lr=False)), 6e-4, rtol=1e-7)
     for it in range(13):  # a decay of a single step, as nanoGPT takes it
         ref = nanogpt_get_lr(it, 6e-4, 10, 11, 6e-5)
-        assert_close(train_step.get_lr(it, dict(c, warmup_iters=10, lr_decay_iters=11)), ref, rtol=1e-6, what=f"{it}")
+        assert_close(
+            train_step.get_lr(it, dict(c, warmup_iters=10, lr_decay_iters=11)),
+            ref,
+            rtol=1e-6,
+            what=f"{it}",
+        )
 
 
 def test_weight_decay_applies_to_2d_params_only(dataset, tmp_path):
@@ -102,18 +134,22 @@ def test_weight_decay_applies_to_2d_params_only(dataset, tmp_path):
     mask = train_step.decay_mask(t.params)
     flat = {"/".join(map(str, k)): v for k, v in jax.tree_util.tree_leaves_with_path(mask)}
     decayed = {k for k, v in flat.items() if v}
-    assert any("wte" in k for k in decayed) and any("wpe" in k for k in decayed)  # embeddings too, as nanoGPT
+    # embeddings too, as nanoGPT
+    assert any("wte" in k for k in decayed) and any("wpe" in k for k in decayed)
     assert all(("kernel" in k) or ("embedding" in k) for k in decayed)
     assert not any(("bias" in k) or ("scale" in k) for k in decayed)
     assert len(decayed) == 2 + 4 * 2  # wte, wpe, 4 kernels per block
 
 
-# --- training --------------------------------------------------------------------------------------
+# --- training
+# --------------------------------------------------------------------------------------
+
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator")
 def test_keep_freed_memory_serves_big_blocks_from_the_heap():
-    """After keep_freed_memory, a 64 MB block gets no mmap of its own (glibc's mallinfo2: hblkhd, the bytes in
-    mmapped blocks), so freeing it keeps its pages for the next step; before, it does (the control)."""
+    """After keep_freed_memory, a 64 MB block gets no mmap of its own (glibc's mallinfo2: hblkhd,
+    the bytes in mmapped blocks), so freeing it keeps its pages for the next step; before, it does
+    (the control)."""
     script = """if True:
         import ctypes, numpy as np, sharding
         class MallInfo2(ctypes.Structure):
@@ -127,94 +163,131 @@ def test_keep_freed_memory_serves_big_blocks_from_the_heap():
         before = mmapped_mb_while_holding_64mb()
         sharding.keep_freed_memory()
         print(before, mmapped_mb_while_holding_64mb())
-    """
-    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
+    """  # noqa: E501
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True
+    )
     before, after = map(int, out.stdout.split())
     assert before >= 64 and after < 64
 
 
 @pytest.mark.parametrize("loss_chunk", [0, 5])
 def test_batch_loss_in_halves_is_the_models_loss(loss_chunk):
-    """train_step.batch_loss forwards the rows as two halves on one CPU device: still one mean over every valid
-    target, also when the halves hold different numbers of ignored (-1) targets, and with the chunked loss."""
+    """train_step.batch_loss forwards the rows as two halves on one CPU device: still one mean over
+    every valid target, also when the halves hold different numbers of ignored (-1) targets, and
+    with the chunked loss."""
     from flax import nnx
 
     from model import GPT, GPTConfig
 
-    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32, loss_chunk=loss_chunk),
-                nnx.Rngs(0))
+    model = GPT(
+        GPTConfig(
+            block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32, loss_chunk=loss_chunk
+        ),
+        nnx.Rngs(0),
+    )
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, 32, (4, 16)).astype(np.int32) for _ in range(2))
     y[:2, :12] = -1  # the first half keeps 8 targets, the second 32
     loss_fn = jax.jit(lambda x, y: train_step.batch_loss(model, x, y))
-    dots = lambda f, *args: f.lower(*args).compile().as_text().count(" dot(")
-    assert dots(loss_fn, x, y) >= 2 * dots(jax.jit(lambda x: model(x)[0]), x)  # the model twice: halves
+
+    def dots(f, *args):
+        return f.lower(*args).compile().as_text().count(" dot(")
+
+    # the model twice: halves
+    assert dots(loss_fn, x, y) >= 2 * dots(jax.jit(lambda x: model(x)[0]), x)
     assert_close(loss_fn(x, y), model(x, y)[1], rtol=1e-6, what="loss in halves")
-    assert_close(loss_fn(x[:3], y[:3]), model(x[:3], y[:3])[1], rtol=1e-6, what="an odd batch: whole")
+    assert_close(
+        loss_fn(x[:3], y[:3]), model(x[:3], y[:3])[1], rtol=1e-6, what="an odd batch: whole"
+    )
     # with dropout, the whole batch's loss draws from the step's key
     model = GPT(dataclasses.replace(model.config, dropout=0.5), nnx.Rngs(0))
     key = jax.random.key(1)
     odd = jax.jit(lambda x, y, key: train_step.batch_loss(model, x, y, key))(x[:3], y[:3], key)
     assert_close(odd, model.loss(x[:3], y[:3], key=key), rtol=1e-6, what="an odd batch's dropout")
     assert abs(float(odd) - float(model.loss(x[:3], y[:3]))) > 1e-3
-    # and the halves each draw theirs from it: dropout on, and another key another draw (the untrained model's loss
-    # moves by ~1e-3 with the draw, float32's rounding by ~1e-6)
+    # and the halves each draw theirs from it: dropout on, and another key another draw (the
+    # untrained model's loss moves by ~1e-3 with the draw, float32's rounding by ~1e-6)
     even = jax.jit(lambda x, y, key: train_step.batch_loss(model, x, y, key))
     assert abs(float(even(x, y, key)) - float(model.loss(x, y))) > 1e-4
     assert abs(float(even(x, y, key)) - float(even(x, y, jax.random.key(2)))) > 1e-4
 
 
 def test_the_step_draws_each_micro_batchs_dropout_from_its_key():
-    """With dropout, the step's loss is the mean of batch_loss over its micro-batches, each with its own key of
-    jax.random.split(key, accum): a step that lost its key would train without dropout and no other test would
-    notice (resume is bit for bit either way)."""
+    """With dropout, the step's loss is the mean of batch_loss over its micro-batches, each with its
+    own key of jax.random.split(key, accum): a step that lost its key would train without dropout
+    and no other test would notice (resume is bit for bit either way)."""
     import optax
 
     from model import GPT, GPTConfig
 
-    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.5), nnx.Rngs(0))
+    model = GPT(
+        GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.5),
+        nnx.Rngs(0),
+    )
     graphdef, params = nnx.split(model)
     tx = optax.sgd(0.0)
     step = jax.jit(train_step.make_train_step(graphdef, tx, grad_clip=1.0))
-    x = np.random.default_rng(0).integers(0, 32, (2, 3, 16)).astype(np.int32)  # 2 micro-batches of 3 rows
+    # 2 micro-batches of 3 rows
+    x = np.random.default_rng(0).integers(0, 32, (2, 3, 16)).astype(np.int32)
     key = jax.random.key(7)
     _, _, metrics = step(params, tx.init(params), x, x, key)
     keys = jax.random.split(key, 2)
     losses = [train_step.batch_loss(model, x[i], x[i], keys[i]) for i in range(2)]
-    assert_close(metrics["loss"], np.mean(losses), rtol=1e-6, what="the step's loss, with its micro-batches' keys")
-    assert abs(float(metrics["loss"]) - float(np.mean([model.loss(x[i], x[i]) for i in range(2)]))) > 1e-3
+    assert_close(
+        metrics["loss"],
+        np.mean(losses),
+        rtol=1e-6,
+        what="the step's loss, with its micro-batches' keys",
+    )
+    assert (
+        abs(float(metrics["loss"]) - float(np.mean([model.loss(x[i], x[i]) for i in range(2)])))
+        > 1e-3
+    )
 
 
 def test_a_step_whose_gradient_is_not_finite_is_not_finite(monkeypatch):
-    """The step's `finite` (what stops a diverged run before it saves) needs the loss and the gradient both finite: a
-    loss that stays finite while its gradient does not (here a term sqrt(|0 * w|), 0 in value, NaN in gradient) has
-    already broken the params it returns."""
+    """The step's `finite` (what stops a diverged run before it saves) needs the loss and the
+    gradient both finite: a loss that stays finite while its gradient does not (here a term sqrt(|0
+    * w|), 0 in value, NaN in gradient) has already broken the params it returns."""
     import jax.numpy as jnp
     import optax
 
     from model import GPT, GPTConfig
 
-    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=1, n_head=2, n_embd=32), nnx.Rngs(0))
-    monkeypatch.setattr(train_step, "batch_loss", lambda model, x, y, key=None:
-                        model.loss(x, y) + jnp.sqrt(jnp.abs(0.0 * model.wte.embedding[...][0, 0])))
+    model = GPT(
+        GPTConfig(block_size=16, vocab_size=32, n_layer=1, n_head=2, n_embd=32), nnx.Rngs(0)
+    )
+    monkeypatch.setattr(
+        train_step,
+        "batch_loss",
+        lambda model, x, y, key=None: (
+            model.loss(x, y) + jnp.sqrt(jnp.abs(0.0 * model.wte.embedding[...][0, 0]))
+        ),
+    )
     graphdef, params = nnx.split(model)
     tx = optax.sgd(0.1)
     x = np.zeros((1, 2, 16), np.int32)
-    _, _, metrics = jax.jit(train_step.make_train_step(graphdef, tx, grad_clip=1.0))(params, tx.init(params), x, x,
-                                                                                     jax.random.key(0))
+    _, _, metrics = jax.jit(train_step.make_train_step(graphdef, tx, grad_clip=1.0))(
+        params, tx.init(params), x, x, jax.random.key(0)
+    )
     assert np.isfinite(metrics["loss"]) and not np.isfinite(metrics["grad_norm"])
     assert not metrics["finite"]
 
 
 def test_restore_takes_compute_settings_from_the_run_not_the_checkpoint():
-    """model_args hold the settings a checkpoint was trained with; a restore keeps its architecture only, so that
-    attention='cudnn' saved on a GPU cannot stop a resume or a sample on a CPU."""
+    """model_args hold the settings a checkpoint was trained with; a restore keeps its architecture
+    only, so that attention='cudnn' saved on a GPU cannot stop a resume or a sample on a CPU."""
     import checkpoint
     from model import GPTConfig
 
-    saved = GPTConfig(n_layer=3, dtype="bfloat16", dropout=0.1, attention="cudnn", remat="block", loss_chunk=64)
+    saved = GPTConfig(
+        n_layer=3, dtype="bfloat16", dropout=0.1, attention="cudnn", remat="block", loss_chunk=64
+    )
     meta = json.loads(json.dumps(checkpoint.meta_for(saved, {}, 0, 0.0, {})))
-    assert checkpoint.model_config_from_meta(meta, remat="dots") == GPTConfig(n_layer=3, remat="dots")
+    assert checkpoint.model_config_from_meta(meta, remat="dots") == GPTConfig(
+        n_layer=3, remat="dots"
+    )
 
 
 def test_loss_goes_down_and_log_is_written(dataset, tmp_path):
@@ -224,22 +297,26 @@ def test_loss_goes_down_and_log_is_written(dataset, tmp_path):
     evals = read_log(tmp_path, "val_loss")
     assert [i for i, _ in evals] == [0, 15, 30]
     assert t.best_val_loss == min(v for _, v in evals)
-    # the memory line's state: every byte of the params and the optimizer state (one device holds them whole)
+    # the memory line's state: every byte of the params and the optimizer state (one device holds
+    # them whole)
     state = sum(x.nbytes for x in jax.tree.leaves((t.params, t.opt_state)))
     assert [v for _, v in read_log(tmp_path, "state_bytes_per_device")] == [state]
 
 
 def test_loop_reads_the_device_only_at_log_steps(dataset, tmp_path, monkeypatch):
-    """The device never waits for the host: between log lines (and evals, saves) the loop reads no device value.
-    The loop runs under JAX's device-to-host transfer guard, which fires on GPU/TPU; XLA:CPU's reads are
-    zero-copy and pass it (jax#16602), so here every read of a jax.Array's value fails the same way."""
+    """The device never waits for the host: between log lines (and evals, saves) the loop reads no
+    device value. The loop runs under JAX's device-to-host transfer guard, which fires on GPU/TPU;
+    XLA:CPU's reads are zero-copy and pass it (jax#16602), so here every read of a jax.Array's value
+    fails the same way."""
     from jax._src.array import ArrayImpl
 
     guarded = {"on": False}
     read_value = ArrayImpl._value.fget
 
     def value(self):
-        assert not guarded["on"], "the training loop read a device value outside a log step, eval or save"
+        assert not guarded["on"], (
+            "the training loop read a device value outside a log step, eval or save"
+        )
         return read_value(self)
 
     def with_guard(method, on):
@@ -250,22 +327,35 @@ def test_loop_reads_the_device_only_at_log_steps(dataset, tmp_path, monkeypatch)
                     return method(*args, **kwargs)
             finally:
                 guarded["on"] = before
+
         return wrapped
 
     monkeypatch.setattr(ArrayImpl, "_value", property(value))
     monkeypatch.setattr(train.Trainer, "_loop", with_guard(train.Trainer._loop, True))
     for allowed in ("_log_unlogged", "evaluate", "save"):
-        monkeypatch.setattr(train.Trainer, allowed, with_guard(getattr(train.Trainer, allowed), False))
-    run(dataset, tmp_path, "--max_iters=8", "--log_interval=3", "--eval_interval=4", "--checkpoint_interval=5")
-    assert [i for i, _ in read_log(tmp_path, "loss")] == [2, 5, 7]  # each logged after the next step's dispatch
+        monkeypatch.setattr(
+            train.Trainer, allowed, with_guard(getattr(train.Trainer, allowed), False)
+        )
+    run(
+        dataset,
+        tmp_path,
+        "--max_iters=8",
+        "--log_interval=3",
+        "--eval_interval=4",
+        "--checkpoint_interval=5",
+    )
+    # each logged after the next step's dispatch
+    assert [i for i, _ in read_log(tmp_path, "loss")] == [2, 5, 7]
 
 
 def test_logged_learning_rate_is_the_steps(dataset, tmp_path):
-    """The step returns its learning rate (the loop computes none on the host): get_lr of its iteration."""
+    """The step returns its learning rate (the loop computes none on the host): get_lr of its
+    iteration."""
     run(dataset, tmp_path, "--max_iters=5")
     c = configure(DEFAULTS, TINY)
-    assert [(i, pytest.approx(lr, rel=1e-6)) for i, lr in read_log(tmp_path, "lr")[1:-1]] == \
-        [(i, float(train_step.get_lr(i, c))) for i in range(5)]
+    assert [(i, pytest.approx(lr, rel=1e-6)) for i, lr in read_log(tmp_path, "lr")[1:-1]] == [
+        (i, float(train_step.get_lr(i, c))) for i in range(5)
+    ]
 
 
 def test_profile_writes_a_trace_of_the_steps_asked_for(dataset, tmp_path, capsys):
@@ -276,30 +366,44 @@ def test_profile_writes_a_trace_of_the_steps_asked_for(dataset, tmp_path, capsys
     assert "perfetto_trace.json.gz" in files and any(f.endswith(".xplane.pb") for f in files)
 
 
-# the trapezoid's warmdown ends at max_iters, which the test's first run shortens: a warmup only, which a step count
-# restored wrong would run again
-SPEEDRUN_RECIPE = ["--arch=speedrun", "--bias=False", "--optimizer=muon", "--muon_learning_rate=0.02",
-                   "--lr_schedule=trapezoid", "--warmup_iters=2", "--warmdown_iters=0", "--grad_clip=0.0"]
+# the trapezoid's warmdown ends at max_iters, which the test's first run shortens: a warmup only,
+# which a step count restored wrong would run again
+SPEEDRUN_RECIPE = [
+    "--arch=speedrun",
+    "--bias=False",
+    "--optimizer=muon",
+    "--muon_learning_rate=0.02",
+    "--lr_schedule=trapezoid",
+    "--warmup_iters=2",
+    "--warmdown_iters=0",
+    "--grad_clip=0.0",
+]
 
 
 @pytest.mark.parametrize("recipe", [[], SPEEDRUN_RECIPE], ids=["gpt2", "speedrun"])
 def test_exact_resume_bit_for_bit(recipe, dataset, tmp_path):
-    """The prefetching loader has read two batches past the stop; the checkpoint holds the position after the last
-    batch a step took, so the resumed run sees the same batches as the uninterrupted one. The speedrun recipe's too:
-    Muon's momentum and the trapezoid's step count come back with the checkpoint."""
+    """The prefetching loader has read two batches past the stop; the checkpoint holds the position
+    after the last batch a step took, so the resumed run sees the same batches as the uninterrupted
+    one. The speedrun recipe's too: Muon's momentum and the trapezoid's step count come back with
+    the checkpoint."""
     extra = ["--dropout=0.1", "--eval_interval=3", "--always_save_checkpoint=True", *recipe]
     straight = run(dataset, tmp_path / "a", "--max_iters=6", *extra)
     run(dataset, tmp_path / "b", "--max_iters=3", *extra)
     resumed = run(dataset, tmp_path / "b", "--max_iters=6", "--init_from=resume", *extra)
-    assert read_log(tmp_path / "a", "loss") == read_log(tmp_path / "b", "loss")  # appended across the resume
+    # appended across the resume
+    assert read_log(tmp_path / "a", "loss") == read_log(tmp_path / "b", "loss")
     for a, b in zip(params_of(straight), params_of(resumed)):
         np.testing.assert_array_equal(a, b)
 
 
 def test_best_val_loss_is_never_overwritten_by_a_worse_value(dataset, tmp_path, monkeypatch):
     vals = iter([3.0, 2.0, 2.5, 2.7])
-    monkeypatch.setattr(train.Trainer, "estimate_loss", lambda self: {"train": 1.0, "val": next(vals)})
-    t = run(dataset, tmp_path, "--max_iters=3", "--eval_interval=1", "--always_save_checkpoint=True")
+    monkeypatch.setattr(
+        train.Trainer, "estimate_loss", lambda self: {"train": 1.0, "val": next(vals)}
+    )
+    t = run(
+        dataset, tmp_path, "--max_iters=3", "--eval_interval=1", "--always_save_checkpoint=True"
+    )
     assert t.best_val_loss == 2.0
     import checkpoint
 
@@ -308,22 +412,42 @@ def test_best_val_loss_is_never_overwritten_by_a_worse_value(dataset, tmp_path, 
 
 def test_gradient_accumulation_equivalence(dataset, tmp_path):
     """accum 4 x micro-batch 2 == accum 1 x micro-batch 8: the same tokens, the same update."""
-    a = run(dataset, tmp_path / "a", "--gradient_accumulation_steps=4", "--batch_size=2", "--max_iters=3")
-    b = run(dataset, tmp_path / "b", "--gradient_accumulation_steps=1", "--batch_size=8", "--max_iters=3")
+    a = run(
+        dataset,
+        tmp_path / "a",
+        "--gradient_accumulation_steps=4",
+        "--batch_size=2",
+        "--max_iters=3",
+    )
+    b = run(
+        dataset,
+        tmp_path / "b",
+        "--gradient_accumulation_steps=1",
+        "--batch_size=8",
+        "--max_iters=3",
+    )
     for pa, pb in zip(params_of(a), params_of(b)):
         assert_close(pa, pb, atol=1e-5, what="params")
-    assert_close([l for _, l in read_log(tmp_path / "a", "loss")], [l for _, l in read_log(tmp_path / "b", "loss")],
-                 atol=1e-5, what="losses")
+    assert_close(
+        [loss for _, loss in read_log(tmp_path / "a", "loss")],
+        [loss for _, loss in read_log(tmp_path / "b", "loss")],
+        atol=1e-5,
+        what="losses",
+    )
 
 
 def test_eval_only_does_not_train(dataset, tmp_path):
     t = run(dataset, tmp_path, "--eval_only=True")
-    assert t.iter_num == 0 and read_log(tmp_path, "loss") == [] and len(read_log(tmp_path, "val_loss")) == 1
+    assert (
+        t.iter_num == 0
+        and read_log(tmp_path, "loss") == []
+        and len(read_log(tmp_path, "val_loss")) == 1
+    )
 
 
 def test_eval_only_evaluates_a_run_resumed_at_any_step(dataset, tmp_path):
-    """A checkpoint at step 3, eval_interval 1000: eval_only evaluates it all the same (it exited 0 without a word),
-    and writes no checkpoint over the one it reads."""
+    """A checkpoint at step 3, eval_interval 1000: eval_only evaluates it all the same (it exited 0
+    without a word), and writes no checkpoint over the one it reads."""
     run(dataset, tmp_path, "--max_iters=3")
     before = snapshot(tmp_path / "ckpt")
     t = run(dataset, tmp_path, "--eval_only=True", "--init_from=resume")
@@ -331,15 +455,23 @@ def test_eval_only_evaluates_a_run_resumed_at_any_step(dataset, tmp_path):
     assert snapshot(tmp_path / "ckpt") == before
 
 
-# --- several devices and processes (subprocesses with fake CPU devices) ----------------------------
+# --- several devices and processes (subprocesses with fake CPU devices)
+# ----------------------------
 
-# --- preemption and bad input ----------------------------------------------------------------------
+# --- preemption and bad input
+# ----------------------------------------------------------------------
+
 
 def test_sigterm_saves_a_checkpoint_and_resume_continues(dataset, tmp_path):
     out = tmp_path / "out"
     args = TINY + [f"--dataset={dataset}", f"--out_dir={out}", "--max_iters=100000"]
-    p = subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                         stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.time() + 120
     for line in p.stdout:
         if line.startswith("iter 5:") or time.time() > deadline:
@@ -347,7 +479,7 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(dataset, tmp_path):
     p.send_signal(signal.SIGTERM)
     out_text, err = p.communicate(timeout=120)
     assert p.returncode == 0, err[-2000:]
-    saved = [l for l in out_text.splitlines() if l.startswith("SIGTERM: checkpoint saved at iter")]
+    saved = [x for x in out_text.splitlines() if x.startswith("SIGTERM: checkpoint saved at iter")]
     assert saved, out_text
     stopped_at = int(saved[0].split("iter ")[1].split(";")[0])
     t = train.Trainer(settings(dataset, out, "--init_from=resume", f"--max_iters={stopped_at + 2}"))
@@ -363,55 +495,103 @@ def test_bad_input_is_one_line_and_writes_nothing(dataset, tmp_path, capsys):
         r = train_cli(list(args))
         return r.returncode, r.stderr.strip()
 
-    def cli_in_process(*args):  # what `python train.py` does with settings configure refuses, before anything else
+    # what `python train.py` does with settings configure refuses, before anything else
+    def cli_in_process(*args):
         capsys.readouterr()
         with pytest.raises(SystemExit) as e:
             exit_on_bad_input(lambda: train.main(list(args)))
         return e.value.code, capsys.readouterr().err.strip()
 
     code, err = cli_in_process("--batch_szie=3")
-    assert code == 2 and err.startswith("error: unknown config key 'batch_szie'") and "\n" not in err
+    assert (
+        code == 2 and err.startswith("error: unknown config key 'batch_szie'") and "\n" not in err
+    )
     code, err = cli_in_process("--batch_size=3.5")
     assert code == 2 and "batch_size must be int" in err
     code, err = cli_in_process("--dataset=nowhere", f"--out_dir={tmp_path / 'x'}")
-    assert code == 2 and err.startswith("error: no dataset 'nowhere': no such folder (") and "\n" not in err
-    code, err = cli_in_process(*TINY, f"--dataset={dataset}", f"--out_dir={tmp_path / 'none'}", "--init_from=resume")
+    assert (
+        code == 2
+        and err.startswith("error: no dataset 'nowhere': no such folder (")
+        and "\n" not in err
+    )
+    code, err = cli_in_process(
+        *TINY, f"--dataset={dataset}", f"--out_dir={tmp_path / 'none'}", "--init_from=resume"
+    )
     assert code == 2 and err.startswith("error: no checkpoint in") and "\n" not in err
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "none")
-    with pytest.raises(UsageError, match=r"meta\.pkl has 64 characters, more than the model's vocab_size 10: set "
-                                         r"--vocab_size=64 or more \(or 0: the data's\)$"):
-        run(dataset, tmp_path / "small", "--vocab_size=10")  # refused before out_dir, its log or ckpt/ exist
+    with pytest.raises(
+        UsageError,
+        match=r"meta\.pkl has 64 characters, more than the model's vocab_size 10: set "
+        r"--vocab_size=64 or more \(or 0: the data's\)$",
+    ):
+        # refused before out_dir, its log or ckpt/ exist
+        run(dataset, tmp_path / "small", "--vocab_size=10")
     assert not os.path.exists(tmp_path / "small")
 
     # a corrupt checkpoint: clear error, and nothing in out_dir is touched
     out = tmp_path / "out"
     run(dataset, out, "--max_iters=2", "--eval_interval=2")
     params_dir = os.path.join(out, "ckpt", "2", "params")
-    victim = max((os.path.join(r, f) for r, _, fs in os.walk(params_dir) for f in fs), key=os.path.getsize)
+    victim = max(
+        (os.path.join(r, f) for r, _, fs in os.walk(params_dir) for f in fs), key=os.path.getsize
+    )
     with open(victim, "r+b") as f:
         f.truncate(8)
     before = snapshot(out)
-    code, err = cli(*TINY, f"--dataset={dataset}", f"--out_dir={out}", "--init_from=resume", "--max_iters=4")
-    assert code == 2 and "did not restore" in err and err.endswith("; no earlier checkpoint to fall back on"), err
+    code, err = cli(
+        *TINY, f"--dataset={dataset}", f"--out_dir={out}", "--init_from=resume", "--max_iters=4"
+    )
+    assert (
+        code == 2
+        and "did not restore" in err
+        and err.endswith("; no earlier checkpoint to fall back on")
+    ), err
     assert "\n" not in err
-    lock = os.path.join(out, "run.lock")  # taken (rewritten) before the checkpoint is read; nothing else written
-    assert {k: v for k, v in snapshot(out).items() if k != lock} == {k: v for k, v in before.items() if k != lock}
+    # taken (rewritten) before the checkpoint is read; nothing else written
+    lock = os.path.join(out, "run.lock")
+    assert {k: v for k, v in snapshot(out).items() if k != lock} == {
+        k: v for k, v in before.items() if k != lock
+    }
 
 
 def test_train_gpt2_config_runs_tiny_on_fixture_shards(tmp_path):
-    """The real config/train_gpt2.py, tiny model overrides, on .npy shards: tokens per step stay fixed; its 'auto'
-    remat and a chunked loss (shortened to fit block_size 32) run on 2 devices."""
+    """The real config/train_gpt2.py, tiny model overrides, on .npy shards: tokens per step stay
+    fixed; its 'auto' remat and a chunked loss (shortened to fit block_size 32) run on 2 devices."""
     d = tmp_path / "edu_fineweb10B"
     d.mkdir()
     rng = np.random.default_rng(0)
-    for name in ["edufineweb_val_000000.npy", "edufineweb_train_000001.npy", "edufineweb_train_000002.npy"]:
+    for name in [
+        "edufineweb_val_000000.npy",
+        "edufineweb_train_000001.npy",
+        "edufineweb_train_000002.npy",
+    ]:
         np.save(d / name, rng.integers(0, 50257, 3000).astype(np.uint16))
-    r = train_cli(["config/train_gpt2.py", f"--dataset={d}", f"--out_dir={tmp_path / 'out'}", "--n_layer=2",
-                   "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--total_batch_size=256",
-                   "--max_iters=3", "--eval_interval=2", "--eval_iters=2", "--hellaswag_interval=0",
-                   "--dtype=float32", "--warmup_iters=1", "--loss_chunk=12"], devices=2)
+    r = train_cli(
+        [
+            "config/train_gpt2.py",
+            f"--dataset={d}",
+            f"--out_dir={tmp_path / 'out'}",
+            "--n_layer=2",
+            "--n_head=2",
+            "--n_embd=32",
+            "--block_size=32",
+            "--batch_size=2",
+            "--total_batch_size=256",
+            "--max_iters=3",
+            "--eval_interval=2",
+            "--eval_iters=2",
+            "--hellaswag_interval=0",
+            "--dtype=float32",
+            "--warmup_iters=1",
+            "--loss_chunk=12",
+        ],
+        devices=2,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "accumulation 2 x micro-batch 4" in r.stdout and "tokens per iteration will be: 256" in r.stdout
+    assert (
+        "accumulation 2 x micro-batch 4" in r.stdout
+        and "tokens per iteration will be: 256" in r.stdout
+    )
     assert [i for i, _ in read_log(tmp_path / "out", "loss")] == [0, 1, 2]
     with pytest.raises(UsageError, match="python fineweb.py"):
         train.main(["config/train_gpt2.py", f"--dataset={tmp_path / 'edu_fineweb10B_missing'}"])
@@ -419,9 +599,14 @@ def test_train_gpt2_config_runs_tiny_on_fixture_shards(tmp_path):
 
 def test_hellaswag_in_the_training_loop(dataset, tmp_path, capsys):
     extra = ["--vocab_size=50304", "--block_size=64", "--max_iters=2", "--hellaswag_interval=2"]
-    with pytest.raises(UsageError, match=r"HellaSwag is scored in GPT-2's BPE, and this run's data is character-level "
-                                         r"\(.*meta.pkl\): set --hellaswag_interval=0"):
-        train.Trainer(settings(dataset, tmp_path / "x", *extra, f"--hellaswag_path={HELLASWAG_FIXTURE}"))
+    with pytest.raises(
+        UsageError,
+        match=r"HellaSwag is scored in GPT-2's BPE, and this run's data is character-level "
+        r"\(.*meta.pkl\): set --hellaswag_interval=0",
+    ):
+        train.Trainer(
+            settings(dataset, tmp_path / "x", *extra, f"--hellaswag_path={HELLASWAG_FIXTURE}")
+        )
     bpe = tmp_path / "bpe"  # the same token ids without the meta.pkl: GPT-2's BPE
     bpe.mkdir()
     for split in ("train.bin", "val.bin"):
@@ -432,9 +617,14 @@ def test_hellaswag_in_the_training_loop(dataset, tmp_path, capsys):
     capsys.readouterr()
     t = run(str(bpe), tmp_path, *extra, f"--hellaswag_path={HELLASWAG_FIXTURE}")
     assert "%|" not in capsys.readouterr().err  # no progress bar in the training log
-    # the last logged score is hellaswag.evaluate's on the run's final params, examples loaded apart from the run's
+    # the last logged score is hellaswag.evaluate's on the run's final params, examples loaded apart
+    # from the run's
     examples = hellaswag.load_examples(HELLASWAG_FIXTURE, max_len=64)
     final = hellaswag.evaluate(nnx.merge(t.graphdef, t.params), examples, t.mesh)
     logged = [read_log(tmp_path, f"hellaswag_{k}") for k in ("acc", "acc_norm", "count")]
     assert [[i for i, _ in scores] for scores in logged] == [[0, 2]] * 3
-    assert [scores[-1][1] for scores in logged] == [final.acc, final.acc_norm, final.count] and final.count == 20
+    assert [scores[-1][1] for scores in logged] == [
+        final.acc,
+        final.acc_norm,
+        final.count,
+    ] and final.count == 20

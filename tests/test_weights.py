@@ -1,9 +1,10 @@
 """python -m pytest tests/test_weights.py -q
 
-Interop (weights.py, export.py): HF directories load without torch, bit for bit as transformers reads them;
-sharded and pytorch_model.bin-only ones to the saved model's logits; the exact-GELU setting; nanoGPT's ckpt.pt in
-(against a faithful torch nanoGPT, parity/nanogpt_reference.py) and out; export.py to HF (bias and no bias) and back;
-export.py's bad input; the exported config.json as transformers reads it."""
+Interop (weights.py, export.py): HF directories load without torch, bit for bit as transformers
+reads them; sharded and pytorch_model.bin-only ones to the saved model's logits; the exact-GELU
+setting; nanoGPT's ckpt.pt in (against a faithful torch nanoGPT, parity/nanogpt_reference.py) and
+out; export.py to HF (bias and no bias) and back; export.py's bad input; the exported config.json as
+transformers reads it."""
 
 import dataclasses
 import fnmatch
@@ -21,55 +22,70 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from helpers import Call, random_nanogpt, rel_diff, save_ours, tiny_config
 from safetensors import safe_open
 
 import checkpoint
 import export
 import sample
 import sharding
-from helpers import Call, random_nanogpt, rel_diff, save_ours, tiny_config
+from configurator import UsageError, exit_on_bad_input
 from model import GPT, model_from
 from parity import nanogpt_reference as nanogpt
 from parity.check_logits import FP32_MAX_REL_TOL as FP32_LOGITS_TOL  # max |Δlogit| / max |logit|
 from parity.check_logits import check
-from configurator import UsageError, exit_on_bad_input
 from parity.common import random_hf_model, save_random_hf_model
 from tokenizer import save_vocab
-from weights import (MASK_BUFFERS, TIED_KEY, config_from_hf, hf_config_for, hf_directory, load_hf_model,
-                     read_hf_weights, state_dict)
+from weights import (
+    MASK_BUFFERS,
+    TIED_KEY,
+    config_from_hf,
+    hf_config_for,
+    hf_directory,
+    load_hf_model,
+    read_hf_weights,
+    state_dict,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_HF = dict(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
 
 
-
 def test_hf_directories_load_without_torch_bit_identical_to_transformers(tmp_path):
-    """A tanh-GELU and an exact-GELU directory, loaded in one process where torch and transformers cannot be
-    imported; the params equal what transformers reads, bit for bit."""
-    dirs = {act: str(save_random_hf_model(tmp_path / act, seed=7, activation_function=act, **TINY_HF))
-            for act in ("gelu_new", "gelu")}
-    script = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
-              "import numpy as np; from model import GPT; from weights import state_dict\n"
-              f"for name, path in {dirs!r}.items():\n"
-              "    m = GPT.from_pretrained(path); print(name, m.config.gelu)\n"
-              f"    np.savez(f'{tmp_path}/{{name}}.npz', **state_dict(m))\n")
+    """A tanh-GELU and an exact-GELU directory, loaded in one process where torch and transformers
+    cannot be imported; the params equal what transformers reads, bit for bit."""
+    dirs = {
+        act: str(save_random_hf_model(tmp_path / act, seed=7, activation_function=act, **TINY_HF))
+        for act in ("gelu_new", "gelu")
+    }
+    script = (
+        "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+        "import numpy as np; from model import GPT; from weights import state_dict\n"
+        f"for name, path in {dirs!r}.items():\n"
+        "    m = GPT.from_pretrained(path); print(name, m.config.gelu)\n"
+        f"    np.savez(f'{tmp_path}/{{name}}.npz', **state_dict(m))\n"
+    )
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["gelu_new", "tanh", "gelu", "exact"]
     for act, path in dirs.items():
         ours = dict(np.load(tmp_path / f"{act}.npz"))
-        reference = {k: v.numpy() for k, v in load_hf_model(path).state_dict().items()
-                     if k != TIED_KEY and not k.endswith(MASK_BUFFERS)}
+        reference = {
+            k: v.numpy()
+            for k, v in load_hf_model(path).state_dict().items()
+            if k != TIED_KEY and not k.endswith(MASK_BUFFERS)
+        }
         assert ours.keys() == reference.keys()
         for k in ours:
             np.testing.assert_array_equal(ours[k], reference[k], err_msg=k)
 
 
 def test_exact_gelu_logits_match_transformers(tmp_path):
-    """HF's activation_function="gelu" computes the exact GELU; so must the model loaded from it (with the
-    tanh one the logits differ far beyond the bar: the check can fail)."""
+    """HF's activation_function="gelu" computes the exact GELU; so must the model loaded from it
+    (with the tanh one the logits differ far beyond the bar: the check can fail)."""
     hf_model = random_hf_model(seed=8, activation_function="gelu", **TINY_HF)
-    with torch.no_grad():  # MLP inputs of order 1, where the two GELUs differ (at 0.02-scale weights they agree)
+    # MLP inputs of order 1, where the two GELUs differ (at 0.02-scale weights they agree)
+    with torch.no_grad():
         for block in hf_model.transformer.h:
             block.mlp.c_fc.weight.mul_(30)
     hf_dir = tmp_path / "hf"
@@ -83,28 +99,35 @@ def test_exact_gelu_logits_match_transformers(tmp_path):
 
 
 def test_sharded_and_bin_only_hf_directories_give_transformers_logits(tmp_path):
-    """HF directories without model.safetensors (docs/interop.md): a sharded model.safetensors.index.json
-    (save_pretrained with a small max_shard_size), and pytorch_model.bin alone, as transformers 4 wrote it with
-    safe_serialization=False (5 writes safetensors only: torch.save of the state dict), also with GPT2Model's names
-    and no lm_head, as the hub's older GPT-2 repositories hold it. Each loads to the logits of the model saved."""
+    """HF directories without model.safetensors (docs/interop.md): a sharded
+    model.safetensors.index.json (save_pretrained with a small max_shard_size), and
+    pytorch_model.bin alone, as transformers 4 wrote it with safe_serialization=False (5 writes
+    safetensors only: torch.save of the state dict), also with GPT2Model's names and no lm_head, as
+    the hub's older GPT-2 repositories hold it. Each loads to the logits of the model saved."""
     hf_model = random_hf_model(seed=9, **TINY_HF)
     hf_model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     files = os.listdir(tmp_path / "sharded")
     assert "model.safetensors.index.json" in files and "model.safetensors" not in files
     assert sum(f.endswith(".safetensors") for f in files) > 1
-    for name, state in [("bin", hf_model.state_dict()), ("bin_no_prefix", hf_model.transformer.state_dict())]:
+    for name, state in [
+        ("bin", hf_model.state_dict()),
+        ("bin_no_prefix", hf_model.transformer.state_dict()),
+    ]:
         hf_model.config.save_pretrained(tmp_path / name)
         torch.save(state, tmp_path / name / "pytorch_model.bin")
     tokens = np.random.default_rng(0).integers(0, 64, (2, 16))
     with torch.no_grad():
         expected = hf_model(torch.from_numpy(tokens)).logits.numpy()
     for name in ("sharded", "bin", "bin_no_prefix"):
-        assert rel_diff(GPT.from_pretrained(str(tmp_path / name))(tokens)[0], expected) < FP32_LOGITS_TOL, name
+        assert (
+            rel_diff(GPT.from_pretrained(str(tmp_path / name))(tokens)[0], expected)
+            < FP32_LOGITS_TOL
+        ), name
 
 
 def test_an_lm_head_that_is_not_wte_is_one_line_naming_the_directory(tmp_path):
-    """GPT-2 ties lm_head to wte: a file holding another lm_head.weight (safetensors or pytorch_model.bin) is
-    refused, naming where it was read."""
+    """GPT-2 ties lm_head to wte: a file holding another lm_head.weight (safetensors or
+    pytorch_model.bin) is refused, naming where it was read."""
     from safetensors.numpy import load_file, save_file
 
     hf_model = random_hf_model(seed=9, **TINY_HF)
@@ -113,36 +136,54 @@ def test_an_lm_head_that_is_not_wte_is_one_line_naming_the_directory(tmp_path):
     state["lm_head.weight"] = state["transformer.wte.weight"] + 1
     save_file(state, tmp_path / "safetensors" / "model.safetensors", metadata={"format": "pt"})
     hf_model.config.save_pretrained(tmp_path / "bin")
-    torch.save({k: torch.from_numpy(v) for k, v in state.items()}, tmp_path / "bin" / "pytorch_model.bin")
+    torch.save(
+        {k: torch.from_numpy(v) for k, v in state.items()}, tmp_path / "bin" / "pytorch_model.bin"
+    )
     for name in ("safetensors", "bin"):
-        with pytest.raises(UsageError, match=f"^{re.escape(str(tmp_path / name))}: lm_head.weight differs from "
-                                             "wte.weight; GPT-2 ties them$"):
+        with pytest.raises(
+            UsageError,
+            match=f"^{re.escape(str(tmp_path / name))}: lm_head.weight differs from "
+            "wte.weight; GPT-2 ties them$",
+        ):
             GPT.from_pretrained(str(tmp_path / name))
 
 
 def test_a_directory_that_is_not_an_hf_gpt2_one_is_one_line(tmp_path):
-    """An HF directory needs config.json and a weights file (either alone is refused), and a config.json that says
-    gpt2."""
+    """An HF directory needs config.json and a weights file (either alone is refused), and a
+    config.json that says gpt2."""
     hf_model = random_hf_model(seed=9, **TINY_HF)
     hf_model.config.save_pretrained(tmp_path / "config_only")
     hf_model.save_pretrained(tmp_path / "weights_only")
     os.remove(tmp_path / "weights_only" / "config.json")
     for name in ("config_only", "weights_only"):
-        with pytest.raises(UsageError, match=f"^{re.escape(str(tmp_path / name))} is not an HF GPT-2 directory: "
-                                             r"it needs config.json and model.safetensors \(as written by "
-                                             r"save_pretrained\)$"):
+        with pytest.raises(
+            UsageError,
+            match=f"^{re.escape(str(tmp_path / name))} is not an HF GPT-2 directory: "
+            r"it needs config.json and model.safetensors \(as written by "
+            r"save_pretrained\)$",
+        ):
             GPT.from_pretrained(str(tmp_path / name))
     hf_model.save_pretrained(tmp_path / "bert")
     config = json.loads((tmp_path / "bert" / "config.json").read_text())
     (tmp_path / "bert" / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
-    with pytest.raises(UsageError, match=f"^{re.escape(str(tmp_path / 'bert'))} holds a 'bert' model, not gpt2$"):
+    with pytest.raises(
+        UsageError, match=f"^{re.escape(str(tmp_path / 'bert'))} holds a 'bert' model, not gpt2$"
+    ):
         GPT.from_pretrained(str(tmp_path / "bert"))
-    (tmp_path / "bert" / "config.json").write_text(json.dumps({**config, "n_positions": 2 * config["n_positions"]}))
-    with pytest.raises(UsageError, match=r"^shape mismatch for transformer.wpe.weight: checkpoint \(16, 32\), model "
-                                         r"\(32, 32\)$"):
+    (tmp_path / "bert" / "config.json").write_text(
+        json.dumps({**config, "n_positions": 2 * config["n_positions"]})
+    )
+    with pytest.raises(
+        UsageError,
+        match=r"^shape mismatch for transformer.wpe.weight: checkpoint \(16, 32\), model "
+        r"\(32, 32\)$",
+    ):
         GPT.from_pretrained(str(tmp_path / "bert"))
-    with pytest.raises(UsageError, match=r"^unknown model 'gpt3': use one of gpt2, .*, an HF directory, a nanoGPT "
-                                         r"ckpt.pt or a modded-nanogpt state_step\*.pt$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^unknown model 'gpt3': use one of gpt2, .*, an HF directory, a nanoGPT "
+        r"ckpt.pt or a modded-nanogpt state_step\*.pt$",
+    ):
         GPT.from_pretrained("gpt3")
 
 
@@ -153,11 +194,18 @@ def test_a_bf16_directory_loads_into_float32_params(tmp_path):
 
 
 def test_a_pytorch_model_bin_that_runs_code_is_one_line_and_runs_nothing(tmp_path):
-    """torch.load with weights_only: the state dict's pickle names os.system, which is refused, not run."""
+    """torch.load with weights_only: the state dict's pickle names os.system, which is refused, not
+    run."""
     marker = tmp_path / "ran"
     random_hf_model(seed=9, **TINY_HF).config.save_pretrained(tmp_path / "hf")
-    torch.save({"transformer.wte.weight": Call(os.system, f"touch {marker}")}, tmp_path / "hf" / "pytorch_model.bin")
-    refusal = r"pytorch_model.bin is not a torch checkpoint \(UnpicklingError: Weights only load failed"  # torch's why
+    torch.save(
+        {"transformer.wte.weight": Call(os.system, f"touch {marker}")},
+        tmp_path / "hf" / "pytorch_model.bin",
+    )
+    # torch's why
+    refusal = (
+        r"pytorch_model.bin is not a torch checkpoint \(UnpicklingError: Weights only load failed"
+    )
     with pytest.raises(UsageError, match=refusal) as e:
         GPT.from_pretrained(str(tmp_path / "hf"))
     assert "\n" not in str(e.value) and not marker.exists()
@@ -170,30 +218,41 @@ def nanogpt_logits(model, tokens):
 
 @pytest.mark.parametrize("bias, flash, compiled", [(True, True, True), (False, False, False)])
 def test_nanogpt_ckpt_in_gives_its_logits(tmp_path, bias, flash, compiled):
-    """torch.compile's `_orig_mod.` prefix, no flash attention (the attn.bias mask buffer), bias=False."""
+    """torch.compile's `_orig_mod.` prefix, no flash attention (the attn.bias mask buffer),
+    bias=False."""
     ref = random_nanogpt(seed=1, bias=bias, flash=flash)
     if not flash:
         assert "transformer.h.0.attn.bias" in ref.state_dict()
-    nanogpt.save_ckpt(ref, tmp_path / "ckpt.pt", config={"dataset": "shakespeare_char"}, compiled=compiled)
+    nanogpt.save_ckpt(
+        ref, tmp_path / "ckpt.pt", config={"dataset": "shakespeare_char"}, compiled=compiled
+    )
     model, train_config = checkpoint.load_model(str(tmp_path))  # a nanoGPT out_dir
-    assert model.config.gelu == "exact" and model.config.bias == bias and model.config.vocab_size == 65
+    assert (
+        model.config.gelu == "exact" and model.config.bias == bias and model.config.vocab_size == 65
+    )
     assert train_config == {"dataset": "shakespeare_char"}
     tokens = np.random.default_rng(0).integers(0, 65, (2, 32))
     assert rel_diff(model(tokens)[0], nanogpt_logits(ref, tokens)) < FP32_LOGITS_TOL
 
 
-
 def test_export_nanogpt_loads_in_nanogpt_with_the_same_logits(tmp_path):
     model = GPT(tiny_config(gelu="exact", bias=False, vocab_size=65), nnx.Rngs(3))
     save_ours(tmp_path / "run", model, {"dataset": "shakespeare_char"})
-    assert export.main([f"--out_dir={tmp_path / 'run'}", "--format=nanogpt", f"--to={tmp_path / 'nano'}"]) == 0
+    assert (
+        export.main(
+            [f"--out_dir={tmp_path / 'run'}", "--format=nanogpt", f"--to={tmp_path / 'nano'}"]
+        )
+        == 0
+    )
     ref, ckpt = nanogpt.load_ckpt(tmp_path / "nano" / "ckpt.pt")  # strict: nanoGPT's exact key set
     assert ckpt["iter_num"] == 5 and ckpt["config"]["dataset"] == "shakespeare_char"
-    assert ckpt["model_args"] == dict(n_layer=2, n_head=2, n_embd=64, block_size=32, bias=False, vocab_size=65,
-                                      dropout=0.0)
+    assert ckpt["model_args"] == dict(
+        n_layer=2, n_head=2, n_embd=64, block_size=32, bias=False, vocab_size=65, dropout=0.0
+    )
     tokens = np.random.default_rng(0).integers(0, 65, (2, 32))
     assert rel_diff(nanogpt_logits(ref, tokens), model(tokens)[0]) < FP32_LOGITS_TOL
-    back, _ = checkpoint.load_model(str(tmp_path / "nano"))  # and in again: the same params, bit for bit
+    # and in again: the same params, bit for bit
+    back, _ = checkpoint.load_model(str(tmp_path / "nano"))
     for k, v in state_dict(model).items():
         np.testing.assert_array_equal(state_dict(back)[k], v, err_msg=k)
 
@@ -202,11 +261,28 @@ def test_sample_greedy_on_a_char_level_nanogpt_ckpt_equals_nanogpt(tmp_path, cap
     chars = sorted(set("\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz-&$3"))
     assert len(chars) == 65  # shakespeare_char's vocabulary size
     with open(tmp_path / "meta.pkl", "wb") as f:
-        pickle.dump({"vocab_size": 65, "itos": dict(enumerate(chars)), "stoi": {c: i for i, c in enumerate(chars)}}, f)
+        pickle.dump(
+            {
+                "vocab_size": 65,
+                "itos": dict(enumerate(chars)),
+                "stoi": {c: i for i, c in enumerate(chars)},
+            },
+            f,
+        )
     ref = random_nanogpt(seed=2)
     nanogpt.save_ckpt(ref, tmp_path / "ckpt.pt", config={"dataset": str(tmp_path)})
-    assert sample.main([f"--init_from={tmp_path / 'ckpt.pt'}", "--start=ROMEO:", "--temperature=0",
-                        "--num_samples=1", "--max_new_tokens=24"]) == 0
+    assert (
+        sample.main(
+            [
+                f"--init_from={tmp_path / 'ckpt.pt'}",
+                "--start=ROMEO:",
+                "--temperature=0",
+                "--num_samples=1",
+                "--max_new_tokens=24",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out.split("\n" + sample.SEPARATOR)[0]
     start = torch.tensor([[chars.index(c) for c in "ROMEO:"]])
     expected = "".join(chars[i] for i in ref.generate(start, 24, temperature=0)[0].tolist())
@@ -217,7 +293,10 @@ def test_sample_greedy_on_a_char_level_nanogpt_ckpt_equals_nanogpt(tmp_path, cap
 def test_export_hf_gives_our_logits_in_transformers_and_round_trips(tmp_path, bias):
     model = GPT(tiny_config(bias=bias), nnx.Rngs(4))
     save_ours(tmp_path / "run", model, {"dataset": "x"})
-    assert export.main([f"--out_dir={tmp_path / 'run'}", "--format=hf", f"--to={tmp_path / 'hf'}"]) == 0
+    assert (
+        export.main([f"--out_dir={tmp_path / 'run'}", "--format=hf", f"--to={tmp_path / 'hf'}"])
+        == 0
+    )
     tokens = np.random.default_rng(0).integers(0, 128, (2, 32))
     with torch.no_grad():
         theirs = load_hf_model(str(tmp_path / "hf"))(torch.from_numpy(tokens)).logits.numpy()
@@ -226,27 +305,40 @@ def test_export_hf_gives_our_logits_in_transformers_and_round_trips(tmp_path, bi
     exported = state_dict(back)
     for k, v in state_dict(model, zero_biases=True).items():
         np.testing.assert_array_equal(exported[k], v, err_msg=k)
-    assert any(k.endswith(".bias") for k in exported) and (bias or not any(
-        exported[k].any() for k in exported if k.endswith(".bias")))
-    # the file as transformers' save_pretrained writes it: the metadata that transformers 4 and other loaders check
-    # ("format" "pt"), every tensor float32 (a bias=False model's zero biases too)
+    assert any(k.endswith(".bias") for k in exported) and (
+        bias or not any(exported[k].any() for k in exported if k.endswith(".bias"))
+    )
+    # the file as transformers' save_pretrained writes it: the metadata that transformers 4 and
+    # other loaders check ("format" "pt"), every tensor float32 (a bias=False model's zero biases
+    # too)
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="np") as f:
         assert f.metadata() == {"format": "pt"}
-        assert {k: f.get_tensor(k).dtype for k in f.keys()} == dict.fromkeys(f.keys(), np.dtype(np.float32))
+        assert {k: f.get_tensor(k).dtype for k in f.keys()} == dict.fromkeys(
+            f.keys(), np.dtype(np.float32)
+        )
 
 
 def test_an_export_is_whole_or_not_at_all(tmp_path, capsys):
-    """An existing, empty directory takes an HF export; one holding an earlier export (here a character vocabulary
-    a BPE model must never be decoded with) is refused in one line naming the fix, and --overwrite=True replaces the
-    earlier export whole (issue 33)."""
+    """An existing, empty directory takes an HF export; one holding an earlier export (here a
+    character vocabulary a BPE model must never be decoded with) is refused in one line naming the
+    fix, and --overwrite=True replaces the earlier export whole (issue 33)."""
     save_ours(tmp_path / "run", GPT(tiny_config(), nnx.Rngs(0)), {})
     (tmp_path / "hf").mkdir()
     assert export.main([f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}"]) == 0
-    save_vocab(tmp_path / "hf", ["a", "b"])  # as a character-level export into the same place would leave it
-    with pytest.raises(UsageError, match=r"hf holds an earlier export \(config\.json, model\.safetensors, meta\.json, "
-                                         r"meta\.pkl\): give a new --to, or --overwrite=True to replace it whole$"):
+    # as a character-level export into the same place would leave it
+    save_vocab(tmp_path / "hf", ["a", "b"])
+    with pytest.raises(
+        UsageError,
+        match=r"hf holds an earlier export \(config\.json, model\.safetensors, meta\.json, "
+        r"meta\.pkl\): give a new --to, or --overwrite=True to replace it whole$",
+    ):
         export.main([f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}"])
-    assert export.main([f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}", "--overwrite=True"]) == 0
+    assert (
+        export.main(
+            [f"--out_dir={tmp_path / 'run'}", f"--to={tmp_path / 'hf'}", "--overwrite=True"]
+        )
+        == 0
+    )
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
 
 
@@ -255,13 +347,31 @@ def test_export_cli_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, ca
     (tmp_path / "a_file").write_text("")
     cases = [
         ([f"--out_dir={tmp_path / 'nothing'}", f"--to={tmp_path / 'o1'}"], "no checkpoint in"),
-        ([f"--out_dir={tmp_path / 'tanh'}", "--step=7", f"--to={tmp_path / 'o2'}"], "no checkpoint of step 7"),
-        ([f"--out_dir={tmp_path / 'tanh'}", "--format=nanogpt", f"--to={tmp_path / 'o3'}"], "exact GELU"),
-        ([f"--out_dir={tmp_path / 'tanh'}", "--format=onnx", f"--to={tmp_path / 'o4'}"], "--format must be"),
+        (
+            [f"--out_dir={tmp_path / 'tanh'}", "--step=7", f"--to={tmp_path / 'o2'}"],
+            "no checkpoint of step 7",
+        ),
+        (
+            [f"--out_dir={tmp_path / 'tanh'}", "--format=nanogpt", f"--to={tmp_path / 'o3'}"],
+            "exact GELU",
+        ),
+        (
+            [f"--out_dir={tmp_path / 'tanh'}", "--format=onnx", f"--to={tmp_path / 'o4'}"],
+            "--format must be",
+        ),
         ([f"--out_dir={tmp_path / 'tanh'}"], "--to is required"),
-        ([f"--out_dir={tmp_path / 'tanh'}", f"--to={tmp_path / 'a_file' / 'hf'}"], "cannot write to"),
-        ([f"--out_dir={tmp_path / 'tanh'}", "--format=nanogpt", f"--to={tmp_path / 'a_file'}"], "cannot write to"),
-        ([f"--out_dir={tmp_path / 'tanh'}", "--to=/proc/nanogpt-jax-export"], "cannot write to /proc/nanogpt-jax"),
+        (
+            [f"--out_dir={tmp_path / 'tanh'}", f"--to={tmp_path / 'a_file' / 'hf'}"],
+            "cannot write to",
+        ),
+        (
+            [f"--out_dir={tmp_path / 'tanh'}", "--format=nanogpt", f"--to={tmp_path / 'a_file'}"],
+            "cannot write to",
+        ),
+        (
+            [f"--out_dir={tmp_path / 'tanh'}", "--to=/proc/nanogpt-jax-export"],
+            "cannot write to /proc/nanogpt-jax",
+        ),
     ]
     before = sorted(os.listdir(tmp_path))
     for argv, message in cases:
@@ -270,16 +380,26 @@ def test_export_cli_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, ca
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err and err.count("\n") == 1, (argv, err)
     assert sorted(os.listdir(tmp_path)) == before
-    cli = subprocess.run([sys.executable, "export.py", f"--out_dir={tmp_path / 'nothing'}", "--to=x"], cwd=REPO,
-                         capture_output=True, text=True)
-    assert cli.returncode == 2 and cli.stderr.startswith("error: no checkpoint in") and cli.stderr.count("\n") == 1
+    cli = subprocess.run(
+        [sys.executable, "export.py", f"--out_dir={tmp_path / 'nothing'}", "--to=x"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        cli.returncode == 2
+        and cli.stderr.startswith("error: no checkpoint in")
+        and cli.stderr.count("\n") == 1
+    )
 
 
-@pytest.mark.parametrize("vocab_size, eot", [(50257, 50256), (50304, 50256), (50256, None), (65, None)])
+@pytest.mark.parametrize(
+    "vocab_size, eot", [(50257, 50256), (50304, 50256), (50256, None), (65, None)]
+)
 def test_the_exported_config_is_the_model_as_transformers_reads_it(tmp_path, vocab_size, eot):
-    """config.json (weights.hf_config_for) read by transformers: each setting ours computes with, where transformers'
-    default is another (its dropouts are 0.1; ours 0.0) or could be; GPT-2's <|endoftext|> (50256) as bos and eos only
-    where the vocabulary holds it."""
+    """config.json (weights.hf_config_for) read by transformers: each setting ours computes with,
+    where transformers' default is another (its dropouts are 0.1; ours 0.0) or could be; GPT-2's
+    <|endoftext|> (50256) as bos and eos only where the vocabulary holds it."""
     from transformers import GPT2Config
 
     for gelu, activation in (("tanh", "gelu_new"), ("exact", "gelu")):
@@ -288,7 +408,12 @@ def test_the_exported_config_is_the_model_as_transformers_reads_it(tmp_path, voc
         hf = GPT2Config.from_pretrained(tmp_path)
         assert hf.architectures == ["GPT2LMHeadModel"] and hf.model_type == "gpt2"
         assert (hf.n_positions, hf.vocab_size, hf.n_layer, hf.n_head, hf.n_embd) == (
-            config.block_size, vocab_size, config.n_layer, config.n_head, config.n_embd)
+            config.block_size,
+            vocab_size,
+            config.n_layer,
+            config.n_head,
+            config.n_embd,
+        )
         assert hf.activation_function == activation and hf.layer_norm_epsilon == 1e-5
         assert hf.resid_pdrop == hf.embd_pdrop == hf.attn_pdrop == 0.0
         assert hf.tie_word_embeddings is True and hf.bos_token_id == hf.eos_token_id == eot
@@ -296,31 +421,52 @@ def test_the_exported_config_is_the_model_as_transformers_reads_it(tmp_path, voc
 
 
 def test_hf_variants_our_model_does_not_compute_are_refused_in_one_line():
-    """GPT-2's architecture as transformers' GPT2Config can vary it: each variant our model would compute otherwise,
-    named with its value; GPT-2's own values (n_inner 4 * n_embd written out) taken."""
-    assert config_from_hf({}) == dict(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768,
-                                      bias=True, gelu="tanh")  # keys left out: GPT2Config's defaults, GPT-2 124M
+    """GPT-2's architecture as transformers' GPT2Config can vary it: each variant our model would
+    compute otherwise, named with its value; GPT-2's own values (n_inner 4 * n_embd written out)
+    taken."""
+    assert config_from_hf({}) == dict(
+        block_size=1024,
+        vocab_size=50257,
+        n_layer=12,
+        n_head=12,
+        n_embd=768,
+        # keys left out: GPT2Config's defaults, GPT-2 124M
+        bias=True,
+        gelu="tanh",
+    )
     ok = {"n_embd": 64, "n_layer": 2, "n_head": 2, "n_positions": 32, "vocab_size": 128}
     assert config_from_hf({**ok, "n_inner": 256, "activation_function": "gelu"})["gelu"] == "exact"
-    for key, value in [("activation_function", "relu"), ("layer_norm_epsilon", 1e-6), ("n_inner", 128),
-                       ("scale_attn_weights", False), ("scale_attn_by_inverse_layer_idx", True),
-                       ("tie_word_embeddings", False)]:
-        with pytest.raises(UsageError, match=rf"^not a GPT-2 architecture this model computes: "
-                                             rf"\{{'{key}': {re.escape(repr(value))}\}}$"):
+    for key, value in [
+        ("activation_function", "relu"),
+        ("layer_norm_epsilon", 1e-6),
+        ("n_inner", 128),
+        ("scale_attn_weights", False),
+        ("scale_attn_by_inverse_layer_idx", True),
+        ("tie_word_embeddings", False),
+    ]:
+        with pytest.raises(
+            UsageError,
+            match=rf"^not a GPT-2 architecture this model computes: "
+            rf"\{{'{key}': {re.escape(repr(value))}\}}$",
+        ):
             config_from_hf({**ok, key: value})
 
 
 def test_the_torch_side_loads_a_bf16_directory_in_float32(tmp_path):
-    """load_hf_model, the parity checks' transformers side: float32 whatever dtype the files were saved in."""
+    """load_hf_model, the parity checks' transformers side: float32 whatever dtype the files were
+    saved in."""
     hf = random_hf_model(0, n_layer=1, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
     hf.to(torch.bfloat16).save_pretrained(tmp_path)
     assert {p.dtype for p in load_hf_model(str(tmp_path)).parameters()} == {torch.float32}
 
 
 def test_a_hub_name_downloads_only_the_config_and_the_safetensors(tmp_path, monkeypatch):
-    """The hub stood in for by a local HF directory, filtered by the patterns hf_directory asks snapshot_download
-    for (as the hub filters them): config.json and model.safetensors come, nothing else does."""
-    hub = save_random_hf_model(tmp_path / "hub", n_layer=1, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
+    """The hub stood in for by a local HF directory, filtered by the patterns hf_directory asks
+    snapshot_download for (as the hub filters them): config.json and model.safetensors come, nothing
+    else does."""
+    hub = save_random_hf_model(
+        tmp_path / "hub", n_layer=1, n_head=2, n_embd=32, n_positions=16, vocab_size=64
+    )
     (hub / "pytorch_model.bin").write_bytes(b"the same weights, not wanted")
 
     def snapshot_download(name, allow_patterns):
@@ -339,19 +485,27 @@ def test_a_hub_name_neither_downloadable_nor_cached_is_one_line(tmp_path, monkey
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1, or no network
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
-    with pytest.raises(UsageError, match=r"^could not load 'gpt2' from the HF hub or the local HF cache \(offline\?\); "
-                                         r"pass a local directory written by save_pretrained instead$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^could not load 'gpt2' from the HF hub or the local HF cache \(offline\?\); "
+        r"pass a local directory written by save_pretrained instead$",
+    ):
         hf_directory("gpt2")
 
 
 def test_weights_read_onto_a_mesh_are_the_weights_placed_on_it(tmp_path):
-    """With a mesh (train.py's finetune), each value is placed as it is read, the blocks' stacked too (scan_layers):
-    here one device, so each param is the one read without a mesh, held under a sharding of that mesh."""
+    """With a mesh (train.py's finetune), each value is placed as it is read, the blocks' stacked
+    too (scan_layers): here one device, so each param is the one read without a mesh, held under a
+    sharding of that mesh."""
     path = str(save_random_hf_model(tmp_path / "hf", seed=9, **TINY_HF))
     mesh = sharding.make_mesh(devices=jax.devices()[:1])
     for scan in (False, True):
-        placed, plain = (jax.tree.leaves(nnx.state(GPT.from_pretrained(path, mesh=m, scan_layers=scan), nnx.Param))
-                         for m in (mesh, None))
+        placed, plain = (
+            jax.tree.leaves(
+                nnx.state(GPT.from_pretrained(path, mesh=m, scan_layers=scan), nnx.Param)
+            )
+            for m in (mesh, None)
+        )
         for a, b in zip(placed, plain, strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
             assert isinstance(a.sharding, jax.sharding.NamedSharding) and a.sharding.mesh == mesh

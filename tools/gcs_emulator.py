@@ -1,12 +1,15 @@
-"""A Cloud Storage emulator on loopback for the tests (gcp-storage-emulator, from PyPI), with what it lacks and a run
-on gs:// relies on: the generation preconditions GCS defines (ifGenerationMatch on an upload and on a delete, so that
-a lock object is created only if absent), the generation in a read's headers (tensorstore's read-modify-write),
-concurrent connections served one at a time, objects.move (gcsfs's mv), a bucket that refuses this account
-(FORBIDDEN, 403) as IAM would, and an index on disk that a kill cannot leave half written.
+"""A Cloud Storage emulator on loopback for the tests (gcp-storage-emulator, from PyPI), with what
+it lacks and a run on gs:// relies on: the generation preconditions GCS defines (ifGenerationMatch
+on an upload and on a delete, so that a lock object is created only if absent), the generation in a
+read's headers (tensorstore's read-modify-write), concurrent connections served one at a time,
+objects.move (gcsfs's mv), a bucket that refuses this account (FORBIDDEN, 403) as IAM would, and an
+index on disk that a kill cannot leave half written.
 
-    python tools/gcs_emulator.py PORT [DIR]     # in memory, or kept in DIR (a restart finds it again)
+    # in memory, or kept in DIR (a restart finds it again)
+    python tools/gcs_emulator.py PORT [DIR]
 
-prints `ready` once it serves. The real clients reach it by the environment of `client_env(port)`."""
+prints `ready` once it serves. The real clients reach it by the environment of
+`client_env(port)`."""
 
 import os
 import sys
@@ -20,19 +23,27 @@ FORBIDDEN = "forbidden-bucket"
 
 
 def client_env(port):
-    """What points gcsfs (google's clients) and tensorstore (orbax's arrays) at the emulator, without credentials."""
+    """What points gcsfs (google's clients) and tensorstore (orbax's arrays) at the emulator,
+    without credentials."""
     url = f"http://127.0.0.1:{port}"
-    return {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",
-            "TENSORSTORE_GCS_HTTP_VERSION": "1"}
+    return {
+        "STORAGE_EMULATOR_HOST": url,
+        "TENSORSTORE_GCS_HTTP_URL": url,
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",
+        "TENSORSTORE_GCS_HTTP_VERSION": "1",
+    }
 
 
 def _error(response, status, message):
     response.status = status
-    response.json({"error": {"code": status.value, "message": message, "errors": [{"message": message}]}})
+    response.json(
+        {"error": {"code": status.value, "message": message, "errors": [{"message": message}]}}
+    )
 
 
 def _precondition_failed(request, storage):
-    """GCS's ifGenerationMatch: 0 means 'only if absent', a generation 'only if it is still that one'."""
+    """GCS's ifGenerationMatch: 0 means 'only if absent', a generation 'only if it is still that
+    one'."""
     wanted = request.query.get("ifGenerationMatch")
     if not wanted:
         return False
@@ -48,8 +59,8 @@ def _precondition_failed(request, storage):
     return str(generation) != wanted[0]
 
 
-# the emulator's storage is not thread-safe (its resumable uploads raced): requests are accepted concurrently, then
-# served one at a time
+# the emulator's storage is not thread-safe (its resumable uploads raced): requests are accepted
+# concurrently, then served one at a time
 _SERVING = threading.Lock()
 
 
@@ -57,17 +68,25 @@ def _guarded(handler, storage):
     def handle(request, response, *args, **kwargs):
         with _SERVING:
             return _handle(handler, storage, request, response, *args, **kwargs)
+
     return handle
 
 
 def _handle(handler, storage, request, response, *args, **kwargs):
-    """One request, as GCS would answer it: FORBIDDEN refused, preconditions held, generations named."""
+    """One request, as GCS would answer it: FORBIDDEN refused, preconditions held, generations
+    named."""
     if request.params.get("bucket_name") == FORBIDDEN:
-        return _error(response, HTTPStatus.FORBIDDEN,
-                      f"emulator@test does not have storage.objects access to the bucket {FORBIDDEN}.")
+        return _error(
+            response,
+            HTTPStatus.FORBIDDEN,
+            f"emulator@test does not have storage.objects access to the bucket {FORBIDDEN}.",
+        )
     if request.method in ("POST", "PUT", "DELETE") and _precondition_failed(request, storage):
-        return _error(response, HTTPStatus.PRECONDITION_FAILED, "At least one of the pre-conditions you "
-                      "specified did not hold.")
+        return _error(
+            response,
+            HTTPStatus.PRECONDITION_FAILED,
+            "At least one of the pre-conditions you specified did not hold.",
+        )
     result = handler(request, response, storage, *args, **kwargs)
     if request.method == "GET" and request.params.get("object_id") and response.status.value < 300:
         _generation_headers(request, response, storage)
@@ -75,8 +94,8 @@ def _handle(handler, storage, request, response, *args, **kwargs):
 
 
 def _generation_headers(request, response, storage):
-    """GCS names an object's generation in each read's headers; tensorstore's read-modify-write of a checkpoint's
-    manifest needs it (without it: 'Malformed StorageGeneration')."""
+    """GCS names an object's generation in each read's headers; tensorstore's read-modify-write of a
+    checkpoint's manifest needs it (without it: 'Malformed StorageGeneration')."""
     from gcp_storage_emulator.exceptions import NotFound
 
     try:
@@ -88,18 +107,22 @@ def _generation_headers(request, response, storage):
 
 
 class _ConcurrentServer(ThreadingHTTPServer):
-    """A thread per request and a deep accept queue: tensorstore writes a checkpoint's files 32 at a time, which the
-    emulator's own server (one request at a time, a queue of 5) refuses as connection resets."""
+    """A thread per request and a deep accept queue: tensorstore writes a checkpoint's files 32 at a
+    time, which the emulator's own server (one request at a time, a queue of 5) refuses as
+    connection resets."""
+
     request_queue_size = 256
     daemon_threads = True
 
 
 def _move(request, response, storage, *args, **kwargs):
-    """GCS's objects.move (moveTo), which gcsfs's mv tries first: the emulator lacks it, and gcsfs would retry a 501
-    for half a minute an object before it copies and deletes instead."""
+    """GCS's objects.move (moveTo), which gcsfs's mv tries first: the emulator lacks it, and gcsfs
+    would retry a 501 for half a minute an object before it copies and deletes instead."""
     from gcp_storage_emulator.exceptions import NotFound
 
-    bucket, source, target = (request.params[k] for k in ("bucket_name", "object_id", "dest_object_id"))
+    bucket, source, target = (
+        request.params[k] for k in ("bucket_name", "object_id", "dest_object_id")
+    )
     try:
         obj, data = storage.get_file_obj(bucket, source), storage.get_file(bucket, source)
     except NotFound:
@@ -112,9 +135,10 @@ def _move(request, response, storage, *args, **kwargs):
 
 
 def _index_written_whole(storage):
-    """The emulator rewrites its whole index (.meta) at each object written, truncating the file first, from a thread
-    per request: killed then (a test's network gone), it left an empty index, which a restart cannot read. Written
-    to a temporary file renamed over it instead, one writer at a time."""
+    """The emulator rewrites its whole index (.meta) at each object written, truncating the file
+    first, from a thread per request: killed then (a test's network gone), it left an empty index,
+    which a restart cannot read. Written to a temporary file renamed over it instead, one writer at
+    a time."""
     store, lock = storage._store, threading.Lock()
     write = store.write_bytes
 
@@ -126,6 +150,7 @@ def _index_written_whole(storage):
             temporary = path.with_name(".meta.tmp")
             temporary.write_bytes(content)
             os.replace(temporary, path)
+
     store.write_bytes = write_bytes
 
 
@@ -136,16 +161,24 @@ def serve(port, directory=None):
 
     http.server.HTTPServer = _ConcurrentServer
 
-    emulator = server.create_server("127.0.0.1", port, in_memory=directory is None, data_dir=directory,
-                                    default_bucket=BUCKET)
+    emulator = server.create_server(
+        "127.0.0.1", port, in_memory=directory is None, data_dir=directory, default_bucket=BUCKET
+    )
     storage = emulator._storage
     if directory is not None:
         _index_written_whole(storage)
     # every route through the guard (the router calls handler(request, response, storage))
-    move = [(rf"^{prefix}/b/(?P<bucket_name>[-.\w]+)/o/(?P<object_id>.*[^/]+)/moveTo/o/(?P<dest_object_id>.*[^/]+)$",
-             {"POST": _move}) for prefix in ("/storage/v1", "")]
-    server.HANDLERS = tuple((regex, {m: _guarded(h, storage) for m, h in routes.items()})
-                            for regex, routes in [*move, *server.HANDLERS])
+    move = [
+        (
+            rf"^{prefix}/b/(?P<bucket_name>[-.\w]+)/o/(?P<object_id>.*[^/]+)/moveTo/o/(?P<dest_object_id>.*[^/]+)$",
+            {"POST": _move},
+        )
+        for prefix in ("/storage/v1", "")
+    ]
+    server.HANDLERS = tuple(
+        (regex, {m: _guarded(h, storage) for m, h in routes.items()})
+        for regex, routes in [*move, *server.HANDLERS]
+    )
     emulator.start()
     print("ready", flush=True)
     while True:

@@ -1,15 +1,19 @@
 """
-The speedrun's data: FineWeb10B's GPT-2 tokens as llm.c `.bin` shards of 100M tokens, from the HF hub dataset
-kjj0/fineweb10B-gpt2, as modded-nanogpt's data/cached_fineweb10B.py downloads them (about an hour saved over
-tokenizing): fineweb_val_000000.bin and the first N train shards, here in data/fineweb10B/.
+The speedrun's data: FineWeb10B's GPT-2 tokens as llm.c `.bin` shards of 100M tokens, from the HF
+hub dataset kjj0/fineweb10B-gpt2, as modded-nanogpt's data/cached_fineweb10B.py downloads them
+(about an hour saved over tokenizing): fineweb_val_000000.bin and the first N train shards, here in
+data/fineweb10B/.
 
     python data/fineweb10B/prepare.py                  # val + all 103 train shards (about 20 GB)
-    python data/fineweb10B/prepare.py --num_chunks=27  # val + 27 train shards: record 5's 5100 steps of 524,288
-                                                       # tokens (190 batches a shard: the tail is dropped)
-    python data/fineweb10B/prepare.py --local DIR      # offline: link (or copy) the same shards from DIR
+    # val + 27 train shards: record 5's 5100 steps of 524,288
+    python data/fineweb10B/prepare.py --num_chunks=27
+                                                       # tokens (190 batches a shard: the tail is
+                                                       dropped)
+    # offline: link (or copy) the same shards from DIR
+    python data/fineweb10B/prepare.py --local DIR
 
-Then `python train.py config/speedrun_gpt2.py` reads them (--dataset=fineweb10B). A rerun skips the shards that are
-here and complete (their header and size checked) and fetches the others again.
+Then `python train.py config/speedrun_gpt2.py` reads them (--dataset=fineweb10B). A rerun skips the
+shards that are here and complete (their header and size checked) and fetches the others again.
 """
 
 import argparse
@@ -31,11 +35,14 @@ NUM_CHUNKS = 103  # the record's default: the whole of FineWeb10B, 100M tokens a
 
 def shard_names(num_chunks):
     """The record's files: the val shard, then train shards 1..num_chunks."""
-    return ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin" for i in range(1, num_chunks + 1)]
+    return ["fineweb_val_000000.bin"] + [
+        f"fineweb_train_{i:06d}.bin" for i in range(1, num_chunks + 1)
+    ]
 
 
 def fault(path):
-    """What is wrong with the shard at path (llm.c's header and the size it declares); None if it is complete."""
+    """What is wrong with the shard at path (llm.c's header and the size it declares); None if it is
+    complete."""
     with open(path, "rb") as f:
         return llmc_fault(f.read(LLMC_HEADER), os.fstat(f.fileno()).st_size)
 
@@ -43,14 +50,18 @@ def fault(path):
 def download(name, out_dir):
     try:
         hf_hub_download(repo_id=REPO_ID, filename=name, repo_type="dataset", local_dir=out_dir)
-    except OSError as e:  # offline, the hub unreachable or refusing: huggingface_hub's errors are OSErrors
-        raise InputNotFound(f"could not download {name} from the HF hub dataset {REPO_ID} ({type(e).__name__}); "
-                            "offline? link the shards from a local directory with --local DIR") from e
+    # offline, the hub unreachable or refusing: huggingface_hub's errors are OSErrors
+    except OSError as e:
+        raise InputNotFound(
+            f"could not download {name} from the HF hub dataset {REPO_ID} ({type(e).__name__}); "
+            "offline? link the shards from a local directory with --local DIR"
+        ) from e
 
 
 def link_or_copy(name, local, out_dir):
-    """The shard from the directory `local`: a hard link where it can be one, else a copy; either lands under a
-    temporary name (no loader's pattern) and is renamed into place, so an interrupted copy leaves no shard."""
+    """The shard from the directory `local`: a hard link where it can be one, else a copy; either
+    lands under a temporary name (no loader's pattern) and is renamed into place, so an interrupted
+    copy leaves no shard."""
     src = os.path.join(local, name)
     if not os.path.isfile(src):
         raise InputNotFound(f"--local {local} holds no {name}")
@@ -69,10 +80,20 @@ def link_or_copy(name, local, out_dir):
 
 def main(argv=None):
     title, usage = __doc__.strip().split("\n\n", 1)
-    p = argparse.ArgumentParser(description=title, epilog=usage, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num_chunks", type=int, default=NUM_CHUNKS,
-                   help=f"train shards of 100M tokens, after the val shard (default {NUM_CHUNKS}: all of them)")
-    p.add_argument("--local", metavar="DIR", help="link or copy the shards from DIR instead of the hub (offline)")
+    p = argparse.ArgumentParser(
+        description=title, epilog=usage, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--num_chunks",
+        type=int,
+        default=NUM_CHUNKS,
+        help=f"train shards of 100M tokens, after the val shard (default {NUM_CHUNKS}: all)",
+    )
+    p.add_argument(
+        "--local",
+        metavar="DIR",
+        help="link or copy the shards from DIR instead of the hub (offline)",
+    )
     p.add_argument("--out_dir", default=here, help="where the shards go (default: this folder)")
     args = p.parse_args(argv)
     if args.num_chunks < 1:
@@ -100,8 +121,10 @@ def main(argv=None):
                     raise UsageError(f"{path} {what} as downloaded: rerun to fetch it again")
             fetched += 1
     tokens = sum((os.path.getsize(os.path.join(args.out_dir, n)) - LLMC_HEADER) // 2 for n in names)
-    print(f"{args.out_dir}: the val shard and {args.num_chunks} train shards ({fetched} fetched now), "
-          f"{tokens:,} tokens")
+    print(
+        f"{args.out_dir}: the val shard and {args.num_chunks} train shards ({fetched} fetched "
+        f"now), {tokens:,} tokens"
+    )
     return 0
 
 

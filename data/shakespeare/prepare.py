@@ -1,6 +1,7 @@
 """
-Prepare tiny shakespeare with GPT-2's BPE (tokenizer.py): train.bin and val.bin, uint16, 90/10 split.
-Reads the copy bundled in data/shakespeare_char/input.txt (downloads only if neither copy exists).
+Prepare tiny shakespeare with GPT-2's BPE (tokenizer.py): train.bin and val.bin, uint16, 90/10
+split. Reads the copy bundled in data/shakespeare_char/input.txt (downloads only if neither copy
+exists).
 """
 
 import os
@@ -19,14 +20,16 @@ if not os.path.exists(input_file_path):
     import urllib.request
 
     input_file_path = os.path.join(here, "input.txt")
-    data_url = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+    data_url = (
+        "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+    )
     urllib.request.urlretrieve(data_url, input_file_path)
 
 with open(input_file_path, "r", encoding="utf-8") as f:
     data = f.read()
 n = len(data)
 train_data = data[: int(n * 0.9)]
-val_data = data[int(n * 0.9):]
+val_data = data[int(n * 0.9) :]
 
 enc = get_encoding()
 train_ids = np.array(enc.encode_ordinary(train_data), dtype=np.uint16)

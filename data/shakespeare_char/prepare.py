@@ -1,7 +1,7 @@
 """
 Prepare the Shakespeare dataset for character-level language modeling: map characters to ints, write
-train.bin and val.bin (uint16) and meta.pkl (vocab_size, itos, stoi), as nanoGPT does.
-input.txt ships with the repo (tiny shakespeare, from karpathy/char-rnn); it is downloaded only if missing.
+train.bin and val.bin (uint16) and meta.pkl (vocab_size, itos, stoi), as nanoGPT does. input.txt
+ships with the repo (tiny shakespeare, from karpathy/char-rnn); it is downloaded only if missing.
 """
 
 import os
@@ -14,7 +14,9 @@ input_file_path = os.path.join(here, "input.txt")
 if not os.path.exists(input_file_path):
     import urllib.request
 
-    data_url = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+    data_url = (
+        "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+    )
     urllib.request.urlretrieve(data_url, input_file_path)
 
 with open(input_file_path, "r", encoding="utf-8") as f:
@@ -34,7 +36,7 @@ itos = {i: ch for i, ch in enumerate(chars)}
 # create the train and test splits
 n = len(data)
 train_data = data[: int(n * 0.9)]
-val_data = data[int(n * 0.9):]
+val_data = data[int(n * 0.9) :]
 
 # encode both to integers, export to bin files
 train_ids = np.array([stoi[c] for c in train_data], dtype=np.uint16)
