@@ -41,8 +41,8 @@ SPLASH_FLOAT32_ONLY = ("TPU v2", "TPU v3")
 
 def cuda_capability(device):
     """(major, minor) compute capability of an NVIDIA GPU, attached or compiled for without one
-    (sharding.gpu_devices: its client says only 'PJRT C API'); None for any other device (a CPU, a
-    TPU, ROCm's 'gfx90a')."""
+    (accelerators.gpu_devices: its client says only 'PJRT C API'); None for any other device (a CPU,
+    a TPU, ROCm's 'gfx90a')."""
     m = re.fullmatch(r"(\d+)\.(\d+)", getattr(device, "compute_capability", ""))
     return (int(m[1]), int(m[2])) if m and device.platform in ("gpu", "cuda") else None
 

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+import accelerators
 import attention
 import sharding
 from configurator import UsageError
@@ -109,7 +110,7 @@ def compile_fitting(
     (bench/train.py --memory)."""
     mesh = batch_sharding.mesh
     device = mesh.devices.flat[0]
-    limit, margin = sharding.usable_bytes(device), margin_of(device)
+    limit, margin = accelerators.usable_bytes(device), margin_of(device)
     # one decision for all: the least memory of any host's, in MiB
     if limit is not None and jax.process_count() > 1:
         # (int32: JAX's default)
@@ -126,7 +127,7 @@ def compile_fitting(
                 step = lowered.compile(compiler_options(mesh))
             # the TPU compiler's refusal of a step that does not fit
             except jax.errors.JaxRuntimeError as e:
-                if (refusal := sharding.tpu_out_of_memory(e)) is None:
+                if (refusal := accelerators.tpu_out_of_memory(e)) is None:
                     raise
                 if record:
                     record.put(key, *refusal)
@@ -178,7 +179,7 @@ def refusal_record(device):
     if device.platform != "tpu" or not folder or "://" in folder:
         return None
     return RefusalRecord(
-        os.path.join(folder, REFUSALS), f"{device.device_kind} {sharding.usable_bytes(device)}"
+        os.path.join(folder, REFUSALS), f"{device.device_kind} {accelerators.usable_bytes(device)}"
     )
 
 

@@ -456,8 +456,8 @@ def drop_partial_line(path):
 
 
 # bf16 dense peak FLOP/s per device, by substrings of jax's device_kind (first match wins). TPUs:
-# Google Cloud's figure per chip over the devices a chip shows (sharding.TPUS: v2, v3 and TPU7x show
-# each TensorCore as a device)
+# Google Cloud's figure per chip over the devices a chip shows (accelerators.TPUS: v2, v3 and TPU7x
+# show each TensorCore as a device)
 PEAK_BF16_FLOPS = [
     ("H200", 989e12),
     ("H100 PCIe", 756e12),

@@ -185,14 +185,15 @@ def memory(args):
     import jax.numpy as jnp
     from flax import nnx
 
+    import accelerators
     import generate
     import sharding
     from model import GPT, GPTConfig
 
     if args.gpu:
-        devices, compiler = sharding.gpu_devices(args.gpu), "XLA:GPU"
+        devices, compiler = accelerators.gpu_devices(args.gpu), "XLA:GPU"
     else:
-        devices, compiler = sharding.topology_devices(args.topology), "libtpu"
+        devices, compiler = accelerators.topology_devices(args.topology), "libtpu"
     mesh = sharding.make_mesh(devices=devices[:1])
     config = GPTConfig(**SIZES[args.size], vocab_size=50257, dtype=args.dtype, scan_layers=True)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
@@ -221,7 +222,7 @@ def memory(args):
             return_logits=False,
         ).compile()
     peak = sharding.step_peak_bytes(compiled.compiled, sharding.platform_of(mesh))
-    limit = sharding.usable_bytes(devices[0])
+    limit = accelerators.usable_bytes(devices[0])
     print(
         f"{args.size}, batch {args.batch[0]}, {L} positions, {args.dtype}, KV cache, on "
         f"{devices[0].device_kind}: weights {sharding.bytes_per_device(params) / 2**30:.2f} GiB, "
@@ -259,7 +260,9 @@ def main(argv=None):
         action="store_true",
         help="compile generation for --gpu or --topology (see above)",
     )
-    p.add_argument("--gpu", help="--memory: an NVIDIA GPU of sharding.GPUS (h100, a100-40, ...)")
+    p.add_argument(
+        "--gpu", help="--memory: an NVIDIA GPU of accelerators.GPUS (h100, a100-40, ...)"
+    )
     p.add_argument("--topology", help="--memory: a TPU topology (e.g. v5e:2x2): one of its chips")
     p.add_argument(
         "--dtype",

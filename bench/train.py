@@ -183,18 +183,19 @@ def bench_memory(s):
     traced only (jax.eval_shape), XLA compiles the step for ShapeDtypeStructs, nothing is
     materialized, so a laptop can size a pod's run. With a topology, libtpu's compiler compiles it
     for that TPU; a step that does not fit its HBM comes back as the compiler's refusal. With a GPU,
-    XLA:GPU compiles it for that GPU's spec (sharding.GPUS)."""
+    XLA:GPU compiles it for that GPU's spec (accelerators.GPUS)."""
     import jax
 
+    import accelerators
     import auto_settings
     import sharding
     import train_step
 
     if s["topology"] or s["gpu"]:  # compile-only devices
         devices = (
-            sharding.topology_devices(s["topology"])
+            accelerators.topology_devices(s["topology"])
             if s["topology"]
-            else sharding.gpu_devices(s["gpu"], s["devices"])
+            else accelerators.gpu_devices(s["gpu"], s["devices"])
         )[: s["devices"]]
     elif jax.device_count() < s["devices"]:
         return {"too_few_devices": jax.device_count()}
@@ -219,7 +220,7 @@ def bench_memory(s):
         "mesh": dict(mesh.shape),
         "scan_layers": config.scan_layers,
         "device_kind": devices[0].device_kind,
-        "hbm": sharding.usable_bytes(devices[0]),
+        "hbm": accelerators.usable_bytes(devices[0]),
         "auto": auto,
         "peak": fit.peak,
         "refused": fit.step is None,
@@ -301,14 +302,14 @@ def memory(args):
         gpu=args.gpu,
     )
     if args.topology or args.gpu:
+        import accelerators
         import attention
-        import sharding
 
         # a bad name: one line, before any worker
         devices = (
-            sharding.topology_devices(args.topology)
+            accelerators.topology_devices(args.topology)
             if args.topology
-            else sharding.gpu_devices(args.gpu, args.gpus)
+            else accelerators.gpu_devices(args.gpu, args.gpus)
         )
         # e.g. splash in bf16 on a v3: one line
         attention.check_run(model_config(s, devices[0].platform), devices[0])
@@ -362,7 +363,7 @@ def memory(args):
         what = (
             "HBM"
             if args.topology
-            else f"memory {sharding.GPUS[args.gpu].memory / 2**30:.2f} GiB, for JAX"
+            else f"memory {accelerators.GPUS[args.gpu].memory / 2**30:.2f} GiB, for JAX"
         )
         print(
             f"{r['device_kind']} {what} {r['hbm'] / 2**30:.2f} GiB per device: {fits} (compiled by "

@@ -20,6 +20,7 @@ from jax._src import config as jax_config
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import accelerators
 import attention
 import sharding
 from attention import causal_attention, check_setting, choose
@@ -178,7 +179,7 @@ def test_choose_and_check_setting():
         (
             lambda: attention.check_run(
                 tiny_config(attention="splash", block_size=128, dtype="bfloat16"),
-                sharding.topology_devices("v3:2x2")[0],
+                accelerators.topology_devices("v3:2x2")[0],
             ),
             "^attention='splash' cannot run here: TPU v3's kernel compiler takes it in float32 "
             "only",
@@ -321,7 +322,7 @@ def test_splash_compiles_for_tpu():
     Mosaic kernels (tpu_custom_call, not interpret mode), each on its device's 2 rows and 2
     heads."""
     mesh = sharding.make_mesh(
-        fsdp=2, tensor_parallel=2, devices=sharding.topology_devices("v5e:2x2")
+        fsdp=2, tensor_parallel=2, devices=accelerators.topology_devices("v5e:2x2")
     )
 
     def loss(q, k, v):

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from helpers import run, settings, tiny_config
 
+import accelerators
 import auto_settings
 import sharding
 import train_step
@@ -113,14 +114,14 @@ def test_the_first_candidate_that_fits_with_the_margin_is_compiled(monkeypatch):
     # what the smallest of the first three needs, and no more
     limit = min(peaks.values()) * (1 + margin)
     fits = [pair for pair in peaks if peaks[pair] * (1 + margin) <= limit]
-    monkeypatch.setattr(sharding, "usable_bytes", lambda device: limit)
+    monkeypatch.setattr(accelerators, "usable_bytes", lambda device: limit)
     fit = fitting(mesh)
     assert (fit.config.remat, fit.config.loss_chunk) == fits[0]
     assert fit.peak == peaks[fits[0]] and fit.limit == limit and fit.step is not None
     passed = auto_settings.CANDIDATES[: auto_settings.CANDIDATES.index(fits[0])]
     assert fit.tried == [(*pair, peaks[pair]) for pair in passed]
     # nothing fits: the last candidate, whose peak the caller refuses
-    monkeypatch.setattr(sharding, "usable_bytes", lambda device: 1)
+    monkeypatch.setattr(accelerators, "usable_bytes", lambda device: 1)
     fit = fitting(mesh, remat="block")
     assert (fit.config.remat, fit.config.loss_chunk) == ("block", 128) and fit.peak > fit.limit
     assert [pair[:2] for pair in fit.tried] == [("block", 0)]

@@ -4,8 +4,8 @@
 
 NVIDIA GPU programs without a GPU: XLA:GPU, through JAX's CUDA plugin (the cuda extras), compiles
 the tiny model's train and eval steps and sample.py's generation here on the CPU for an H100 and an
-A100 described by their specs (sharding.GPUS, sharding.gpu_devices), as bench/train.py --memory
---gpu does. The program is the GPU's: with attention='auto' in bf16 it holds cuDNN's fused
+A100 described by their specs (accelerators.GPUS, accelerators.gpu_devices), as bench/train.py
+--memory --gpu does. The program is the GPU's: with attention='auto' in bf16 it holds cuDNN's fused
 attention, picked from the mesh's device and not the host's; a bad GPU name is one line; no CUDA
 start-up warning reaches the terminal. Marked gpu_compile: the default suite, whose venv has no CUDA
 plugin, skips it."""
@@ -27,6 +27,7 @@ from test_tpu import (
     no_cache_entries,  # noqa: F401 (autouse: a compile-only client's executables stay out of the cache)
 )
 
+import accelerators
 import attention
 import sharding
 import train_step
@@ -46,7 +47,7 @@ def test_train_eval_and_generate_compile_for_a_gpu(gpu):
     """The tiny model in bf16, attention='auto', the blocks under one scan, data parallel over 2
     GPUs: the train step holds cuDNN's fused attention forward and backward and its LayerNorm, the
     eval step its forward attention; sample.py's generation compiles."""
-    devices = sharding.gpu_devices(gpu, 2)
+    devices = accelerators.gpu_devices(gpu, 2)
     kind, capability = GPUS[gpu]
     assert [d.device_kind for d in devices] == [kind] * 2 and attention.cuda_capability(
         devices[0]
@@ -75,7 +76,7 @@ def test_train_eval_and_generate_compile_for_a_gpu(gpu):
 def test_cudnn_only_where_it_runs():
     """'auto' takes XLA's attention in float32 (cuDNN's is bf16 only); an explicit 'cudnn' in
     float32 is refused in one line, as on an attached GPU."""
-    mesh = sharding.make_mesh(devices=sharding.gpu_devices("h100"))
+    mesh = sharding.make_mesh(devices=accelerators.gpu_devices("h100"))
     text = compile_train_step(tiny_config(block_size=T, attention="auto", scan_layers=True), mesh)[
         0
     ].as_text()
@@ -90,20 +91,23 @@ def test_gpu_table():
     """Every GPU of the table compiles (its spec parses, its capability reads back); its memory for
     JAX is the allocator's default 75%; a node of 8, and nodes of 8; a bad name or count is one
     line."""
-    for name, gpu in sharding.GPUS.items():
-        device = sharding.gpu_devices(name)[0]
+    for name, gpu in accelerators.GPUS.items():
+        device = accelerators.gpu_devices(name)[0]
         assert (
             device.device_kind == gpu.device_kind
             and attention.cuda_capability(device) == gpu.capability
         )
-        assert sharding.usable_bytes(device) == round(0.75 * gpu.memory)
-    assert len(sharding.gpu_devices("h100", 8)) == 8 and len(sharding.gpu_devices("h100", 16)) == 16
+        assert accelerators.usable_bytes(device) == round(0.75 * gpu.memory)
+    assert (
+        len(accelerators.gpu_devices("h100", 8)) == 8
+        and len(accelerators.gpu_devices("h100", 16)) == 16
+    )
     with pytest.raises(
         UsageError, match=r"^unknown GPU 'v100': give one of a100-40, a100-80, h100, h200, b200$"
     ):
-        sharding.gpu_devices("v100")
+        accelerators.gpu_devices("v100")
     with pytest.raises(UsageError, match=r"^--gpus=12: give 1 to 8"):
-        sharding.gpu_devices("h100", 12)
+        accelerators.gpu_devices("h100", 12)
 
 
 def test_bench_memory_for_a_gpu():
@@ -202,7 +206,7 @@ def test_the_124m_recipe_takes_what_fits_each_gpu(gpu, picks):
     assert p.returncode == 0, p.stderr[-3000:]
     auto = next(line for line in p.stdout.splitlines() if line.startswith("auto settings:"))
     name = GPUS[gpu][0]
-    usable = sharding.gpu_usable(sharding.GPUS[gpu].memory) / 2**30
+    usable = accelerators.gpu_usable(accelerators.GPUS[gpu].memory) / 2**30
     assert re.fullmatch(
         rf"auto settings: attention=cudnn, scan_layers=off, {picks} \(step peak (\d+\.\d\d) of "
         rf"{usable:.2f} GiB usable on {name}, \+25% margin(; too big: .*)?\)",

@@ -15,8 +15,8 @@ import sys
 import pytest
 from helpers import REPO, read_log
 
+import accelerators
 import checkpoint
-import sharding
 from configurator import configure
 from sample import SEPARATOR
 from settings import DEFAULTS, accumulation_steps, validate
@@ -96,7 +96,7 @@ HOST_DEVICES = {"v2": 8, "v3": 8, "v4": 4, "v5e": 8, "v5p": 4, "v6e": 8, "tpu7x"
 
 
 @pytest.mark.parametrize(
-    "platform, generation", [("tpu", g) for g in sharding.TPUS] + [("gpu", None)]
+    "platform, generation", [("tpu", g) for g in accelerators.TPUS] + [("gpu", None)]
 )
 def test_the_runs_the_cpu_does_not_take_are_valid_settings(
     platform, generation, tmp_path, monkeypatch
@@ -109,7 +109,7 @@ def test_the_runs_the_cpu_does_not_take_are_valid_settings(
     namespace = {"os": os, "PLATFORM": platform, "GENERATION": generation}
     exec(source, namespace)
     if platform == "tpu":
-        assert set(namespace["BATCH_PER_DEVICE"]) == set(sharding.TPUS), (
+        assert set(namespace["BATCH_PER_DEVICE"]) == set(accelerators.TPUS), (
             "a batch for every generation"
         )
     c = configure(DEFAULTS, [*namespace["TRAIN"], f"--out_dir={tmp_path}"])

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from conftest import XLA_FLAGS_OUTSIDE
 from helpers import REPO, random_nanogpt, read_log, settings
 
-import sharding
+import accelerators
 import train
 from configurator import UsageError
 from parity import nanogpt_reference as nanogpt
@@ -78,11 +78,11 @@ def test_finetune_from_a_nanogpt_ckpt_starts_from_its_weights(dataset, tmp_path)
 
 def test_a_step_larger_than_the_device_is_refused_before_step_0(dataset, tmp_path, monkeypatch):
     """train.py compiles its step before step 0 and compares XLA's peak for it with the device's
-    memory (sharding.usable_bytes: a GPU's or TPU's bytes_limit, a CPU device's share of the RAM;
-    the test sets one). One byte short of the peak of the settings asked for: refused in one line
-    naming the fixes, and nothing of the run written (the out_dir holds only the lock, taken before
-    the model is built so that a second run is refused at once, and let go of when the start fails).
-    With loss_chunk 'auto', a device too small for every candidate is refused alike."""
+    memory (accelerators.usable_bytes: a GPU's or TPU's bytes_limit, a CPU device's share of the
+    RAM; the test sets one). One byte short of the peak of the settings asked for: refused in one
+    line naming the fixes, and nothing of the run written (the out_dir holds only the lock, taken
+    before the model is built so that a second run is refused at once, and let go of when the start
+    fails). With loss_chunk 'auto', a device too small for every candidate is refused alike."""
     explicit = ("--remat=block", "--loss_chunk=8")
     fits = train.Trainer(settings(dataset, tmp_path / "fits", *explicit))
     fits.lock.close()
@@ -90,7 +90,7 @@ def test_a_step_larger_than_the_device_is_refused_before_step_0(dataset, tmp_pat
     assert peak > 0
     # loss_chunk 'auto'
     for limit, out, extra in ((peak - 1, "out", explicit), (1, "auto", ("--remat=block",))):
-        monkeypatch.setattr(sharding, "usable_bytes", lambda device: limit)
+        monkeypatch.setattr(accelerators, "usable_bytes", lambda device: limit)
         with pytest.raises(UsageError) as refused:
             train.Trainer(settings(dataset, tmp_path / out, *extra))
         message = str(refused.value)
@@ -102,7 +102,7 @@ def test_a_step_larger_than_the_device_is_refused_before_step_0(dataset, tmp_pat
         assert os.listdir(tmp_path / out) == ["run.lock"]
     # the failed start let go of out_dir's lock (its exception, still held, keeps the Trainer
     # alive): a second start in the same process, on a device that holds the step, runs there
-    monkeypatch.setattr(sharding, "usable_bytes", lambda device: None)
+    monkeypatch.setattr(accelerators, "usable_bytes", lambda device: None)
     train.Trainer(settings(dataset, tmp_path / "auto")).lock.close()
     assert refused.value.__traceback__ is not None
 

@@ -1,13 +1,13 @@
 """python -m pytest tests/test_tpu.py -q
 
 TPU programs without a TPU: libtpu's ahead-of-time compiler (the tpu extras) compiles the train step
-and sample.py's generation for a v5e:2x2 topology here on the CPU (sharding.topology_devices), as
-bench/train.py --memory --topology does, and the train, eval and generate steps for one topology of
-every generation (sharding.TPUS: v2 and v3, the free Colab/Kaggle TPUs, to TPU7x). The compiled step
-holds on each chip what the state's shardings say; the program is the TPU's (its tiled layouts, the
-attention kernel its compiler takes, none of the model's CPU-only workarounds); a step that does not
-fit is reported with the compiler's figure; a bad topology name, or a kernel the TPU cannot compile,
-is one line; libtpu's start-up banner never reaches the terminal."""
+and sample.py's generation for a v5e:2x2 topology here on the CPU (accelerators.topology_devices),
+as bench/train.py --memory --topology does, and the train, eval and generate steps for one topology
+of every generation (accelerators.TPUS: v2 and v3, the free Colab/Kaggle TPUs, to TPU7x). The
+compiled step holds on each chip what the state's shardings say; the program is the TPU's (its tiled
+layouts, the attention kernel its compiler takes, none of the model's CPU-only workarounds); a step
+that does not fit is reported with the compiler's figure; a bad topology name, or a kernel the TPU
+cannot compile, is one line; libtpu's start-up banner never reaches the terminal."""
 
 import math
 import os
@@ -23,6 +23,7 @@ from flax import nnx
 from helpers import tiny_config
 from jax._src import config as jax_config
 
+import accelerators
 import auto_settings
 import generate
 import sharding
@@ -55,7 +56,7 @@ def no_cache_entries():
 
 def tpu_mesh():
     # fsdp 2 x tensor 2
-    return sharding.make_mesh(2, 2, devices=sharding.topology_devices(TOPOLOGY))
+    return sharding.make_mesh(2, 2, devices=accelerators.topology_devices(TOPOLOGY))
 
 
 def abstract_model(config, mesh):
@@ -193,8 +194,8 @@ def test_speedrun_step_compiles_for_a_tpu():
     assert "tpu_custom_call" in compiled.as_text()
 
 
-# one topology of every generation (sharding.TPUS), its device_kind, and whether its compiler takes
-# splash in bf16
+# one topology of every generation (accelerators.TPUS), its device_kind, and whether its compiler
+# takes splash in bf16
 GENERATIONS = {
     "v2:2x2": ("TPU v2", False),
     "v3:2x2": ("TPU v3", False),
@@ -218,7 +219,7 @@ def test_every_generation_compiles_train_eval_and_generate(topology):
     sample.py's generation compile. The train step holds the splash kernel where the TPU's compiler
     takes it in bf16 (v4 on) and XLA's attention on v2 and v3, which refuse it. The table's HBM per
     device is the compiler's own "available HBM", to the 0.01 GiB it prints."""
-    devices = sharding.topology_devices(topology)
+    devices = accelerators.topology_devices(topology)
     kind, splash = GENERATIONS[topology]
     assert devices[0].device_kind == kind
     mesh = sharding.make_mesh(devices=devices)
@@ -244,8 +245,8 @@ def test_every_generation_compiles_train_eval_and_generate(topology):
     too_big = jax.ShapeDtypeStruct((2**35,), jnp.float32, sharding=one)  # 128 GiB
     with pytest.raises(jax.errors.JaxRuntimeError) as e:
         jax.jit(lambda x: x + 1, out_shardings=one).lower(too_big).compile()
-    _, available = sharding.tpu_out_of_memory(str(e.value))
-    usable = sharding.usable_bytes(devices[0])
+    _, available = accelerators.tpu_out_of_memory(str(e.value))
+    usable = accelerators.usable_bytes(devices[0])
     assert abs(available - usable) < 0.005 * 2**30, (available, usable)
 
 
@@ -370,15 +371,15 @@ def test_bench_sample_sizes_generation_for_a_tpu_chip(capsys):
 def test_tpu_out_of_memory_reads_both_refusals():
     """The two forms of the TPU compiler's out-of-memory error; any other error is not a refusal."""
     G = 2**30
-    assert sharding.tpu_out_of_memory(
+    assert accelerators.tpu_out_of_memory(
         "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required "
         "for HLO temporaries (16.16G) exceeds available HBM (15.75G)."
     ) == (16.16 * G, 15.75 * G)
-    assert sharding.tpu_out_of_memory(
+    assert accelerators.tpu_out_of_memory(
         "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in "
         "memory space hbm. Used 15.82G of 15.75G hbm."
     ) == (15.82 * G, 15.75 * G)
-    assert sharding.tpu_out_of_memory("RESOURCE_EXHAUSTED: some other limit") is None
+    assert accelerators.tpu_out_of_memory("RESOURCE_EXHAUSTED: some other limit") is None
 
 
 def test_a_step_the_tpu_compiler_refuses_is_one_line(dataset, tmp_path, monkeypatch):
@@ -428,10 +429,10 @@ def test_unknown_topology_is_one_line():
     # a generation's other form is unknown too
     for name in ("v3:2x2x1", "v4:2x2", "tpu7x:2x2", "v5e"):
         with pytest.raises(UsageError, match=f"^unknown TPU topology '{name}': give one of v2:2x2"):
-            sharding.topology_devices(name)
+            accelerators.topology_devices(name)
     # a v3-32: 4 hosts of 2x2 chips, a device per core
-    assert len(sharding.topology_devices("v3:4x4")) == 32
-    assert len(sharding.topology_devices("tpu7x:2x2x2")) == 16
+    assert len(accelerators.topology_devices("v3:4x4")) == 32
+    assert len(accelerators.topology_devices("tpu7x:2x2x2")) == 16
 
 
 @pytest.mark.parametrize("topology", ["v2:2x2", "v3:2x2"])
@@ -454,7 +455,7 @@ def test_splash_in_bf16_on_v2_and_v3_is_one_line(topology, monkeypatch):
     monkeypatch.setattr(bench_train, "run_worker", lambda *a: pytest.fail("a worker started"))
     with pytest.raises(UsageError) as e:
         bench_train.main()
-    kind = sharding.topology_devices(topology)[0].device_kind
+    kind = accelerators.topology_devices(topology)[0].device_kind
     assert str(e.value) == (
         f"attention='splash' cannot run here: {kind}'s kernel compiler takes it in float32 only, "
         "dtype is 'bfloat16'; use attention='auto' or 'xla', or dtype='float32'"
@@ -472,16 +473,21 @@ def test_libtpu_banner_stays_off_the_terminal(tmp_path):
     assert raw.stderr.strip(), (
         "libtpu printed nothing at start-up: is it installed (the tpu extras)?"
     )
-    assert all(sharding.LIBTPU_BANNER.search(line) for line in raw.stderr.splitlines()), raw.stderr
+    assert all(accelerators.LIBTPU_BANNER.search(line) for line in raw.stderr.splitlines()), (
+        raw.stderr
+    )
     quiet = run(
         "-c",
-        "import jax, sharding; sharding.start_backend(); sharding.topology_devices('v5e:2x2'); "
+        "import jax, accelerators, sharding; sharding.start_backend(); "
+        "accelerators.topology_devices('v5e:2x2'); "
         "print(jax.devices()[0].platform)",
         env=env,
     )
     assert quiet.returncode == 0 and quiet.stdout == "cpu\n", quiet.stderr[-3000:]
     assert quiet.stderr == ""
-    quiet = run("-c", "import sharding; print(len(sharding.topology_devices('v5e:2x4')))", env=env)
+    quiet = run(
+        "-c", "import accelerators; print(len(accelerators.topology_devices('v5e:2x4')))", env=env
+    )
     assert quiet.stdout == "8\n" and quiet.stderr == "", quiet.stderr
     # a user's command: sample.py from a (tiny, random) HF directory
     save_random_hf_model(
@@ -495,5 +501,5 @@ def test_libtpu_banner_stays_off_the_terminal(tmp_path):
         env=env,
     )
     assert sample.returncode == 0 and not any(
-        sharding.LIBTPU_BANNER.search(line) for line in sample.stderr.splitlines()
+        accelerators.LIBTPU_BANNER.search(line) for line in sample.stderr.splitlines()
     ), sample.stderr[-3000:]
