@@ -4,21 +4,16 @@ llm.c / modded-nanogpt `.bin` shards (a 256-int32 header, then uint16 tokens): B
 batches equal the record's DistributedDataLoader.next_batch for W processes (re-implemented here
 from its semantics) across shard ends and the wrap-around, per process and per micro-batch; its
 position resumes exactly; validation reads from the start for val_tokens; every bad shard is one
-line naming the file; make_loader picks the loader by the file names; data/fineweb10B/prepare.py
-links shards from --local and says what to do offline. And token_files at its edges, for every
-format: .npy headers of any length, and a file at a URL (fsspec's memory:// store here;
-test_gcs_data.py has Cloud Storage's) giving the local file's tokens by ranged reads of its windows
-only."""
+line naming the file; make_loader picks the loader by the file names (data/fineweb10B/prepare.py,
+which fetches these shards: test_fineweb10b_prepare.py; token_files at its edges, every format:
+test_token_files.py)."""
 
-import importlib.util
 import os
 
 import numpy as np
 import pytest
 
-import storage
-import token_files
-from configurator import InputNotFound, RunStopped, UsageError, exit_on_bad_input
+from configurator import InputNotFound, RunStopped, UsageError
 from dataloader import (
     BinLoader,
     BinShardLoader,
@@ -28,9 +23,7 @@ from dataloader import (
     val_batches_for,
 )
 from parity.check_speedrun import write_datafile
-from token_files import token_file
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = "the run stopped; restore the file and resume with --init_from=resume"
 # the record's processes, rows per process, sequence length: a global batch is 48 tokens (+1)
 W, B, T = 2, 3, 8
@@ -355,227 +348,3 @@ def test_make_loader_tells_the_formats_apart_by_name(data, tmp_path_factory):
         f"shuffle_shards is for .npy shards: the .bin shards in {folder} are read in order, as "
         "modded-nanogpt reads them; drop --shuffle_shards"
     )
-
-
-# --- data/fineweb10B/prepare.py
-# ----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def prepare():
-    spec = importlib.util.spec_from_file_location(
-        "fineweb10B_prepare", os.path.join(REPO, "data", "fineweb10B", "prepare.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def one_line(main, capsys):
-    """What the command line prints for main's UsageError: its exit code and the one line on
-    stderr."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as done:
-        exit_on_bad_input(main)
-    err = capsys.readouterr().err
-    return done.value.code, err.splitlines()[-1]
-
-
-def test_prepare_links_shards_from_local_and_skips_complete_ones(
-    prepare, tmp_path, capsys, monkeypatch
-):
-    src, out = tmp_path / "src", tmp_path / "out"
-    src.mkdir()
-    write_shards(src, [100, 70, 90])  # fineweb_train_000001..3
-    write_shards(src, [60], split="val")
-    assert prepare.main(["--num_chunks=2", f"--local={src}", f"--out_dir={out}"]) == 0
-    names = ["fineweb_val_000000.bin", "fineweb_train_000001.bin", "fineweb_train_000002.bin"]
-    assert sorted(os.listdir(out)) == sorted(names)
-    for name in names:
-        # hard links: no copy on the same filesystem
-        assert os.path.samefile(out / name, src / name)
-    assert (
-        capsys.readouterr()
-        .out.strip()
-        .endswith("the val shard and 2 train shards (3 fetched now), 230 tokens")
-    )
-    # a broken shard (a hard link of the source: replaced, not truncated in place)
-    (out / names[1]).unlink()
-    # fetched again; the others skipped
-    (out / names[1]).write_bytes((src / names[1]).read_bytes()[: 1024 + 50])
-
-    def no_links(src, dst):
-        raise OSError(18, "Invalid cross-device link")
-
-    with monkeypatch.context() as m:
-        m.setattr(prepare.os, "link", no_links)  # another filesystem: a copy
-        assert prepare.main(["--num_chunks=2", f"--local={src}", f"--out_dir={out}"]) == 0
-    assert "(1 fetched now)" in capsys.readouterr().out
-    assert not os.path.samefile(out / names[1], src / names[1])
-    assert (out / names[1]).read_bytes() == (src / names[1]).read_bytes()
-    assert sorted(os.listdir(out)) == sorted(names)  # no temporary file left
-    assert isinstance(make_loader(str(out), "train", 8, 2, seed=0), BinShardLoader)
-
-    code, line = one_line(
-        lambda: prepare.main(["--num_chunks=4", f"--local={src}", f"--out_dir={out}"]), capsys
-    )
-    assert (code, line) == (2, f"error: --local {src} holds no fineweb_train_000004.bin")
-    write_datafile(src / "fineweb_train_000003.bin", [1, 2], version=7)
-    code, line = one_line(
-        lambda: prepare.main(["--num_chunks=3", f"--local={src}", f"--out_dir={out}"]), capsys
-    )
-    assert (code, line) == (
-        2,
-        f"error: {src / 'fineweb_train_000003.bin'} has version 7: only version 1 (uint16 "
-        "tokens) is read: --local needs complete shards",
-    )
-    assert not (out / "fineweb_train_000003.bin").exists()
-
-
-def test_prepare_downloads_the_records_files_and_says_what_to_do_offline(
-    prepare, tmp_path, capsys, monkeypatch
-):
-    calls = []
-
-    # the hub, as far as hf_hub_download goes: writes the file
-    def hub(repo_id, filename, repo_type, local_dir):
-        calls.append((repo_id, filename, repo_type, local_dir))
-        write_datafile(os.path.join(local_dir, filename), np.arange(64))
-
-    monkeypatch.setattr(prepare, "hf_hub_download", hub)
-    assert prepare.main(["--num_chunks=1", f"--out_dir={tmp_path}"]) == 0
-    assert calls == [
-        ("kjj0/fineweb10B-gpt2", name, "dataset", str(tmp_path))
-        for name in ("fineweb_val_000000.bin", "fineweb_train_000001.bin")
-    ]
-
-    def offline(**kw):
-        from huggingface_hub.errors import LocalEntryNotFoundError
-
-        raise LocalEntryNotFoundError(
-            "An error happened while trying to locate the file on the Hub and we cannot "
-            "find the requested files in the local cache.\nPlease check your connection"
-        )
-
-    monkeypatch.setattr(prepare, "hf_hub_download", offline)
-    code, line = one_line(lambda: prepare.main(["--num_chunks=2", f"--out_dir={tmp_path}"]), capsys)
-    assert (code, line) == (
-        2,
-        "error: could not download fineweb_train_000002.bin from the HF hub dataset "
-        "kjj0/fineweb10B-gpt2 (LocalEntryNotFoundError); offline? link the shards from a local "
-        "directory with --local DIR",
-    )
-
-
-# --- token_files at its edges: .npy headers of any length, a URL's file read as the local one
-# ---------------------
-
-
-def test_npy_headers_longer_than_the_first_read_are_read_whole_and_format_3_is_refused(tmp_path):
-    tokens = np.arange(100, dtype=np.uint16)
-    # 4614 bytes of header: past NPY_PEEK, and its length read big-endian (0x0612) would not be
-    text = "{'descr': '<u2', 'fortran_order': False, 'shape': (100,), }".ljust(4613) + "\n"
-    # the header's length in 2 bytes (format 1.0) or 4 (2.0)
-    for version, width in ((1, 2), (2, 4)):
-        path = tmp_path / f"long_{version}.npy"
-        path.write_bytes(
-            b"\x93NUMPY"
-            + bytes([version, 0])
-            + len(text).to_bytes(width, "little")
-            + text.encode()
-            + tokens.tobytes()
-        )
-        np.testing.assert_array_equal(np.load(path), tokens)  # a good file, as numpy reads it
-        np.testing.assert_array_equal(
-            token_file(str(path), "npy").read([0, 90], 10), [tokens[:10], tokens[90:]]
-        )
-    with open(tmp_path / "v3.npy", "wb") as f:
-        np.lib.format.write_array(f, tokens, version=(3, 0))
-    with pytest.raises(
-        RunStopped, match=r"has a bad .npy header \(unsupported .npy format version \(3, 0\)\)"
-    ):
-        token_file(str(tmp_path / "v3.npy"), "npy")
-    # 1-byte tokens, cut to the bare header under the run
-    np.save(tmp_path / "bytes.npy", tokens.astype(np.uint8))
-    loader = ShardLoader([str(tmp_path / "bytes.npy")], block_size=10, rows=1, seed=0)
-    loader.next(1)
-    os.truncate(tmp_path / "bytes.npy", 128)  # np.save's header of a 1-D array
-    with pytest.raises(
-        RunStopped, match=r"changed while the run read it \(now 0 tokens, was 100\)"
-    ):
-        loader.next(1)
-
-
-@pytest.fixture
-def at_url(tmp_path):
-    """A folder at a memory:// URL: fsspec's store in this process, read by the URL reader's
-    code."""
-    url = f"memory://nanogpt-tests/{tmp_path.name}"
-    yield url
-    storage.remove(url, recursive=True)
-
-
-def test_a_url_file_reads_the_local_files_tokens_by_ranges_of_its_windows_only(
-    tmp_path, at_url, monkeypatch
-):
-    # 600 KB: > 2 x MERGE_GAP
-    tokens = np.random.default_rng(0).integers(0, 2**16, 300_000, dtype=np.uint16)
-    np.save(tmp_path / "a.npy", tokens)
-    write_datafile(tmp_path / "a_llmc.bin", tokens)
-    tokens.tofile(tmp_path / "a.bin")
-    # what the URL reader asks the store for
-    reads, ranges, whole_below = [], [], token_files.WHOLE_BELOW
-    read_bytes, read_ranges = storage.read_bytes, storage.read_ranges
-    monkeypatch.setattr(storage, "read_bytes", lambda p, *a: reads.append(a) or read_bytes(p, *a))
-    monkeypatch.setattr(
-        storage,
-        "read_ranges",
-        lambda p, s, e: ranges.append([b - a for a, b in zip(s, e)]) or read_ranges(p, s, e),
-    )
-    # two windows together, two far apart, the last at the very end
-    n, starts = 16, [0, 5, 150_000, 300_000 - 16]
-    headers = {
-        "raw": [],
-        "npy": [(0, token_files.NPY_PEEK)],
-        "llmc": [(0, token_files.LLMC_HEADER)],
-    }
-    for name, layout, whole in [
-        ("a.bin", "raw", True),
-        ("a.bin", "raw", False),
-        ("a.npy", "npy", False),
-        ("a_llmc.bin", "llmc", False),
-    ]:
-        storage.write_bytes(f"{at_url}/{name}", (tmp_path / name).read_bytes())
-        monkeypatch.setattr(token_files, "WHOLE_BELOW", whole_below if whole else 0)
-        reads.clear(), ranges.clear()
-        url, local = (
-            token_file(f"{at_url}/{name}", layout),
-            token_file(str(tmp_path / name), layout),
-        )
-        # the whole small file, or a header: no more
-        assert reads == ([()] if whole else headers[layout])
-        np.testing.assert_array_equal(url.read(starts, n), local.read(starts, n))
-        assert url.read([], n).shape == (0, n) and url.read(starts, 0).shape == (4, 0)
-        # windows closer than MERGE_GAP: one range
-        assert ranges == ([] if whole else [[42, 32, 32]])
-    monkeypatch.setattr(token_files, "WHOLE_BELOW", whole_below)
-    with pytest.raises(RunStopped) as stop:  # held whole: a window past its end
-        token_file(f"{at_url}/a.bin").read([300_000 - 15], 16)
-    assert str(stop.value) == f"{at_url}/a.bin has no 16 tokens from token 299985: {FIX}"
-    # the store answers short
-    monkeypatch.setattr(storage, "read_ranges", lambda p, s, e: [b"" for _ in s])
-    with pytest.raises(RunStopped) as stop:
-        token_file(f"{at_url}/a.npy", "npy").read([0], 4)
-    assert (
-        str(stop.value) == f"{at_url}/a.npy came back short from the store, though unchanged: {FIX}"
-    )
-    reads.clear()
-    storage.write_bytes(f"{at_url}/not.npy", b"tokens, not a .npy" + bytes(5000))
-    with pytest.raises(RunStopped, match="the magic string is not correct"):
-        token_file(f"{at_url}/not.npy", "npy")
-    assert reads == [(0, token_files.NPY_PEEK)]  # no header length read from a file that is no .npy
-    storage.write_bytes(f"{at_url}/empty.npy", b"")
-    with pytest.raises(
-        RunStopped, match=r"bad .npy header \(EOF: reading magic string, expected 8 bytes got 0\)"
-    ):
-        token_file(f"{at_url}/empty.npy", "npy")
