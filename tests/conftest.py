@@ -140,6 +140,27 @@ def dataset(tmp_path_factory):
     return str(d)
 
 
+@pytest.fixture
+def bin_file(tmp_path):
+    """A train.bin of the tokens 0..4999."""
+    path = tmp_path / "train.bin"
+    np.arange(5000, dtype=np.uint16).tofile(path)
+    return str(path)
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """Three train shards of different lengths holding consecutive integers, and one val shard."""
+    sizes, start, paths = [100, 70, 130], 0, []
+    for i, n in enumerate(sizes):
+        p = tmp_path / f"edufineweb_train_{i + 1:06d}.npy"
+        np.save(p, np.arange(start, start + n, dtype=np.uint16))
+        paths.append(str(p))
+        start += n
+    np.save(tmp_path / "edufineweb_val_000000.npy", np.arange(1000, 1100, dtype=np.uint16))
+    return tmp_path, paths
+
+
 @pytest.fixture(scope="session")
 def gcs():
     """A Cloud Storage emulator on loopback (tools/gcs_emulator.py), one per pytest worker, in
