@@ -12,7 +12,7 @@ The state is train.py's from scratch (train_step.init_state, make_optimizer) on 
 mesh, after one AdamW update with random gradients: at init Adam's moments are zeros, which compress
 to next to nothing, where a run saves them after many updates. Each round saves it to a temporary
 directory and restores it as a resume does (checkpoint.restore_state), once as train.py saves, with
-the digests of its arrays in meta (checkpoint.save), and once without them (checkpoint.digests
+the digests of its arrays in meta (checkpoint.save), and once without them (checksums.digests
 stubbed out: nothing computed on save, nothing compared on restore), the order alternating from
 round to round. A save is timed until it is on disk (checkpoint.wait_saved). A first round, untimed,
 compiles (the digests' jit among it). Prints the digests alone, then the median and the fastest save
@@ -32,6 +32,7 @@ import jax
 import optax
 
 import checkpoint
+import checksums
 import settings
 import sharding
 import train_step
@@ -43,13 +44,13 @@ from parity.common import print_table
 
 @contextmanager
 def digests_as(digests):
-    """checkpoint.digests replaced by `digests` meanwhile."""
-    real = checkpoint.digests
-    checkpoint.digests = digests
+    """checksums.digests replaced by `digests` meanwhile."""
+    real = checksums.digests
+    checksums.digests = digests
     try:
         yield
     finally:
-        checkpoint.digests = real
+        checksums.digests = real
 
 
 def timed(digests, spent):
@@ -134,12 +135,12 @@ def main():
     )
 
     t0 = time.perf_counter()
-    checkpoint.digests({"params": state[0], "opt_state": state[1]})
+    checksums.digests({"params": state[0], "opt_state": state[1]})
     first = time.perf_counter() - t0
     alone = []
     for _ in range(3):
         t0 = time.perf_counter()
-        checkpoint.digests({"params": state[0], "opt_state": state[1]})
+        checksums.digests({"params": state[0], "opt_state": state[1]})
         alone.append(time.perf_counter() - t0)
     print(
         f"digests of the state alone: {statistics.median(alone):.3f} s (first call, compilation "
@@ -156,7 +157,7 @@ def main():
             for digested in (True, False) if r % 2 == 0 else (False, True):
                 step += 1
                 calls = []
-                with digests_as(timed(checkpoint.digests, calls) if digested else lambda tree: {}):
+                with digests_as(timed(checksums.digests, calls) if digested else lambda tree: {}):
                     s = save_and_restore(out_dir, mngr, step, state, meta, config, tx, mesh)
                 if r > 0:  # round 0 compiles
                     times[digested].append(s)

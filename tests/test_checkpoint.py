@@ -23,6 +23,7 @@ from flax import nnx
 from helpers import REPO, fake_devices, run, settings, tiny_config
 
 import checkpoint
+import checksums
 import export
 import sample
 import train
@@ -106,7 +107,7 @@ DIGESTS_ON_MESHES = r"""
 import json, pickle, sys
 import jax, ml_dtypes  # ml_dtypes: the pickled bfloat16 array's dtype
 from jax.sharding import NamedSharding, PartitionSpec as P
-import checkpoint, sharding
+import checksums, sharding
 with open(sys.argv[1], "rb") as f:
     values = pickle.load(f)
 out = {}
@@ -119,8 +120,8 @@ for fsdp, tp in ((8, 1), (2, 2)):
                        for k, x in values["mixed"].items()}}
     placed = jax.device_put(values, where)
     assert sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(placed)) > 10
-    out[f"fsdp {fsdp} x tensor {tp}"] = checkpoint.digests(placed)
-    out[f"whole axes {fsdp} x {tp}"] = checkpoint._whole_axes(placed["mixed"]["f32"])
+    out[f"fsdp {fsdp} x tensor {tp}"] = checksums.digests(placed)
+    out[f"whole axes {fsdp} x {tp}"] = checksums._whole_axes(placed["mixed"]["f32"])
 print("DIGESTS " + json.dumps(out))
 """  # noqa: E501
 
@@ -191,26 +192,26 @@ def test_an_arrays_checksum_is_the_same_on_any_mesh_and_is_its_definition(tmp_pa
     # the axes a device holds whole, summed where they lie: (64, 40) split 8 ways by rows, then 2 x
     # 2
     assert (meshes.pop("whole axes 8 x 1"), meshes.pop("whole axes 2 x 2")) == ([1], [])
-    here = checkpoint.digests(values)  # this process's one device
+    here = checksums.digests(values)  # this process's one device
     for mesh, digests in meshes.items():
         assert digests == here, mesh
     for item, arrays in values.items():
         for key, x in arrays.items():
             assert here[f"{item}/{key}"] == reference_digest(x), key
     # the path, without /value
-    assert "params/h/attn/c_attn/kernel" in checkpoint.digests({"params": gpt_params()})
+    assert "params/h/attn/c_attn/kernel" in checksums.digests({"params": gpt_params()})
     with jax.enable_x64(True):  # 8-byte dtypes: two uint32 each, summed as uint32
         wide = {
             "f64": np.random.default_rng(1).standard_normal((5, 300)),
             "i64": np.arange(-700, 700) * 2**40,
         }
-        assert checkpoint.digests(wide) == {k: reference_digest(x) for k, x in wide.items()}
+        assert checksums.digests(wide) == {k: reference_digest(x) for k, x in wide.items()}
     # one flipped bit anywhere changes it: the weighted sum alone sees every one
     x = mixed_arrays()["long"]
     for i, bit in ((0, 0), (1234, 31), (2999, 17)):
         y = x.copy()
         y.view(np.uint32)[i] ^= np.uint32(1 << bit)
-        assert checkpoint.digests({"x": y})["x"][:8] != here["mixed/long"][:8]
+        assert checksums.digests({"x": y})["x"][:8] != here["mixed/long"][:8]
 
 
 BAD_META = {  # (what is changed, the one line's reason)
