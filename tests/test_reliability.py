@@ -21,6 +21,7 @@ from helpers import REPO, TINY, one_line_error, read_log, run, settings, snapsho
 
 import checkpoint
 import plot
+import run_lock
 import runlog
 import train
 from configurator import ConfigError, RunStopped, UsageError, exit_on_bad_input
@@ -283,7 +284,7 @@ def test_a_locked_out_dir_is_refused_before_the_model_is_built(dataset, tmp_path
     out = tmp_path / "out"
     out.mkdir()
     # another run's lock (flock: per open file, so one process shows it)
-    held = runlog.lock_out_dir(str(out))
+    held = run_lock.lock_out_dir(str(out))
     monkeypatch.setattr(train, "init_state", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(UsageError, match=r"out is in use by another run \(pid \d+"):
         train.Trainer(settings(dataset, out))
@@ -307,7 +308,7 @@ def test_a_full_disk_at_start_or_at_a_log_line_is_one_line_naming_the_path(
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "run.lock"))
 
-    monkeypatch.setattr(runlog, "lock_out_dir", full)
+    monkeypatch.setattr(run_lock, "lock_out_dir", full)
     with pytest.raises(
         RunStopped,
         match=r"cannot write .*out/run.lock \(No space left on device\): the run stopped, "
