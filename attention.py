@@ -183,6 +183,42 @@ def explicit_attention(q, k, v, dropout_rate, key):
     return jnp.einsum("bhqk,bkhd->bqhd", att, v)
 
 
+def attend(q, k, v, setting, dropout_rate=0.0, key=None):
+    """Causal attention, q, k, v (B, T, nh, hs) -> (B, T, nh, hs): with dropout on the probabilities
+    (training with a key) the explicit path, otherwise the kernel `choose` picks for `setting` on
+    the devices the program is compiled for (the mesh's, not the host's: a GPU or TPU may be
+    compiled for without one)."""
+    if key is not None and dropout_rate > 0.0:
+        return explicit_attention(q, k, v, dropout_rate, key)
+    device = sharding.target_device()
+    kernel = choose(
+        setting,
+        platform=sharding.target_platform(),
+        dtype=q.dtype,
+        seq_len=q.shape[1],
+        head_size=q.shape[3],
+        capability=cuda_capability(device),
+        device_kind=device.device_kind,
+    )
+    return causal_attention(q, k, v, kernel)
+
+
+def cached_attention(q, k, v, pos):
+    """Decoding's attention: q (B*nh, T, hs) at positions pos..pos+T-1, k and v the KV cache
+    (B*nh, S, hs) with those positions written in; each query attends to every cached position
+    <= its own. dot_product_attention's math, spelled out: with its (B, S, nh, hs) layout XLA:CPU
+    copied the whole cache every step; in this layout the cache feeds the dots as it is."""
+    T, hs = q.shape[1], q.shape[2]
+    att = jnp.einsum("zqd,zkd->zqk", q, k, preferred_element_type=jnp.float32) * (
+        1.0 / math.sqrt(hs)
+    )
+    # (T, S): causal, by absolute positions
+    mask = jnp.arange(k.shape[1])[None, :] <= pos + jnp.arange(T)[:, None]
+    # (B*nh, T, S), float32 softmax
+    att = jax.nn.softmax(jnp.where(mask, att, -jnp.inf), axis=-1).astype(v.dtype)
+    return jnp.einsum("zqk,zkd->zqd", att, v)  # (B*nh, T, hs)
+
+
 def _block(T):
     """Splash's tile along the sequence: 512 where T allows (MaxText's default for it), else 256,
     else 128. Big tiles keep the MXU fed and amortize each grid step's overhead; the causal mask is

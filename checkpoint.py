@@ -28,7 +28,8 @@ import storage
 import tokenizer
 from configurator import InputNotFound, RunStopped, UsageError, stderr_into
 from layers import relayout_blocks
-from model import GPT, RUNTIME_FIELDS, GPTConfig, load_pretrained
+from model import RUNTIME_FIELDS, GPTConfig
+from models import build, load_pretrained
 
 CKPT_SUBDIR = "ckpt"
 META_KEYS = ("iter_num", "best_val_loss", "model_args", "config", "loader")
@@ -359,7 +360,7 @@ def load_checkpoint_model(out_dir, step=None, dtype="float32", dropout=0.0):
         step = all_steps(out_dir, reader)[-1] if step is None else step
         meta = restore(out_dir, step=step, mngr=reader)["meta"]
         model = nnx.eval_shape(
-            lambda: GPT(model_config_from_meta(meta, dtype=dtype, dropout=dropout), nnx.Rngs(0))
+            lambda: build(model_config_from_meta(meta, dtype=dtype, dropout=dropout), nnx.Rngs(0))
         )
         params, _ = restore_state(out_dir, step, meta, model.config, mngr=reader)
     nnx.update(model, params)
@@ -373,7 +374,7 @@ def restore_state(out_dir, step, meta, config: GPTConfig, tx=None, mesh=None, mn
     or not), so either resumes with the other."""
 
     def templates(config):
-        params = nnx.state(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
+        params = nnx.state(nnx.eval_shape(lambda: build(config, nnx.Rngs(0))))
         return params, None if tx is None else jax.eval_shape(tx.init, params)
 
     def shardings(tree):

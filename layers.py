@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import sharding
 
@@ -74,19 +75,29 @@ def remat(f, policy):
     return g
 
 
-def run_block(block, x, key, remat_policy):
-    """block(x, key); remat_policy (an entry of REMAT, not 'none') has its forward pass recomputed
-    in the backward."""
+def block_input(x):
+    """The residual stream as each block takes it: rows over data x fsdp under a mesh (weights
+    move, activations don't), and on CPU through fusion_barrier_in_grad (on GPU a conditional costs
+    a host round trip; XLA:GPU needs no help)."""
+    x = sharding.constrain_batch(x)
+    return fusion_barrier_in_grad(x) if sharding.target_platform() == "cpu" else x
+
+
+def apply_block(block, x, key, remat_policy):
+    """block(x, key) as the stack runs it (block_input first); remat_policy, an entry of REMAT, has
+    the block's forward pass recomputed in the backward (None: everything kept)."""
+    if remat_policy is None:
+        return block(block_input(x), key)
     graphdef, state = nnx.split(block)
     return block_fn(graphdef, remat_policy)(state, x, key)
 
 
 def block_fn(graphdef, remat_policy):
-    """(block state, x, key) -> the block's output; remat_policy None: everything kept for the
-    backward."""
+    """(block state, x, key) -> the block's output, as apply_block runs it; the scanned stack's
+    body (scan_layers)."""
 
     def f(state, x, key):
-        return nnx.merge(graphdef, state)(x, key)
+        return nnx.merge(graphdef, state)(block_input(x), key)
 
     return f if remat_policy is None else remat(f, remat_policy)
 
@@ -122,6 +133,61 @@ def relayout_blocks(tree, template):
         )
 
     return jax.tree_util.tree_map_with_path(leaf, template)
+
+
+class Linear(nnx.Linear):
+    """nnx.Linear whose bias is added in float32, then cast to the compute dtype: a bf16 bias would
+    have its gradient summed over B*T rows in bf16 (10x worse than torch autocast's,
+    parity.check_train)."""
+
+    def __call__(self, x):
+        return super().__call__(x).astype(self.dtype)
+
+
+def _promote_keep_bias_f32(args, dtype, specs):
+    """Cast x and the kernel to the compute dtype, keep the bias float32; under a mesh, gather the
+    kernel over fsdp in the compute dtype (half the bytes in bf16), keeping its tensor-parallel
+    split."""
+    x, kernel, bias = args
+    kernel = sharding.constrain(kernel.astype(dtype), specs[0])
+    return x.astype(dtype), kernel, bias if bias is None else sharding.constrain(bias, specs[1])
+
+
+# module-level functions, not partials: a module's graphdef (jit's cache key) compares them by
+# identity
+def _promote_column(args, dtype=None):
+    return _promote_keep_bias_f32(args, dtype, sharding.COLUMN)
+
+
+def _promote_row(args, dtype=None):
+    return _promote_keep_bias_f32(args, dtype, sharding.ROW)
+
+
+def _gathered_table(args, dtype=None, inexact=False):
+    """An embedding table gathered whole for the lookup (float32, as nnx.Embed's default)."""
+    return tuple(sharding.constrain(a, P(None, None)) for a in args)
+
+
+def linear(n_in, n_out, config, rngs, init, row_parallel=False):
+    """A Linear of `config`'s compute dtype and biases, its kernel (in, out), the layout of HF's
+    Conv1D: weights copy across without a transpose. Under tensor parallelism its kernel computes
+    split by output columns, or by input rows (row_parallel: the projections back into the
+    residual stream)."""
+    return Linear(
+        n_in,
+        n_out,
+        use_bias=config.bias,
+        dtype=config.compute_dtype,
+        kernel_init=init,
+        bias_init=nnx.initializers.zeros_init(),
+        rngs=rngs,
+        promote_dtype=_promote_row if row_parallel else _promote_column,
+    )
+
+
+def embedding(n, dim, rngs, init):
+    """An nnx.Embed whose table is gathered whole for the lookup under a mesh."""
+    return nnx.Embed(n, dim, embedding_init=init, promote_dtype=_gathered_table, rngs=rngs)
 
 
 def dropout(x, rate, key):

@@ -1,45 +1,38 @@
 """
 GPT-2 in JAX (flax nnx), numerically GPT-2's: tanh GELU (or nanoGPT's exact one), LayerNorm eps
-1e-5, tied lm_head. arch='speedrun' is modded-nanogpt's record 5 in the same modules: rotary,
-QK-norm, weightless RMSNorm, ReLU^2, zero-initialised projections, no position embedding, no biases.
+1e-5, tied lm_head. The speedrun's records are in speedrun_model.py; models.py builds either from a
+GPTConfig. Platform choices and sharding constraints are not here: attention.py picks the kernel,
+layers.py runs the stack of blocks and holds the Linear that sharding.py lays out.
 References:
 1) OpenAI's GPT-2 TensorFlow implementation:
    https://github.com/openai/gpt-2/blob/master/src/model.py
 2) huggingface/transformers GPT2LMHeadModel (the parity reference), and karpathy/nanoGPT's model.py.
-3) KellerJordan/modded-nanogpt's records/track_1_short/2024-10-14_ModernArch/train_gpt2.py, the
-   speedrun's (in parity/speedrun_reference.py).
 """
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
 
 import attention
 import generate
 import pretrained
-import sharding
 import weights
-from attention import explicit_attention
 from configurator import UsageError
 from layers import (
     REMAT,
-    RMSNorm,
+    apply_block,
     block_fn,
     cross_entropy,
     cross_entropy_terms,
     dropout,
-    fusion_barrier_in_grad,
+    embedding,
+    linear,
     mean_of,
-    rms_norm,
-    rotary,
-    rotary_tables,
-    run_block,
     stack_blocks,
     tied_head,
 )
@@ -57,7 +50,7 @@ class GPTConfig:
     # 'tanh': GPT-2's approximation (HF gelu_new) | 'exact': erf, nanoGPT's F.gelu (HF gelu)
     gelu: str = "tanh"
     dtype: str = "float32"  # compute dtype, 'float32' | 'bfloat16'; params are always float32
-    # 'gpt2' | 'speedrun': modded-nanogpt's record 5 (rotary, QK-norm, RMSNorm, ReLU^2; bias=False)
+    # 'gpt2' | 'speedrun': modded-nanogpt's record 5 (speedrun_model.py; models.py builds either)
     arch: str = "gpt2"
     # how the run computes, not what it computes (a checkpoint's are ignored on restore, see
     # RUNTIME_FIELDS): 'xla' | 'cudnn' (NVIDIA) | 'splash' (TPU) | 'auto': the fused kernel where it
@@ -81,15 +74,6 @@ class GPTConfig:
             raise ValueError(
                 f"arch must be 'gpt2' or 'speedrun' (modded-nanogpt's record 5), got {self.arch!r}"
             )
-        if self.arch == "speedrun" and self.bias:
-            raise ValueError(
-                "arch='speedrun' has no biases (modded-nanogpt's record 5): set bias=False"
-            )
-        if self.arch == "speedrun" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(
-                "arch='speedrun' rotates the halves of each head: the head size n_embd / n_head "
-                f"must be even, got {self.n_embd // self.n_head}"
-            )
         if self.attention not in attention.SETTINGS:
             raise ValueError(
                 f"attention must be one of {', '.join(map(repr, attention.SETTINGS))}, "
@@ -112,7 +96,7 @@ class GPTConfig:
 
 
 DTYPES = ("float32", "bfloat16")
-ARCHS = ("gpt2", "speedrun")
+ARCHS = ("gpt2", "speedrun")  # models.MODELS builds each
 
 
 def resolve_dtype(dtype, platform):
@@ -135,18 +119,7 @@ def normal(std):
     return nnx.initializers.normal(stddev=std)
 
 
-def torch_linear_init(fan_in):
-    """torch nn.Linear's default init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)): record 5's, which keeps
-    torch's inits."""
-    bound = 1 / math.sqrt(fan_in)
-    return lambda key, shape, dtype=jnp.float32: jax.random.uniform(
-        key, shape, dtype, -bound, bound
-    )
-
-
 def layer_norm(config: GPTConfig, rngs: nnx.Rngs):
-    if config.arch == "speedrun":  # F.rms_norm without a weight (record 5): no params
-        return RMSNorm()
     # nnx's defaults differ from torch's: eps 1e-6 (GPT-2: 1e-5) and the E[x^2]-E[x]^2 "fast"
     # variance. LayerNorm runs in float32 even in bf16 mode.
     return nnx.LayerNorm(
@@ -159,120 +132,34 @@ def layer_norm(config: GPTConfig, rngs: nnx.Rngs):
     )
 
 
-class Linear(nnx.Linear):
-    """nnx.Linear whose bias is added in float32, then cast to the compute dtype: a bf16 bias would
-    have its gradient summed over B*T rows in bf16 (10x worse than torch autocast's,
-    parity.check_train)."""
-
-    def __call__(self, x):
-        return super().__call__(x).astype(self.dtype)
-
-
-def _promote_keep_bias_f32(args, dtype, specs):
-    """Cast x and the kernel to the compute dtype, keep the bias float32; under a mesh, gather the
-    kernel over fsdp in the compute dtype (half the bytes in bf16), keeping its tensor-parallel
-    split."""
-    x, kernel, bias = args
-    kernel = sharding.constrain(kernel.astype(dtype), specs[0])
-    return x.astype(dtype), kernel, bias if bias is None else sharding.constrain(bias, specs[1])
-
-
-# module-level functions, not partials: a module's graphdef (jit's cache key) compares them by
-# identity
-def _promote_column(args, dtype=None):
-    return _promote_keep_bias_f32(args, dtype, sharding.COLUMN)
-
-
-def _promote_row(args, dtype=None):
-    return _promote_keep_bias_f32(args, dtype, sharding.ROW)
-
-
-def _gathered_table(args, dtype=None, inexact=False):
-    """An embedding table gathered whole for the lookup (float32, as nnx.Embed's default)."""
-    return tuple(sharding.constrain(a, P(None, None)) for a in args)
-
-
-def linear(n_in, n_out, config: GPTConfig, rngs: nnx.Rngs, std=0.02, row_parallel=False):
-    # Kernels are (in, out), the layout of HF's Conv1D: weights copy across without a transpose.
-    # Under tensor parallelism a kernel computes split by output columns, or by input rows
-    # (row_parallel). speedrun: torch's default init, and the residual projections (row_parallel)
-    # zero, as record 5 (zero init suggested by @Grad62304977)
-    init = (
-        normal(std)
-        if config.arch == "gpt2"
-        else nnx.initializers.zeros_init()
-        if row_parallel
-        else torch_linear_init(n_in)
-    )
-    return Linear(
-        n_in,
-        n_out,
-        use_bias=config.bias,
-        dtype=config.compute_dtype,
-        kernel_init=init,
-        bias_init=nnx.initializers.zeros_init(),
-        rngs=rngs,
-        promote_dtype=_promote_row if row_parallel else _promote_column,
-    )
+def residual_init(config: GPTConfig):
+    """GPT-2's init of the projections back into the residual stream: 0.02/sqrt(2 * n_layer)."""
+    return normal(0.02 / math.sqrt(2 * config.n_layer))
 
 
 class CausalSelfAttention(nnx.Module):
-    def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
+    def __init__(self, config: GPTConfig, rngs: nnx.Rngs, init=None, proj_init=None):
+        C = config.n_embd
         self.n_head = config.n_head
         self.dropout = config.dropout
-        self.rotary = config.arch == "speedrun"  # rotary positions and QK-norm (record 5)
-        # the kernel is chosen per call shape, for the mesh in context
-        self.attention = config.attention
+        self.attention = config.attention  # the kernel is chosen per call shape (attention.attend)
         # q, k, v for all heads
-        self.c_attn = linear(config.n_embd, 3 * config.n_embd, config, rngs)
-        # residual projection: GPT-2's scaled init, 0.02/sqrt(2 * n_layer) (speedrun: zero, see
-        # linear)
+        self.c_attn = linear(C, 3 * C, config, rngs, init or normal(0.02))
         self.c_proj = linear(
-            config.n_embd,
-            config.n_embd,
-            config,
-            rngs,
-            std=0.02 / math.sqrt(2 * config.n_layer),
-            row_parallel=True,
+            C, C, config, rngs, proj_init or residual_init(config), row_parallel=True
         )
 
     def qkv(self, x, pos=0, length=None):
-        """x (B, T, C) at positions pos..pos+T-1 -> q, k, v (B, T, nh, hs). speedrun: q and k
-        rotated (rotary_tables of `length` positions, default T, from which pos may be traced), then
-        RMS-normed over the head (QK norm suggested by @Grad62304977); before the kernel, so that
-        every kernel serves both archs."""
+        """x (B, T, C) at positions pos..pos+T-1 of `length` -> q, k, v (B, T, nh, hs)."""
         B, T, C = x.shape
         q, k, v = jnp.split(checkpoint_name(self.c_attn(x), "qkv"), 3, axis=-1)  # (B, T, C) each
-        # (B, T, nh, hs)
-        q, k, v = (a.reshape(B, T, self.n_head, C // self.n_head) for a in (q, k, v))
-        if self.rotary:
-            cos, sin = (
-                jax.lax.dynamic_slice_in_dim(jnp.asarray(t), pos, T)
-                for t in rotary_tables(length or T, C // self.n_head)
-            )  # (T, hs/2)
-            q, k = rms_norm(rotary(q, cos, sin)), rms_norm(rotary(k, cos, sin))
-        return q, k, v
+        return tuple(a.reshape(B, T, self.n_head, C // self.n_head) for a in (q, k, v))
 
     def __call__(self, x, key=None):
         B, T, C = x.shape
         q, k, v = self.qkv(x)  # (B, T, nh, hs)
-        if key is None or self.dropout == 0.0:
-            # the target's device (the mesh's), not the host's: a GPU or TPU may be compiled for
-            # without one
-            device = sharding.target_device()
-            kernel = attention.choose(
-                self.attention,
-                platform=sharding.target_platform(),
-                dtype=q.dtype,
-                seq_len=T,
-                head_size=C // self.n_head,
-                capability=attention.cuda_capability(device),
-                device_kind=device.device_kind,
-            )
-            y = attention.causal_attention(q, k, v, kernel)  # (B, T, nh, hs)
-        else:
-            y = explicit_attention(q, k, v, self.dropout, key)
-            key = jax.random.fold_in(key, 1)
+        y = attention.attend(q, k, v, self.attention, self.dropout, key)  # (B, T, nh, hs)
+        key = None if key is None else jax.random.fold_in(key, 1)
         y = checkpoint_name(self.c_proj(y.reshape(B, T, C)), "attn_proj")
         return dropout(y, self.dropout, key)
 
@@ -282,8 +169,7 @@ class CausalSelfAttention(nnx.Module):
         query's."""
         B, T, C = x.shape
         hs = C // self.n_head
-        # (B*nh, T, hs), at their positions
-        q, k, v = (
+        q, k, v = (  # (B*nh, T, hs), at their positions
             a.transpose(0, 2, 1, 3).reshape(B * self.n_head, T, hs)
             for a in self.qkv(x, pos, kv[0].shape[1])
         )
@@ -291,49 +177,29 @@ class CausalSelfAttention(nnx.Module):
             jax.lax.dynamic_update_slice_in_dim(c, a.astype(c.dtype), pos, axis=1)
             for c, a in zip(kv, (k, v))
         )
-        # dot_product_attention's math, spelled out: with its (B, S, nh, hs) layout XLA:CPU copied
-        # the whole cache every step; in this layout the cache feeds the dots as it is
-        # (docs/benchmarks.md)
-        att = jnp.einsum("zqd,zkd->zqk", q, k, preferred_element_type=jnp.float32) * (
-            1.0 / math.sqrt(hs)
-        )
-        # (T, S): causal, absolute positions
-        mask = jnp.arange(k.shape[1])[None, :] <= pos + jnp.arange(T)[:, None]
-        # (B*nh, T, S), float32 softmax
-        att = jax.nn.softmax(jnp.where(mask, att, -jnp.inf), axis=-1).astype(v.dtype)
-        # (B, T, nh, hs)
-        y = jnp.einsum("zqk,zkd->zqd", att, v).reshape(B, self.n_head, T, hs).transpose(0, 2, 1, 3)
+        y = attention.cached_attention(q, k, v, pos)  # (B*nh, T, hs)
+        y = y.reshape(B, self.n_head, T, hs).transpose(0, 2, 1, 3)  # (B, T, nh, hs)
         return self.c_proj(y.reshape(B, T, C)), (k, v)
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
+    def __init__(self, config: GPTConfig, rngs: nnx.Rngs, init=None, proj_init=None):
+        C = config.n_embd
         self.dropout = config.dropout
         self.approximate_gelu = config.gelu == "tanh"
-        # ReLU^2 (record 5: suggested by @SKYLINEZ007 and @Grad62304977)
-        self.relu2 = config.arch == "speedrun"
-        self.c_fc = linear(config.n_embd, 4 * config.n_embd, config, rngs)
+        self.c_fc = linear(C, 4 * C, config, rngs, init or normal(0.02))
         self.c_proj = linear(
-            4 * config.n_embd,
-            config.n_embd,
-            config,
-            rngs,
-            std=0.02 / math.sqrt(2 * config.n_layer),
-            row_parallel=True,
+            4 * C, C, config, rngs, proj_init or residual_init(config), row_parallel=True
         )
 
-    def __call__(self, x, key=None):
+    def activation(self, h):
         # GPT-2's gelu is the tanh approximation (HF "gelu_new"); nanoGPT's is the exact erf GELU
-        # (config.gelu)
+        return jax.nn.gelu(h, approximate=self.approximate_gelu)
+
+    def __call__(self, x, key=None):
         B, T, C = x.shape
-        # 2-D matmuls: XLA:CPU fuses the GELU into a (B, T, C) matmul badly (docs/benchmarks.md);
-        # free elsewhere
-        h = self.c_fc(x.reshape(B * T, C))  # (B*T, 4C)
-        h = (
-            jnp.square(jax.nn.relu(h))
-            if self.relu2
-            else jax.nn.gelu(h, approximate=self.approximate_gelu)
-        )
+        # 2-D matmuls: XLA:CPU fuses the GELU into a (B, T, C) matmul badly; free elsewhere
+        h = self.activation(self.c_fc(x.reshape(B * T, C)))  # (B*T, 4C)
         return dropout(self.c_proj(h), self.dropout, key).reshape(B, T, C)
 
 
@@ -347,11 +213,6 @@ class Block(nnx.Module):
     def __call__(self, x, key=None):
         # the residual stream stays float32; each branch computes in the compute dtype
         k_attn, k_mlp = jax.random.split(key) if key is not None else (None, None)
-        # rows over data x fsdp under a mesh: weights move, activations don't
-        x = sharding.constrain_batch(x)
-        # on GPU a conditional costs a host round trip; XLA:GPU needs no help
-        if sharding.target_platform() == "cpu":
-            x = fusion_barrier_in_grad(x)
         x = x + self.attn(self.ln_1(x), k_attn).astype(x.dtype)
         x = x + self.mlp(self.ln_2(x), k_mlp).astype(x.dtype)
         return x
@@ -363,35 +224,23 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
+    arch = "gpt2"  # the GPTConfig.arch this class builds
+
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
         self.config = config
-        speedrun = config.arch == "speedrun"
-        # speedrun: the tied embedding is the record's lm_head, an nn.Linear(n_embd, vocab): its
-        # init
-        self.wte = nnx.Embed(
-            config.vocab_size,
-            config.n_embd,
-            promote_dtype=_gathered_table,
-            rngs=rngs,
-            embedding_init=torch_linear_init(config.n_embd) if speedrun else normal(0.02),
-        )
-        # speedrun: no position embedding, rotary acts in attention
-        self.wpe = (
-            None
-            if speedrun
-            else nnx.Embed(
-                config.block_size,
-                config.n_embd,
-                embedding_init=normal(0.02),
-                promote_dtype=_gathered_table,
-                rngs=rngs,
-            )
-        )
-        # the same draws, scanned or not
-        blocks = [Block(config, rngs) for _ in range(config.n_layer)]
-        self.h = stack_blocks(blocks) if config.scan_layers else nnx.List(blocks)
+        self.wte = embedding(config.vocab_size, config.n_embd, rngs, normal(0.02))
+        self.wpe = embedding(config.block_size, config.n_embd, rngs, normal(0.02))
+        self.h = stack(config, [Block(config, rngs) for _ in range(config.n_layer)])
         self.ln_f = layer_norm(config, rngs)
         # no lm_head parameter: the head is wte itself (weight tying), see logits()
+
+    @classmethod
+    def check_config(cls, config: GPTConfig):
+        """ValueError if this architecture cannot take `config` (GPTConfig checks the rest)."""
+
+    def embed(self, idx, positions):
+        """Token ids (B, T) at positions (T,) -> the residual stream's input (B, T, C), float32."""
+        return self.wte(idx) + self.wpe(positions)
 
     def hidden_states(self, idx, key=None):
         """Token ids (B, T) -> the residual stream after each block ([(B, T, C)] * n_layer, or
@@ -399,15 +248,13 @@ class GPT(nnx.Module):
         # first: a shape that is not (B, T) is its line, not an unpacking error
         check_tokens(idx, self.config)
         x = self.embed(idx, jnp.arange(idx.shape[1]))  # (B, T, C), float32
-        keys = (
-            jax.random.split(key, self.config.n_layer + 1)
-            if key is not None
-            else [None] * (self.config.n_layer + 1)
-        )
+        n = self.config.n_layer
+        keys = jax.random.split(key, n + 1) if key is not None else [None] * (n + 1)
         x = dropout(x, self.config.dropout, keys[0])
+        remat = REMAT[self.config.remat]
         if self.config.scan_layers:  # one block compiled, whatever the depth
             graphdef, stacked = nnx.split(self.h)
-            block = block_fn(graphdef, REMAT[self.config.remat])
+            block = block_fn(graphdef, remat)
 
             def layer(x, state_key):
                 x = block(state_key[0], x, state_key[1])
@@ -417,18 +264,9 @@ class GPT(nnx.Module):
             return states, self.ln_f(x)
         states = []
         for block, k in zip(self.h, keys[1:]):
-            x = (
-                block(x, k)
-                if self.config.remat == "none"
-                else run_block(block, x, k, REMAT[self.config.remat])
-            )
+            x = apply_block(block, x, k, remat)
             states.append(x)
         return states, self.ln_f(x)
-
-    def embed(self, idx, positions):
-        """Token ids (B, T) at positions (T,) -> the residual stream's input (B, T, C), float32."""
-        x = self.wte(idx)
-        return x if self.wpe is None else x + self.wpe(positions)
 
     def logits(self, x):
         """(..., C) -> (..., vocab) float32, through the tied wte (bf16 matmul, float32
@@ -492,8 +330,7 @@ class GPT(nnx.Module):
         written in)."""
         T = idx.shape[1]
         # positions past block_size only occur in the padding rows of a prefill chunk: clamp them
-        # (an out-of-range take would give NaNs, and NaN * 0 attention weight is still NaN) (B, T,
-        # C)
+        # (an out-of-range take would give NaNs, and NaN * 0 attention weight is still NaN)
         x = self.embed(idx, jnp.minimum(pos + jnp.arange(T), self.config.block_size - 1))
         if self.config.scan_layers:
             graphdef, stacked = nnx.split(self.h)
@@ -511,8 +348,8 @@ class GPT(nnx.Module):
         return self.ln_f(x), new_cache
 
     def init_cache(self, batch_size, length):
-        """[(k, v)] * n_layer, zeros of shape (B * nh, S, hs) in the compute dtype; with scan_layers
-        one (k, v) of shape (n_layer, B * nh, S, hs)."""
+        """[(k, v)] * n_layer, zeros of shape (B * nh, S, hs) in the compute dtype; with
+        scan_layers one (k, v) of shape (n_layer, B * nh, S, hs)."""
         c = self.config
         shape = (batch_size * c.n_head, length, c.n_embd // c.n_head)
         if c.scan_layers:
@@ -530,18 +367,13 @@ class GPT(nnx.Module):
         """Parameter count. As nanoGPT, non_embedding subtracts the position embeddings only: the
         token embeddings are also the lm_head weights, so they stay counted."""
         n = sum(p.size for p in jax.tree.leaves(nnx.state(self, nnx.Param)))
-        return n - self.wpe.embedding.size if non_embedding and self.wpe is not None else n
+        return n - self.wpe.embedding.size if non_embedding else n
 
     def crop_block_size(self, block_size):
         """Shrink the context length, e.g. to finetune GPT-2 (1024) with a shorter block_size."""
-        if block_size > self.config.block_size:
-            raise ValueError(
-                f"cannot grow block_size from {self.config.block_size} to {block_size}"
-            )
-        self.config = GPTConfig(**{**asdict(self.config), "block_size": block_size})
-        if self.wpe is not None:  # speedrun's rotary serves any length
-            self.wpe.embedding = nnx.Param(self.wpe.embedding[:block_size])
-            self.wpe.num_embeddings = block_size
+        self.config = cropped(self.config, block_size)
+        self.wpe.embedding = nnx.Param(self.wpe.embedding[:block_size])
+        self.wpe.num_embeddings = block_size
 
     def flops_per_token(self):
         """Training FLOPs (forward and backward) per token at full context (flops_per_token
@@ -550,15 +382,27 @@ class GPT(nnx.Module):
         return flops_per_token(self.num_params(), c.n_layer, c.n_head, c.n_embd, c.block_size)
 
     @classmethod
+    def from_state(cls, config: GPTConfig, state, mesh=None):
+        """A model of this class holding `state` ({HF name: array}), with no random init on the
+        way; with a `mesh`, each tensor goes straight into its shards (sharding.PARAM_SPECS)."""
+        if config.arch != cls.arch:
+            raise UsageError(
+                f"these weights are arch={config.arch!r}, which {cls.__name__} does not compute: "
+                "load them with models.load_pretrained"
+            )
+        model = nnx.eval_shape(lambda: cls(config, nnx.Rngs(0)))
+        weights.load_state_dict(model, state, mesh)
+        return model
+
+    @classmethod
     def from_pretrained(cls, name_or_path, mesh=None, n_head=None, **settings):
         """GPT-2 weights from the HF hub by name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; the local
-        HF cache is used when present), a local HF directory (as `save_pretrained` writes it), a
-        nanoGPT ckpt.pt (the file or its out_dir) or a modded-nanogpt state_step*.pt
-        (arch='speedrun'; n_head: see pretrained.read_modded). No torch, except for a .pt or a
-        pytorch_model.bin (pretrained.py). With a `mesh`, each tensor goes straight into its shards
-        (sharding.PARAM_SPECS). settings: GPTConfig's run choices (RUNTIME_FIELDS: dtype, dropout,
-        attention, remat, loss_chunk)."""
-        return load_pretrained(name_or_path, mesh=mesh, n_head=n_head, **settings)[0]
+        HF cache is used when present), a local HF directory (as `save_pretrained` writes it) or a
+        nanoGPT ckpt.pt (the file or its out_dir); on speedrun_model's classes, a modded-nanogpt
+        state_step*.pt (n_head: see pretrained.read_modded). No torch, except for a .pt or a
+        pytorch_model.bin (pretrained.py). settings: GPTConfig's run choices (RUNTIME_FIELDS)."""
+        config_args, state, _ = pretrained.read_pretrained(name_or_path, n_head=n_head)
+        return cls.from_state(replace(GPTConfig(**config_args), **settings), state, mesh)
 
     def save_pretrained(self, out_dir):
         """Write an HF GPT-2 directory (config.json + model.safetensors) that
@@ -566,20 +410,16 @@ class GPT(nnx.Module):
         weights.save_hf(self, out_dir)
 
 
-def model_from(config: GPTConfig, state, mesh=None):
-    """A GPT holding `state` ({HF name: array}), with no random init on the way."""
-    model = nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0)))
-    weights.load_state_dict(model, state, mesh)
-    return model
+def stack(config: GPTConfig, blocks):
+    """The blocks as GPT.h: an nnx.List, or one Block with every param stacked (scan_layers)."""
+    return stack_blocks(blocks) if config.scan_layers else nnx.List(blocks)
 
 
-def load_pretrained(name_or_path, mesh=None, n_head=None, **settings):
-    """(GPT, training config or None) from a GPT-2 hub name, an HF directory, a nanoGPT ckpt.pt (a
-    file or a nanoGPT out_dir) or a modded-nanogpt state_step*.pt: the config carries a nanoGPT
-    run's dataset, for its meta.pkl. n_head: a state_step*.pt's (pretrained.read_modded). settings:
-    GPTConfig's run choices (RUNTIME_FIELDS)."""
-    config_args, state, train_config = pretrained.read_pretrained(name_or_path, n_head=n_head)
-    return model_from(replace(GPTConfig(**config_args), **settings), state, mesh), train_config
+def cropped(config: GPTConfig, block_size):
+    """`config` with a shorter block_size."""
+    if block_size > config.block_size:
+        raise ValueError(f"cannot grow block_size from {config.block_size} to {block_size}")
+    return replace(config, block_size=block_size)
 
 
 def check_tokens(idx, config: GPTConfig):

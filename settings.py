@@ -11,6 +11,7 @@ import runlog
 from configurator import UsageError
 from layers import REMAT
 from model import GPTConfig, resolve_dtype
+from models import check_config
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText (nanoGPT's)
@@ -155,7 +156,8 @@ def validate(c):
     # loss_chunk
     try:
         check_memory_settings(c["remat"], c["loss_chunk"])
-        GPTConfig(**{k: c[k] for k in ("arch", "bias", "n_head", "n_embd", "gelu", "attention")})
+        config = {k: c[k] for k in ("arch", "bias", "n_head", "n_embd", "gelu", "attention")}
+        check_config(GPTConfig(**config))
     except ValueError as e:
         raise UsageError(str(e)) from None
     check_optimizer(c)

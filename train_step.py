@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import checkpoint
 import sharding
-from model import GPT, mean_of, model_from
+from layers import mean_of
+from models import build, model_from
 
 
 def get_lr(it, c):
@@ -394,9 +395,9 @@ def init_state(config, mesh, tx, *, seed=0, weights=None, block_size=None, resto
         params, opt_state = checkpoint.restore_state(
             out_dir, meta["iter_num"], meta, config, tx, mesh, mngr
         )
-        return nnx.graphdef(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0)))), params, opt_state
+        return nnx.graphdef(nnx.eval_shape(lambda: build(config, nnx.Rngs(0)))), params, opt_state
     if weights is None:
-        graphdef, params = sharded_model(lambda: GPT(config, nnx.Rngs(seed)), mesh)
+        graphdef, params = sharded_model(lambda: build(config, nnx.Rngs(seed)), mesh)
     else:
         model = model_from(config, weights, mesh)
         if block_size is not None and block_size < config.block_size:

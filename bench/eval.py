@@ -89,7 +89,7 @@ def main(argv=None):
 
     import eval as ours
     import sharding
-    from model import load_pretrained
+    from models import load_pretrained
     from parity.check_eval import LOGLIKELIHOOD_TOL, hf_lm
 
     sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is

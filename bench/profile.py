@@ -143,10 +143,8 @@ def three_projections():
     sum). Compiled for an H100 here, the step's (B, T, 3C) slices and concatenates are gone; its
     time is for a GPU to say (docs/benchmarks.md)."""
     import jax
-    import jax.numpy as jnp
     from jax.ad_checkpoint import checkpoint_name
 
-    import layers
     import model
 
     def qkv(self, x, pos=0, length=None):
@@ -161,17 +159,8 @@ def three_projections():
             )
             y = jax.lax.dot_general(xi, ki, (((2,), (0,)), ((), ())))  # (B, T, C)
             parts.append(checkpoint_name((y if bi is None else y + bi).astype(linear.dtype), "qkv"))
-        q, k, v = (a.reshape(B, T, self.n_head, C // self.n_head) for a in parts)  # (B, T, nh, hs)
-        if self.rotary:
-            cos, sin = (
-                jax.lax.dynamic_slice_in_dim(jnp.asarray(t), pos, T)
-                for t in layers.rotary_tables(length or T, C // self.n_head)
-            )
-            q, k = (
-                layers.rms_norm(layers.rotary(q, cos, sin)),
-                layers.rms_norm(layers.rotary(k, cos, sin)),
-            )
-        return q, k, v
+        # (B, T, nh, hs); record 5's attention rotates and norms what this returns
+        return tuple(a.reshape(B, T, self.n_head, C // self.n_head) for a in parts)
 
     model.CausalSelfAttention.qkv = qkv
 

@@ -16,10 +16,10 @@ from helpers import assert_close, tiny_config
 
 import attention
 import layers
-import model as model_lib
 import sharding
 from configurator import UsageError
 from model import GPT, GPTConfig
+from models import build
 
 
 def step_memory(config, batch_size):
@@ -114,7 +114,7 @@ def test_attention_setting_picks_cudnn_only_where_it_runs(monkeypatch):
 
 def logits_loss_grads(config, idx, targets):
     """The model's logits, and GPT.loss (training's path) and its gradients, fp32."""
-    graphdef, params = nnx.split(GPT(config, nnx.Rngs(0)))
+    graphdef, params = nnx.split(build(config, nnx.Rngs(0)))
 
     def logits_and_loss(params):
         model = nnx.merge(graphdef, params)
@@ -124,15 +124,19 @@ def logits_loss_grads(config, idx, targets):
     return logits, loss, jax.tree.leaves(grads)
 
 
-@pytest.fixture(scope="module")
-def batch_and_reference():
-    """Tokens (4, 32), targets with some -1, and the default model's logits, loss and gradients on
-    them."""
+ARCHS = {"gpt2": {}, "speedrun": dict(arch="speedrun", bias=False)}  # GPT-2 and record 5
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def batch_and_reference(request):
+    """Per architecture: its settings, tokens (4, 32), targets with some -1, and the default
+    model's logits, loss and gradients on them."""
     rng = np.random.default_rng(0)
     idx, targets = (rng.integers(0, 128, (4, 32)) for _ in range(2))
     targets[0, :7] = targets[3, -2:] = -1
     idx, targets = jnp.asarray(idx), jnp.asarray(targets)
-    return idx, targets, logits_loss_grads(tiny_config(), idx, targets)
+    arch = ARCHS[request.param]
+    return arch, idx, targets, logits_loss_grads(tiny_config(**arch), idx, targets)
 
 
 @pytest.mark.parametrize(
@@ -145,19 +149,19 @@ def test_each_setting_computes_the_same_logits_loss_and_gradients(
     relative in fp32. 'explicit attention' is the einsum path that attention dropout takes, in place
     of dot_product_attention. loss_chunk 5 does not divide T = 32: the last chunk is padded with
     ignored targets; some targets are -1."""
-    idx, targets, reference = batch_and_reference
+    arch, idx, targets, reference = batch_and_reference
     calls = []
     if setting == "explicit attention":
 
         def explicit(q, k, v, is_causal, implementation):
             calls.append(implementation)
-            return model_lib.explicit_attention(q, k, v, 0.0, None)
+            return attention.explicit_attention(q, k, v, 0.0, None)
 
         monkeypatch.setattr(jax.nn, "dot_product_attention", explicit)
-        config = tiny_config()
+        config = tiny_config(**arch)
     else:
         name, value = setting.split()
-        config = tiny_config(**{name: int(value) if name == "loss_chunk" else value})
+        config = tiny_config(**arch, **{name: int(value) if name == "loss_chunk" else value})
     logits, loss, grads = logits_loss_grads(config, idx, targets)
     assert calls or setting != "explicit attention"
 

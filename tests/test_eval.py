@@ -22,7 +22,8 @@ import hellaswag
 import runlog
 import sharding
 from configurator import UsageError, exit_on_bad_input
-from model import GPT, GPTConfig, load_pretrained
+from model import GPT, GPTConfig
+from models import load_pretrained
 from parity import check_eval
 from parity import nanogpt_reference as nanogpt
 from parity.common import save_random_hf_model
@@ -589,7 +590,7 @@ import json, sys
 import jax, numpy as np
 from lm_eval.api.instance import Instance
 import eval as ev, sharding
-from model import load_pretrained
+from models import load_pretrained
 model, _ = load_pretrained(sys.argv[1])
 text = open("data/shakespeare_char/input.txt").read()
 ll = [Instance("loglikelihood", {}, (text[i: i + 5 + i % 40], text[i + 400: i + 420]), 0) for i in range(0, 5000, 250)]

@@ -15,9 +15,11 @@ import torch
 from flax import nnx
 from helpers import assert_close, tiny_config
 
+import layers
 from configurator import UsageError, exit_on_bad_input
 from layers import dropout
 from model import GPT, GPTConfig, cross_entropy, layer_norm, resolve_dtype
+from models import build, check_config
 from parity import check_logits
 from parity.check_logits import check
 from parity.common import save_random_hf_model
@@ -139,11 +141,9 @@ def test_head_is_tied_to_wte_and_its_gradient_gets_both_contributions():
 
 
 def test_fusion_barrier_keeps_gradients_and_survives_xla():
-    """model.fusion_barrier_in_grad: the same gradients (to float32 rounding: fusion reorders some
+    """layers.fusion_barrier_in_grad: the same gradients (to float32 rounding: fusion reorders some
     sums), and XLA:CPU keeps its conditional (one per block) in the compiled backward; if a new XLA
     folded it away, training would silently slow down."""
-    import model as model_lib
-
     model = GPT(tiny_config(), nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     idx = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 16)))
@@ -151,14 +151,14 @@ def test_fusion_barrier_keeps_gradients_and_survives_xla():
     with_barrier = jax.tree.leaves(grad_fn(params))
     assert grad_fn.lower(params).compile().as_text().count(" conditional(") == model.config.n_layer
 
-    original = model_lib.fusion_barrier_in_grad
-    model_lib.fusion_barrier_in_grad = lambda x: x
+    original = layers.fusion_barrier_in_grad
+    layers.fusion_barrier_in_grad = lambda x: x
     try:
         without = jax.tree.leaves(
             jax.jit(jax.grad(lambda p: nnx.merge(graphdef, p)(idx, idx)[1]))(params)
         )
     finally:
-        model_lib.fusion_barrier_in_grad = original
+        layers.fusion_barrier_in_grad = original
     for a, b in zip(with_barrier, without):
         np.testing.assert_allclose(
             np.asarray(a), np.asarray(b), rtol=0, atol=1e-6 * np.abs(np.asarray(b)).max()
@@ -300,15 +300,6 @@ def test_attention_drops_its_probabilities_as_well_as_its_output():
             r"arch must be 'gpt2' or 'speedrun' \(modded-nanogpt's record 5\), got 'llama'",
         ),
         (
-            dict(arch="speedrun"),
-            r"arch='speedrun' has no biases \(modded-nanogpt's record 5\): set bias=False",
-        ),
-        (
-            dict(arch="speedrun", bias=False, n_embd=60, n_head=4),
-            r"arch='speedrun' rotates the halves of each head: the head size n_embd / n_head must "
-            r"be even, got 15",
-        ),
-        (
             dict(attention="flash"),
             r"attention must be one of 'auto', 'xla', 'cudnn', 'splash', got 'flash'",
         ),
@@ -321,6 +312,27 @@ def test_attention_drops_its_probabilities_as_well_as_its_output():
 def test_a_bad_model_config_is_one_line_naming_the_choices(settings, message):
     with pytest.raises(ValueError, match=f"^{message}$"):
         tiny_config(**settings)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(), r"arch='speedrun' has no biases \(modded-nanogpt's record 5\): set bias=False"),
+        (
+            dict(bias=False, n_embd=60, n_head=4),
+            r"arch='speedrun' rotates the halves of each head: the head size n_embd / n_head must "
+            r"be even, got 15",
+        ),
+    ],
+)
+def test_a_config_records_model_cannot_take_is_one_line(settings, message):
+    """What record 5 adds to GPTConfig's checks (speedrun_model.Record5GPT.check_config): the
+    settings check, and building the model refuses too."""
+    config = tiny_config(arch="speedrun", **settings)
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        check_config(config)
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        build(config, nnx.Rngs(0))
 
 
 def test_the_model_configs_bounds_are_accepted():

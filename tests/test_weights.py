@@ -30,7 +30,8 @@ import export
 import sample
 import sharding
 from configurator import UsageError, exit_on_bad_input
-from model import GPT, model_from
+from model import GPT
+from models import model_from
 from parity import nanogpt_reference as nanogpt
 from parity.check_logits import FP32_MAX_REL_TOL as FP32_LOGITS_TOL  # max |Δlogit| / max |logit|
 from parity.check_logits import check
