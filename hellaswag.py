@@ -13,20 +13,16 @@ The PyTorch reference (transformers' GPT2LMHeadModel, build-nanogpt's loop) is
 parity/check_hellaswag.py. Reference numbers: docs/evaluation.md. (EleutherAI's harness scores
 multiple-choice style: other numbers.)
 
-From train.py: examples = load_examples(path, max_len=block_size) once, then evaluate(model,
-examples, mesh) -> Score(acc, acc_norm, count, results) at each eval. Exit code: 0 scored, 2 bad
-input.
+From train.py: examples = hellaswag_data.load_examples(path, max_len=block_size) once (the jsonl
+read, checked and rendered to tokens: hellaswag_data.py), then evaluate(model, examples, mesh) ->
+Score(acc, acc_norm, count, results) at each eval. Exit code: 0 scored, 2 bad input.
 """
 
 import argparse
 import contextlib
 import functools
 import json
-import os
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -37,15 +33,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
+import hellaswag_data
 import sharding
 from checkpoint import load_bpe_model
-from configurator import InputNotFound, UsageError, exit_on_bad_input
-from model import cross_entropy_terms
+from configurator import UsageError, exit_on_bad_input
+from layers import cross_entropy_terms
 from runlog import check_results_file, write_results
-from tokenizer import GPT2_VOCAB, get_encoding
+from tokenizer import GPT2_VOCAB
 
-URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
-CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
 # right padding: causal attention keeps it out of every real position, and it is never scored
 PAD = 0
 # padded shapes, one compilation each: tokens per row (4 per octave: at most 25% padding) and ending
@@ -54,133 +49,6 @@ PAD = 0
 LENGTH_BUCKETS = tuple(b * m for b in (8, 16, 32, 64, 128, 256, 512) for m in (4, 5, 6, 7))
 # 16 .. 3072
 ENDING_BUCKETS = tuple(b * m for b in (8, 16, 32, 64, 128, 256, 512, 1024) for m in (2, 3))
-
-
-# ------------------------------------------------------------------------------------------------
-# data: the official jsonl, checked line by line, rendered to tokens
-
-
-def download(split="val", cache_dir=CACHE_DIR):
-    """The official jsonl for `split`, downloaded once to cache_dir (atomically); returns its
-    path."""
-    path = os.path.join(cache_dir, f"hellaswag_{split}.jsonl")
-    if os.path.exists(path):
-        return path
-    os.makedirs(cache_dir, exist_ok=True)
-    url = URL.format(split=split)
-    tmp = path + ".part"
-    try:
-        with urllib.request.urlopen(url, timeout=60) as resp, open(tmp, "wb") as f:
-            total = int(resp.headers.get("content-length") or 0) or None
-            with tqdm(
-                total=total, unit="B", unit_scale=True, desc=f"downloading {os.path.basename(path)}"
-            ) as bar:
-                while chunk := resp.read(1 << 20):
-                    bar.update(f.write(chunk))
-    except (urllib.error.URLError, TimeoutError, OSError) as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        reason = getattr(e, "reason", e)
-        raise InputNotFound(
-            f"could not download {url} ({reason}); "
-            "offline? pass a local copy with --path FILE.jsonl"
-        ) from e
-    os.replace(tmp, path)
-    return path
-
-
-def read_examples(path, limit=None):
-    """The examples of a HellaSwag jsonl as dicts, each checked (4 string endings, integer label
-    0..3, given as int or str) and given its 1-based '_line'. Errors name the file and line."""
-    if not os.path.isfile(path):
-        raise InputNotFound(f"no such HellaSwag file: {path}")
-    examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(examples) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                ex = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{where}: not valid JSON ({e.msg}: column {e.colno})") from None
-            examples.append(check_example(ex, where) | {"_line": lineno})
-    if not examples:
-        raise UsageError(f"{path}: no examples")
-    return examples
-
-
-def check_example(ex, where="example"):
-    """A copy of `ex` with its label as an int; ValueError (naming `where`) for anything not
-    HellaSwag."""
-    if not isinstance(ex, dict):
-        raise UsageError(f"{where}: expected a JSON object, got {type(ex).__name__}")
-    if not isinstance(ex.get("ctx"), str):
-        raise UsageError(f"{where}: 'ctx' must be a string")
-    endings = ex.get("endings")
-    if not isinstance(endings, list) or not all(isinstance(e, str) for e in endings):
-        raise UsageError(f"{where}: 'endings' must be a list of 4 strings")
-    if len(endings) != 4:
-        raise UsageError(f"{where}: expected 4 endings, got {len(endings)}")
-    label = ex.get("label")
-    if label is None or label == "":
-        raise UsageError(f"{where}: no label (HellaSwag's test split is unlabeled)")
-    if isinstance(label, str) and label.strip().isdigit():
-        label = int(label)
-    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < 4:
-        raise UsageError(f"{where}: label must be 0, 1, 2 or 3 (int or str), got {ex['label']!r}")
-    return {**ex, "label": label}
-
-
-@dataclass
-class Rendered:
-    """One example as tokens: row i of the eval is ctx + endings[i], and only endings[i] is
-    scored."""
-
-    ctx: list  # context tokens (left-truncated when the example is longer than the model's context)
-    endings: list  # 4 lists of ending tokens, each encoded with a leading space
-    label: int
-    line: int = 0  # 1-based line in the jsonl, 0 if not from a file
-    ind: int | None = None  # the dataset's own id
-    truncated: int = 0  # context tokens dropped from the left to fit max_len
-
-
-def render_example(ex, max_len=None, where="example"):
-    """build-nanogpt's rendering: the context's tokens, then each ending with a space prefixed
-    (GPT-2's BPE attaches the space to the following word). With max_len (the model's block_size), a
-    row that would be longer loses context tokens from the left; the endings are always scored
-    whole."""
-    ex = check_example(ex, where)
-    enc = get_encoding()
-    # no special tokens in HellaSwag; build-nanogpt's encode() gives the same
-    ctx = enc.encode_ordinary(ex["ctx"])
-    endings = [enc.encode_ordinary(" " + e) for e in ex["endings"]]
-    if not ctx:
-        raise UsageError(
-            f"{where}: empty context: the first ending token would have nothing to be predicted "
-            "from"
-        )
-    longest = max(len(e) for e in endings)
-    truncated = 0
-    if max_len is not None and len(ctx) + longest > max_len:
-        if longest >= max_len:
-            raise UsageError(
-                f"{where}: an ending of {longest} tokens leaves no room for context in the "
-                f"model's {max_len}-token window"
-            )
-        truncated = len(ctx) + longest - max_len
-        ctx = ctx[truncated:]
-    return Rendered(ctx, endings, ex["label"], ex.get("_line", 0), ex.get("ind"), truncated)
-
-
-def load_examples(path, max_len=None, limit=None):
-    """read_examples + render_example: what train.py loads once and hands to evaluate() at every
-    eval."""
-    return [
-        render_example(ex, max_len, f"{path}:{ex['_line']}") for ex in read_examples(path, limit)
-    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -225,7 +93,7 @@ def check_vocab(vocab_size):
         )
 
 
-def make_result(r: Rendered, sum_losses, mean_losses):
+def make_result(r: hellaswag_data.Rendered, sum_losses, mean_losses):
     sum_losses, mean_losses = [float(x) for x in sum_losses], [float(x) for x in mean_losses]
     # ties go to the lower index, as torch's and numpy's argmin
     return ExampleResult(
@@ -406,7 +274,7 @@ def cli_parser(doc):
         "--split", default="val", choices=["train", "val", "test"], help="which file to download"
     )
     p.add_argument("--path", default=None, help="a local HellaSwag jsonl (no download)")
-    p.add_argument("--cache_dir", default=CACHE_DIR, help="where downloads go")
+    p.add_argument("--cache_dir", default=hellaswag_data.CACHE_DIR, help="where downloads go")
     p.add_argument("--limit", type=int, default=None, help="score only the first N examples")
     return p
 
@@ -416,12 +284,12 @@ def cli_examples(args):
     loaded."""
     if args.limit is not None and args.limit < 1:
         raise UsageError(f"--limit must be >= 1, got {args.limit}")
-    path = args.path or download(args.split, args.cache_dir)
-    return path, read_examples(path, args.limit)
+    path = args.path or hellaswag_data.download(args.split, args.cache_dir)
+    return path, hellaswag_data.read_examples(path, args.limit)
 
 
 def render_all(raw, block_size, path):
-    return [render_example(ex, block_size, f"{path}:{ex['_line']}") for ex in raw]
+    return [hellaswag_data.render_example(ex, block_size, f"{path}:{ex['_line']}") for ex in raw]
 
 
 def main(argv=None):

@@ -33,6 +33,7 @@ import attention
 import auto_settings
 import checkpoint
 import hellaswag
+import hellaswag_data
 import runlog
 import sharding
 import storage
@@ -223,7 +224,7 @@ class Trainer:
         self._param_leaves, self._opt_leaves = jax.tree.leaves(params), jax.tree.leaves(opt_state)
         self.hellaswag_examples = None
         if hellaswag_path:
-            self.hellaswag_examples = hellaswag.load_examples(
+            self.hellaswag_examples = hellaswag_data.load_examples(
                 hellaswag_path, max_len=self.model_config.block_size
             )
         self.train_step = self._compile_step(tx, params, opt_state)
@@ -271,7 +272,7 @@ class Trainer:
                 # process 0 downloads; the others then find it (a shared disk) or fetch their own
                 if not self.master:
                     multihost_utils.sync_global_devices("hellaswag download")
-                path = hellaswag.download("val")
+                path = hellaswag_data.download("val")
                 if self.master and jax.process_count() > 1:
                     multihost_utils.sync_global_devices("hellaswag download")
             except OSError:

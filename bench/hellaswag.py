@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 import hellaswag
+import hellaswag_data
 import sharding
 from configurator import UsageError, exit_on_bad_input
 from parity.check_hellaswag import LOSS_RTOL, agree, compare, evaluate_torch, load_models
@@ -40,7 +41,7 @@ def synthetic_examples(n, seed=0):
         n_ctx = int(rng.integers(50, 111) if wikihow else rng.integers(15, 50))
         n_end = rng.integers(15, 46, 4) if wikihow else rng.integers(6, 25, 4)
         examples.append(
-            hellaswag.Rendered(
+            hellaswag_data.Rendered(
                 rng.integers(0, 50257, n_ctx).tolist(),
                 [rng.integers(0, 50257, k).tolist() for k in n_end],
                 int(rng.integers(4)),
@@ -79,7 +80,7 @@ def main(argv=None):
             save_random_hf_model(os.path.join(tmp, args.size), args.seed, **HF_SIZES[args.size])
         )
     if args.path:
-        examples = hellaswag.load_examples(args.path, model.config.block_size, args.limit)
+        examples = hellaswag_data.load_examples(args.path, model.config.block_size, args.limit)
     else:
         examples = synthetic_examples(args.limit, args.seed)
     n_tok = sum(4 * len(r.ctx) + sum(len(e) for e in r.endings) for r in examples)

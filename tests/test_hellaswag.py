@@ -20,6 +20,7 @@ import pytest
 from helpers import HELLASWAG_FIXTURE, assert_close, fake_devices, transpose_c_proj_on_restore
 
 import hellaswag
+import hellaswag_data
 import sharding
 from parity import check_hellaswag
 
@@ -45,7 +46,7 @@ def model(hf_dir):
 
 @pytest.fixture(scope="module")
 def examples():
-    return hellaswag.load_examples(str(FIXTURE), max_len=TINY["n_positions"])
+    return hellaswag_data.load_examples(str(FIXTURE), max_len=TINY["n_positions"])
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +94,11 @@ def test_fixture_is_the_real_format():
     assert {type(ex["label"]) for ex in raw} == {int, str}  # both spellings of a label occur
     # endings starting with punctuation
     assert any(e[0] in ",.'-(" for ex in raw for e in ex["endings"])
-    exs = hellaswag.read_examples(str(FIXTURE))
+    exs = hellaswag_data.read_examples(str(FIXTURE))
     assert [ex["label"] for ex in exs] == [int(ex["label"]) for ex in raw]
     assert all(isinstance(ex["label"], int) for ex in exs)
     assert [ex["_line"] for ex in exs] == list(range(1, 21))
-    assert len(hellaswag.read_examples(str(FIXTURE), limit=5)) == 5
+    assert len(hellaswag_data.read_examples(str(FIXTURE), limit=5)) == 5
 
 
 def test_rendering_matches_build_nanogpt(examples, reference_rows):
@@ -122,7 +123,7 @@ def test_rendering_matches_build_nanogpt(examples, reference_rows):
             assert mask[i].tolist() == [0] * len(r.ctx) + [1] * len(e) + [0] * (tokens.shape[1] - n)
             assert (tokens[i, n:] == hellaswag.PAD).all()
     # not from a file
-    unnumbered = hellaswag.render_example({k: v for k, v in raw[0].items() if k != "ind"})
+    unnumbered = hellaswag_data.render_example({k: v for k, v in raw[0].items() if k != "ind"})
     assert (unnumbered.line, unnumbered.ind) == (0, None)
     long = max(examples, key=lambda r: len(r.ctx))
     # the fixture's long context
@@ -130,9 +131,9 @@ def test_rendering_matches_build_nanogpt(examples, reference_rows):
 
 
 def test_long_context_is_cut_from_the_left():
-    ex = hellaswag.read_examples(str(FIXTURE))[10]  # the long WikiHow context
-    full = hellaswag.render_example(ex)
-    cut = hellaswag.render_example(ex, max_len=64)
+    ex = hellaswag_data.read_examples(str(FIXTURE))[10]  # the long WikiHow context
+    full = hellaswag_data.render_example(ex)
+    cut = hellaswag_data.render_example(ex, max_len=64)
     longest = max(len(e) for e in full.endings)
     assert cut.endings == full.endings  # endings are scored whole
     assert cut.truncated == len(full.ctx) + longest - 64 > 0
@@ -145,18 +146,19 @@ def test_long_context_is_cut_from_the_left():
     )
     assert (tokens[:, : len(cut.ctx)] == cut.ctx).all()
     with pytest.raises(ValueError, match="no room for context"):
-        hellaswag.render_example(ex, max_len=longest)
+        hellaswag_data.render_example(ex, max_len=longest)
     # from the file, as train.py (load_examples) and hellaswag.py (render_all) read it: the same
     # cut, `limit` examples, and an error naming the file and line
-    loaded = hellaswag.load_examples(str(FIXTURE), max_len=64, limit=11)
+    loaded = hellaswag_data.load_examples(str(FIXTURE), max_len=64, limit=11)
     assert len(loaded) == 11 and loaded[10] == cut
     assert (
-        hellaswag.render_all(hellaswag.read_examples(str(FIXTURE), 11), 64, str(FIXTURE)) == loaded
+        hellaswag.render_all(hellaswag_data.read_examples(str(FIXTURE), 11), 64, str(FIXTURE))
+        == loaded
     )
     with pytest.raises(
         ValueError, match=rf"^{re.escape(str(FIXTURE))}:\d+: an ending of \d+ tokens leaves no room"
     ):
-        hellaswag.load_examples(str(FIXTURE), max_len=longest)
+        hellaswag_data.load_examples(str(FIXTURE), max_len=longest)
     with pytest.raises(ValueError, match=r"^f\.jsonl:11: an ending of \d+ tokens leaves no room"):
         hellaswag.render_all([ex], longest, "f.jsonl")
     with pytest.raises(
@@ -280,7 +282,7 @@ def test_accuracies_worked_by_hand():
     ]
     results = []
     for line, (label, sums, lengths, pred, pred_norm) in enumerate(cases, 1):
-        r = hellaswag.Rendered([1], [[7] * n for n in lengths], label, line)
+        r = hellaswag_data.Rendered([1], [[7] * n for n in lengths], label, line)
         res = hellaswag.make_result(r, sums, [s / n for s, n in zip(sums, lengths)])
         assert (res.pred, res.pred_norm, res.line) == (pred, pred_norm, line)
         results.append(res)
@@ -305,16 +307,16 @@ def test_jax_matches_torch_reference(hf_dir, examples, jax_score):
 
 
 def test_scorer_refuses_what_it_cannot_score(model, examples):
-    ex = hellaswag.read_examples(str(FIXTURE))[10]
+    ex = hellaswag_data.read_examples(str(FIXTURE))[10]
     ex = ex | {"ctx": ex["ctx"] * 2}
-    long = hellaswag.render_example(ex)
+    long = hellaswag_data.render_example(ex)
     n = len(long.ctx) + max(map(len, long.endings))
     with pytest.raises(
         ValueError, match=f"^an example of {n} tokens exceeds block_size 128: render with max_len="
     ):
         hellaswag.evaluate(model, [long])
     # exactly 128 tokens: scored, one example per batch too
-    cut = hellaswag.render_example(ex, max_len=128)
+    cut = hellaswag_data.render_example(ex, max_len=128)
     assert hellaswag.evaluate(model, [cut], batch_size=1).count == 1
     with pytest.raises(ValueError, match="^batch_size must be >= 1, got 0$"):
         hellaswag.evaluate(model, [cut], batch_size=0)
@@ -333,6 +335,7 @@ MULTI_DEVICE = textwrap.dedent("""
     import jax, numpy as np
     from flax import nnx
     import hellaswag
+    import hellaswag_data
     import sharding
     from model import GPT, GPTConfig
     from weights import load_state_dict
@@ -341,7 +344,7 @@ MULTI_DEVICE = textwrap.dedent("""
     config = GPTConfig(**json.load(open(weights + ".json")))
     model = nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0)))
     load_state_dict(model, dict(np.load(weights)))
-    examples = hellaswag.load_examples(sys.argv[3], max_len=config.block_size)
+    examples = hellaswag_data.load_examples(sys.argv[3], max_len=config.block_size)
     mesh = sharding.make_mesh(fsdp=2)  # as train.py makes it with --fsdp=2: params split, rows over data x fsdp
     L, E, n, idx = hellaswag.plan_batches(examples, 1, config.block_size, sharding.batch_shards(mesh))[0]
     tokens = sharding.put_rows(hellaswag.make_batch([examples[i] for i in idx], n, L, E), mesh)[0]
@@ -481,7 +484,7 @@ def test_parity_cli_exits_1_on_a_mismatch(hf_dir, monkeypatch, capsys):
 def test_parity_figures():
     """compare / agree on hand-made scores: a flipped prediction or a loss 2e-5 off fails, 5e-6 off
     passes."""
-    r = hellaswag.Rendered([1], [[2], [3, 4], [5], [6]], 0, 1)
+    r = hellaswag_data.Rendered([1], [[2], [3, 4], [5], [6]], 0, 1)
     ref = hellaswag.summarize(
         [hellaswag.make_result(r, [1.0, 3.0, 2.0, 4.0], [1.0, 1.5, 2.0, 4.0])]
     )

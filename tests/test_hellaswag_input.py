@@ -19,6 +19,7 @@ from flax import nnx
 from helpers import HELLASWAG_FIXTURE, REPO
 
 import hellaswag
+import hellaswag_data
 from configurator import exit_on_bad_input
 from model import GPT, GPTConfig
 from parity import check_hellaswag
@@ -78,7 +79,7 @@ GOOD = FIXTURE.read_text().splitlines()[0]
 def test_bad_lines_name_their_line(tmp_path, line, message):
     path = write_lines(tmp_path, [GOOD, GOOD, line, GOOD])
     with pytest.raises(ValueError, match=message):
-        hellaswag.read_examples(path)
+        hellaswag_data.read_examples(path)
 
 
 def test_blank_lines_are_skipped_and_the_file_is_read_as_utf8_in_any_locale(tmp_path):
@@ -86,9 +87,9 @@ def test_blank_lines_are_skipped_and_the_file_is_read_as_utf8_in_any_locale(tmp_
     own) reads the same examples; a file of blank lines is one line."""
     accented = json.dumps(json.loads(GOOD) | {"ctx": "Un café — naïve"}, ensure_ascii=False)
     path = write_lines(tmp_path, [GOOD, "", accented])
-    read = hellaswag.read_examples(path)
+    read = hellaswag_data.read_examples(path)
     assert [ex["_line"] for ex in read] == [1, 3] and read[1]["ctx"] == "Un café — naïve"
-    script = f"import hellaswag; print(ascii(hellaswag.read_examples({ascii(path)})))"
+    script = f"import hellaswag_data; print(ascii(hellaswag_data.read_examples({ascii(path)})))"
     r = subprocess.run(
         [sys.executable, "-X", "utf8=0", "-c", script],
         cwd=REPO,
@@ -100,12 +101,12 @@ def test_blank_lines_are_skipped_and_the_file_is_read_as_utf8_in_any_locale(tmp_
     assert r.returncode == 0 and r.stdout.strip() == ascii(read), r.stderr[-2000:]
     path = write_lines(tmp_path, ["", " "])
     with pytest.raises(ValueError, match=f"^{re.escape(path)}: no examples$"):
-        hellaswag.read_examples(path)
+        hellaswag_data.read_examples(path)
 
 
 def test_missing_file():
     with pytest.raises(FileNotFoundError, match="no such HellaSwag file: nowhere.jsonl"):
-        hellaswag.read_examples("nowhere.jsonl")
+        hellaswag_data.read_examples("nowhere.jsonl")
 
 
 def bad_input(capsys, main, args):
@@ -140,7 +141,7 @@ def test_with_no_options_the_scripts_score_gpt2_on_the_validation_split(monkeypa
         None,
         None,
     )
-    assert args.cache_dir == hellaswag.CACHE_DIR
+    assert args.cache_dir == hellaswag_data.CACHE_DIR
     parse = hellaswag.cli_parser(hellaswag.__doc__).parse_args
     assert [parse(["--split", split]).split for split in ("train", "val", "test")] == [
         "train",
@@ -151,7 +152,9 @@ def test_with_no_options_the_scripts_score_gpt2_on_the_validation_split(monkeypa
         parse(["--split", "dev"])
     # without --path, the split asked for is the one downloaded
     asked = []
-    monkeypatch.setattr(hellaswag, "download", lambda *args: asked.append(args) or str(FIXTURE))
+    monkeypatch.setattr(
+        hellaswag_data, "download", lambda *args: asked.append(args) or str(FIXTURE)
+    )
     # the least
     args = hellaswag.cli_parser(hellaswag.__doc__).parse_args(["--split", "train", "--limit", "1"])
     path, raw = hellaswag.cli_examples(args)
@@ -180,9 +183,9 @@ def test_the_scorer_gets_the_examples_cut_to_the_models_window_and_the_batch_siz
     precision (a GPU's or TPU's default is less: on this CPU it is the same, so read off the
     config); its first line says what it loaded and how many were cut, its last the time and the
     rate. --dtype is float32 or bfloat16: float16 is argparse's line, exit 2."""
-    full = hellaswag.load_examples(str(FIXTURE))
+    full = hellaswag_data.load_examples(str(FIXTURE))
     block_size = max(len(r.ctx) + max(map(len, r.endings)) for r in full) - 1
-    expected = hellaswag.load_examples(str(FIXTURE), max_len=block_size)
+    expected = hellaswag_data.load_examples(str(FIXTURE), max_len=block_size)
     cut = sum(r.truncated > 0 for r in expected)
     assert min(r.truncated for r in expected if r.truncated) == 1 and 0 < cut < len(expected)
     model = GPT(
@@ -280,15 +283,16 @@ def test_out_that_cannot_be_written_is_refused_before_the_model_loads(
 
 def test_download_caches_and_fails_clearly_offline(tmp_path, monkeypatch):
     # urllib drops the #fragment
-    monkeypatch.setattr(hellaswag, "URL", FIXTURE.as_uri() + "#{split}")
-    path = hellaswag.download("val", str(tmp_path / "cache"))
+    monkeypatch.setattr(hellaswag_data, "URL", FIXTURE.as_uri() + "#{split}")
+    path = hellaswag_data.download("val", str(tmp_path / "cache"))
     assert path == str(tmp_path / "cache" / "hellaswag_val.jsonl")
     assert Path(path).read_bytes() == FIXTURE.read_bytes() and os.listdir(tmp_path / "cache") == [
         "hellaswag_val.jsonl"
     ]
     # nothing listens there
-    monkeypatch.setattr(hellaswag, "URL", "http://127.0.0.1:9/hellaswag_{split}.jsonl")
-    assert hellaswag.download("val", str(tmp_path / "cache")) == path  # cached: no network needed
+    monkeypatch.setattr(hellaswag_data, "URL", "http://127.0.0.1:9/hellaswag_{split}.jsonl")
+    # cached: no network needed
+    assert hellaswag_data.download("val", str(tmp_path / "cache")) == path
     offline = (
         r"^could not download http://127\.0\.0\.1:9/hellaswag_train\.jsonl \(\[Errno \d+\] "
         r"[^<]*\); "
@@ -296,7 +300,7 @@ def test_download_caches_and_fails_clearly_offline(tmp_path, monkeypatch):
         r"offline\? pass a local copy with --path FILE\.jsonl$"
     )
     with pytest.raises(OSError, match=offline):
-        hellaswag.download("train", str(tmp_path / "cache"))
+        hellaswag_data.download("train", str(tmp_path / "cache"))
     assert os.listdir(tmp_path / "cache") == ["hellaswag_val.jsonl"]  # no partial file left behind
 
     # the connection lost mid-download: the same line with its cause, the part written removed; and
@@ -312,12 +316,12 @@ def test_download_caches_and_fails_clearly_offline(tmp_path, monkeypatch):
             return super().read(10)
 
     monkeypatch.setattr(
-        hellaswag.urllib.request,
+        hellaswag_data.urllib.request,
         "urlopen",
         lambda url, timeout=None: timeouts.append(timeout) or Dropped(b"{" * 100),
     )
     with pytest.raises(OSError) as e:
-        hellaswag.download("test", str(tmp_path / "cache"))
+        hellaswag_data.download("test", str(tmp_path / "cache"))
     assert str(e.value) == (
         "could not download http://127.0.0.1:9/hellaswag_test.jsonl (connection reset by peer); "
         "offline? pass a local copy with --path FILE.jsonl"

@@ -29,6 +29,7 @@ from helpers import (
 )
 
 import hellaswag
+import hellaswag_data
 import train
 import train_step
 from configurator import UsageError, configure, exit_on_bad_input
@@ -368,7 +369,7 @@ def test_hellaswag_in_the_training_loop(dataset, tmp_path, capsys):
     assert "%|" not in capsys.readouterr().err  # no progress bar in the training log
     # the last logged score is hellaswag.evaluate's on the run's final params, examples loaded apart
     # from the run's
-    examples = hellaswag.load_examples(HELLASWAG_FIXTURE, max_len=64)
+    examples = hellaswag_data.load_examples(HELLASWAG_FIXTURE, max_len=64)
     final = hellaswag.evaluate(nnx.merge(t.graphdef, t.params), examples, t.mesh)
     logged = [read_log(tmp_path, f"hellaswag_{k}") for k in ("acc", "acc_norm", "count")]
     assert [[i for i, _ in scores] for scores in logged] == [[0, 2]] * 3
