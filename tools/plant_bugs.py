@@ -76,7 +76,7 @@ BUGS = {
             ),
         ],
         [
-            "tests/test_model.py::test_logit_parity_random_checkpoints",
+            "tests/test_logits.py::test_logit_parity_random_checkpoints",
             "tests/test_weights.py",
             "tests/test_export.py",
         ],
