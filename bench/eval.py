@@ -1,5 +1,5 @@
 """
-lm-eval loglikelihood speed, requests/s: our model (eval.JaxLM) vs lm-eval's own hf model
+lm-eval loglikelihood speed, requests/s: our model (eval_lm.JaxLM) vs lm-eval's own hf model
 (transformers' GPT2LMHeadModel), same random weights, same requests, same batch size, same run,
 fp32, pairs alternated.
 
@@ -87,8 +87,8 @@ def main(argv=None):
 
     import jax
 
-    import eval as ours
     import sharding
+    from eval_lm import JaxLM
     from models import load_pretrained
     from parity.check_eval import LOGLIKELIHOOD_TOL, hf_lm
 
@@ -107,7 +107,7 @@ def main(argv=None):
         hf = hf_lm(path, args.batch_size, "float32", tmp)
         for pair in range(args.pairs):
             jax.clear_caches()
-            lm = ours.JaxLM(model, sharding.make_mesh(), args.batch_size, progress=False)
+            lm = JaxLM(model, sharding.make_mesh(), args.batch_size, progress=False)
             mine, cold = timed(lm.loglikelihood, reqs, True)
             _, warm = timed(lm.loglikelihood, reqs, True)
             ref, t_hf = timed(hf.loglikelihood, reqs, True)

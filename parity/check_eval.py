@@ -179,6 +179,7 @@ def main(argv=None):
     import eval as ours
     import sharding
     from checkpoint import load_bpe_model
+    from eval_lm import JaxLM
 
     tasks = args.tasks.split(",")
     manager = ours.task_manager(tasks, args.include_path)
@@ -200,7 +201,7 @@ def main(argv=None):
             bootstrap_iters=0,
         )
         print(f"== ours (JAX {args.dtype}, {jax.device_count()} device(s))")
-        lm = ours.JaxLM(model, sharding.make_mesh(), args.batch_size, cfg["seed"])
+        lm = JaxLM(model, sharding.make_mesh(), args.batch_size, cfg["seed"])
         mine = ours.evaluate(lm, cfg, manager)
         print("== lm-eval's hf model (transformers, float32)")
         ref = ours.evaluate(hf_lm(path, args.batch_size, "float32", tmp), cfg, manager)

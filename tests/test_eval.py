@@ -19,6 +19,7 @@ from helpers import REPO, fake_devices, run, transpose_c_proj_on_restore
 from lm_eval.api.instance import Instance
 
 import eval as lm_eval_py
+import eval_lm
 import export
 import hellaswag
 import runlog
@@ -57,7 +58,7 @@ def bpe_run(tmp_path_factory):
 def test_a_request_one_token_too_long_is_cut_by_one_from_the_left(tiny_hf, capsys):
     """block_size + 1 tokens fit (the last is only a target); one more and the context's first token
     goes, as lm-eval's hf model cuts it, and the cut is said."""
-    lm = lm_eval_py.JaxLM(
+    lm = eval_lm.JaxLM(
         load_pretrained(tiny_hf)[0], sharding.make_mesh(), batch_size=3, progress=False
     )
     context, continuation = list(range(100, 161)), [7, 8, 9, 10, 11]  # 61 + 5 = block_size 64 + 2
@@ -92,7 +93,7 @@ def test_a_request_one_token_too_long_is_cut_by_one_from_the_left(tiny_hf, capsy
 def test_scoring_shows_a_progress_bar_of_its_requests_unless_off(tiny_hf, capsys):
     """loglikelihood and loglikelihood_rolling (which scores a document's windows as requests) count
     what they score on a bar, unless progress is off or lm-eval disables it."""
-    lm = lm_eval_py.JaxLM(
+    lm = eval_lm.JaxLM(
         load_pretrained(tiny_hf)[0], sharding.make_mesh(), batch_size=2, progress=True
     )
     pairs = [Instance("loglikelihood", {}, ("To be, or not", " to be"), 0)] * 3
@@ -101,7 +102,7 @@ def test_scoring_shows_a_progress_bar_of_its_requests_unless_off(tiny_hf, capsys
             "loglikelihood_rolling", {}, ("To be, or not to be: that is the question. " * 12,), 0
         )
     ]
-    quiet = lm_eval_py.JaxLM(lm.model, sharding.make_mesh(), batch_size=2, progress=False)
+    quiet = eval_lm.JaxLM(lm.model, sharding.make_mesh(), batch_size=2, progress=False)
     for score, requests in [("loglikelihood", pairs), ("loglikelihood_rolling", documents)]:
         first = getattr(lm, score)(requests)
         # the document: 157 tokens, 3 windows
@@ -373,7 +374,7 @@ MESH_SCRIPT = """
 import json, sys
 import jax, numpy as np
 from lm_eval.api.instance import Instance
-import eval as ev, sharding
+import eval_lm, sharding
 from models import load_pretrained
 model, _ = load_pretrained(sys.argv[1])
 text = open("data/shakespeare_char/input.txt").read()
@@ -383,7 +384,7 @@ gen = [Instance("generate_until", {}, (text[i: i + 60 + i % 40], {"until": ["\\n
        for i in range(0, 1200, 400)]
 out = {}
 for name, mesh in [("one", sharding.make_mesh(devices=jax.devices()[:1])), ("fsdp2", sharding.make_mesh(fsdp=2))]:
-    lm = ev.JaxLM(model, mesh, batch_size=2, progress=False)
+    lm = eval_lm.JaxLM(model, mesh, batch_size=2, progress=False)
     out[name] = [lm.loglikelihood(ll, True), lm.loglikelihood_rolling(roll, True), lm.generate_until(gen, True),
                  dict(mesh.shape)]
 print(json.dumps(out))

@@ -1,6 +1,6 @@
 """python -m pytest tests/test_eval_scoring.py -q
 
-eval.py's scoring and generation (JaxLM) on models made in memory, no file or command: the padded
+eval_lm.py's scoring and generation (JaxLM) on models made in memory, no file or command: the padded
 lengths, continuation scores in chunks equal to the logits at once (greedy where every target is
 the argmax), generate_until's stops at <|endoftext|> and at a task's strings, contexts cut from the
 left, a task's sampling settings; the tokenizer files made for lm-eval's hf model encode as
@@ -20,6 +20,7 @@ from lm_eval.api.instance import Instance
 from test_eval import TASKS
 
 import eval as lm_eval_py
+import eval_lm
 import sharding
 from configurator import UsageError
 from model import GPT, GPTConfig
@@ -53,7 +54,7 @@ def test_padded_lengths_are_few_and_pad_least():
     for _ in range(30):
         needs = sorted(rng.integers(1, 40, rng.integers(1, 12)).tolist())
         k = int(rng.integers(1, 5))
-        got = lm_eval_py.padded_lengths(needs, k)
+        got = eval_lm.padded_lengths(needs, k)
         assert (
             len(set(got)) <= k
             and all(g >= n for g, n in zip(got, needs))
@@ -76,7 +77,7 @@ def test_continuation_scores_in_chunks_equal_the_logits_at_once():
         GPTConfig(block_size=64, vocab_size=96, n_layer=1, n_head=2, n_embd=32), nnx.Rngs(0)
     )
     rng = np.random.default_rng(0)
-    R, L, E = 2, 64, 2 * lm_eval_py.SCORE_CHUNK  # positions may repeat: E > L
+    R, L, E = 2, 64, 2 * eval_lm.SCORE_CHUNK  # positions may repeat: E > L
     tokens = rng.integers(0, 96, (R, L))
     pos = rng.integers(0, L, (R, E))
     # (R, E, V)
@@ -86,7 +87,7 @@ def test_continuation_scores_in_chunks_equal_the_logits_at_once():
     targets[:, -40:] = -1
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     want = np.take_along_axis(logp, np.maximum(targets, 0)[..., None], -1)[..., 0]
-    sums, greedy = lm_eval_py.continuation_scores(
+    sums, greedy = eval_lm.continuation_scores(
         model, *(jnp.asarray(a) for a in (tokens, pos, targets))
     )
     np.testing.assert_allclose(sums, np.where(targets >= 0, want, 0).sum(-1), rtol=1e-5)
@@ -99,8 +100,8 @@ def test_long_continuations_are_scored_in_chunks_as_the_whole_logits_score_them(
     model = GPT(
         GPTConfig(block_size=192, vocab_size=96, n_layer=1, n_head=2, n_embd=32), nnx.Rngs(0)
     )
-    lm = lm_eval_py.JaxLM(model, sharding.make_mesh(), batch_size=2, progress=False)
-    C, n = 20, lm_eval_py.SCORE_CHUNK + 12  # context and continuation tokens
+    lm = eval_lm.JaxLM(model, sharding.make_mesh(), batch_size=2, progress=False)
+    C, n = 20, eval_lm.SCORE_CHUNK + 12  # context and continuation tokens
     tokens = np.random.default_rng(0).integers(0, 96, C + n)
     # position t predicts t + 1
     logits = np.asarray(model(jnp.asarray(tokens[None, :-1]))[0][0], np.float64)
@@ -131,7 +132,7 @@ def one_token_model(token=EOT):
 def test_generate_until_stops_at_endoftext_and_refuses_what_cannot_fit():
     """A text ends at <|endoftext|> (here the model's every token); one request is a batch of its
     own (the filler rows repeat it); a task asking for block_size new tokens or more is one line."""
-    lm = lm_eval_py.JaxLM(one_token_model(), sharding.make_mesh(), batch_size=2, progress=False)
+    lm = eval_lm.JaxLM(one_token_model(), sharding.make_mesh(), batch_size=2, progress=False)
 
     def request(max_gen_toks):
         return Instance(
@@ -156,7 +157,7 @@ def test_generate_until_ends_each_text_at_its_tasks_strings_and_cuts_long_contex
     and the cut is said. A progress bar counts the requests, unless progress is off or lm-eval
     disables it."""
     (the,) = get_encoding().encode(" the")
-    lm = lm_eval_py.JaxLM(one_token_model(the), sharding.make_mesh(), batch_size=2, progress=True)
+    lm = eval_lm.JaxLM(one_token_model(the), sharding.make_mesh(), batch_size=2, progress=True)
     lm.max_gen_toks = 5
 
     def request(context, **gen_kwargs):
@@ -192,7 +193,7 @@ def test_generate_until_ends_each_text_at_its_tasks_strings_and_cuts_long_contex
     final = re.findall(r"\r(generate_until:[^\r\n]*)", err)[-1]
     assert re.match(r"generate_until: 100%.* 8/8 .*req/s", final), final
     assert err.endswith("compiled shapes so far: 2\n"), err  # greedy and sampled, each 64 long
-    quiet = lm_eval_py.JaxLM(lm.model, sharding.make_mesh(), batch_size=2, progress=False)
+    quiet = eval_lm.JaxLM(lm.model, sharding.make_mesh(), batch_size=2, progress=False)
     for generator, disable_tqdm in [(quiet, False), (lm, True)]:
         assert generator.generate_until(requests[:1], disable_tqdm) == [" th"]
         assert "generate_until:" not in capsys.readouterr().err
@@ -202,7 +203,7 @@ def test_a_tasks_sampling_settings_are_the_generations():
     """lm-eval's gen_kwargs as generate_in_jit's sampling: greedy unless do_sample, then its
     temperature (none given: 0, greedy), top_k and top_p (1.0: none), and no id past GPT-2's 50257
     (a padded vocabulary's) or the model's."""
-    lm = lm_eval_py.JaxLM(one_token_model(), sharding.make_mesh(), progress=False)
+    lm = eval_lm.JaxLM(one_token_model(), sharding.make_mesh(), progress=False)
     for gen_kwargs, sampling in [
         ({}, (0.0, None, None, 50257)),
         ({"do_sample": False, "temperature": 0.7}, (0.0, None, None, 50257)),
@@ -219,9 +220,7 @@ def test_a_tasks_sampling_settings_are_the_generations():
             GPTConfig(block_size=64, vocab_size=vocab_size, n_layer=1, n_head=2, n_embd=32),
             nnx.Rngs(0),
         )
-        assert (
-            lm_eval_py.JaxLM(model, sharding.make_mesh(), progress=False)._sampling({})[3] == limit
-        )
+        assert eval_lm.JaxLM(model, sharding.make_mesh(), progress=False)._sampling({})[3] == limit
 
 
 def test_parity_judges_a_small_difference():
