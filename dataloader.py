@@ -10,15 +10,12 @@ and 2 hosts x 4 devices train on the same tokens.
   (a 256-int32 header, then uint16 tokens), as the record's DistributedDataLoader reads them.
 The data folder is local or a URL (gs://bucket/folder, any fsspec URL); every file is read through
 token_files (pread, or ranged reads at a URL; no memory map, no download). Each loader's state
-(`state_dict()`) goes into the checkpoint so that resume neither skips nor repeats data. Prefetcher
-reads the training batches on a background thread, ahead of the step (from a URL, the network's
-latency with them).
+(`state_dict()`) goes into the checkpoint so that resume neither skips nor repeats data. The thread
+that reads the training batches ahead of the step is prefetch.py's.
 """
 
 import itertools
 import os
-import queue
-import threading
 
 import numpy as np
 
@@ -51,7 +48,6 @@ __all__ = [
     "make_loader",
     "data_meta",
     "data_dir_for",
-    "Prefetcher",
 ]
 
 
@@ -403,50 +399,3 @@ def data_dir_for(dataset):
         f"and val.bin (or token shards), or one the project prepares ({', '.join(prepared)}: "
         "python data/NAME/prepare.py; edu_fineweb10B: python fineweb.py)"
     )
-
-
-class Prefetcher:
-    """The training batches, read and put on the devices by a background thread `depth` batches
-    ahead of the step, so that the devices never wait for the host's reads and copies. `put` makes a
-    device array of one process-local (accum, rows, T) array. Each batch carries the loader's state
-    after it: `state` is that of the last batch taken, what a checkpoint saves, so a resume
-    continues after it, whatever was read ahead. An error while reading (a bad token id, a data file
-    that changed: RunStopped) is raised, itself, by the next() that would have returned its batch;
-    the thread prints nothing."""
-
-    def __init__(self, loader, accum, put, depth=2):
-        self.loader, self.accum, self.put = loader, accum, put
-        self.state = loader.state_dict()
-        self._queue = queue.Queue(maxsize=depth)
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._fill, name="prefetch", daemon=True)
-        self._thread.start()
-
-    def _fill(self):
-        try:
-            while not self._closed.is_set():
-                x, y = self.loader.next(self.accum)
-                self._offer((self.put(x), self.put(y), self.loader.state_dict()))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            self._offer(e)
-
-    def _offer(self, item):
-        while not self._closed.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def next(self):
-        """(x, y) of the next step, on the devices."""
-        item = self._queue.get()
-        if isinstance(item, Exception):
-            self.close()
-            raise item
-        x, y, self.state = item
-        return x, y
-
-    def close(self):
-        self._closed.set()
-        self._thread.join()

@@ -46,8 +46,9 @@ from configurator import (
     exit_on_bad_input,
     exit_on_interrupt,
 )
-from dataloader import Prefetcher, data_dir_for, data_meta, make_loader, val_batches_for
+from dataloader import data_dir_for, data_meta, make_loader, val_batches_for
 from model import RUNTIME_FIELDS, GPTConfig, resolve_dtype
+from prefetch import Prefetcher
 from pretrained import read_pretrained
 from settings import (
     DEFAULTS,

@@ -32,8 +32,9 @@ import numpy as np
 
 import storage
 from configurator import UsageError, exit_on_bad_input
-from dataloader import LLMC_HEADER, LLMC_MAGIC, LLMC_VERSION, Prefetcher, make_loader
+from dataloader import LLMC_HEADER, LLMC_MAGIC, LLMC_VERSION, make_loader
 from parity.common import print_table
+from prefetch import Prefetcher
 from tools import gcs_emulator  # the tests' emulator, the one the suite runs against
 
 FORMATS = ("npy", "bin", "raw")

@@ -17,12 +17,12 @@ from configurator import InputNotFound, RunStopped, UsageError
 from dataloader import (
     BinLoader,
     BinShardLoader,
-    Prefetcher,
     ShardLoader,
     make_loader,
     val_batches_for,
 )
 from parity.check_speedrun import write_datafile
+from prefetch import Prefetcher
 
 FIX = "the run stopped; restore the file and resume with --init_from=resume"
 # the record's processes, rows per process, sequence length: a global batch is 48 tokens (+1)

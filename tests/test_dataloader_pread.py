@@ -20,7 +20,8 @@ from helpers import REPO, TINY, run, snapshot
 
 import checkpoint
 from configurator import RunStopped, UsageError
-from dataloader import BinLoader, Prefetcher, ShardLoader
+from dataloader import BinLoader, ShardLoader
+from prefetch import Prefetcher
 from token_files import token_file
 
 FIX = "the run stopped; restore the file and resume with --init_from=resume"

@@ -19,13 +19,13 @@ from configurator import InputNotFound, RunStopped, UsageError
 from dataloader import (
     BinLoader,
     BinShardLoader,
-    Prefetcher,
     ShardLoader,
     data_dir_for,
     data_meta,
     make_loader,
 )
 from parity.check_speedrun import write_datafile
+from prefetch import Prefetcher
 
 FIX = "the run stopped; restore the file and resume with --init_from=resume"
 T, ROWS = 8, 6  # sequence length; global rows (a process's: ROWS_SLICE)
