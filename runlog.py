@@ -15,6 +15,7 @@ import time
 import jax
 
 import run_lock
+import sharding
 import storage
 from configurator import RunStopped, UsageError
 
@@ -23,6 +24,40 @@ LOG_FILE = "log.jsonl"
 SHARED_MARKER = "hosts.check"
 # log.jsonl on an object store: rewritten whole at most this often, and at every save
 LOG_FLUSH_S = 15
+
+
+def startup_lines(c, mesh, accum_rows, auto_line, n_params, model_config, memory):
+    """train.py's start-up lines, nanoGPT's and more: the devices, the batch and tokens per
+    iteration, what each 'auto' setting became, the parameters, optimizer and schedule, the mesh,
+    and memory per device (the state's, and the compiled step's peak: `memory`, in bytes)."""
+    accum, rows = accum_rows
+    lines = [
+        f"{jax.device_count()} device(s) ({jax.devices()[0].device_kind}) on "
+        f"{jax.process_count()} process(es); accumulation {accum} x micro-batch {rows} "
+        f"({c['batch_size']} per batch shard)\ntokens per iteration will be: "
+        f"{accum * rows * c['block_size']:,}"
+    ]
+    if auto_line:
+        lines.append(auto_line)
+    if c["attention"] == "splash" and sharding.platform_of(mesh) != "tpu":
+        lines.append(
+            "attention='splash' off a TPU: the same kernel in Pallas interpret mode (slow: for "
+            "tests)"
+        )
+    optimizer = (
+        f"Muon (lr {c['muon_learning_rate']:g}) on the blocks' matrices, Adam (lr "
+        f"{c['learning_rate']:g}) on the rest"
+        if c["optimizer"] == "muon"
+        else f"AdamW (lr {c['learning_rate']:g})"
+    )
+    lines.append(
+        f"number of parameters: {n_params / 1e6:.2f}M (arch {model_config.arch}); dtype "
+        f"{c['dtype']}; {optimizer}, {c['lr_schedule']} schedule\nmesh: data "
+        f"{mesh.shape['data']} x fsdp {mesh.shape['fsdp']} x tensor {mesh.shape['tensor']}; "
+        f"memory per device: state {memory[0] / 2**30:.2f} GiB, step peak "
+        f"{memory[1] / 2**30:.2f} GiB"
+    )
+    return lines
 
 
 class RunLog:
@@ -87,6 +122,21 @@ class RunLog:
         if self._waiter is None:
             self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-clock")
         self._ended[it] = self._waiter.submit(ended_at, metrics)
+
+    def hellaswag(self, it, score):
+        """HellaSwag's score (hellaswag.Score) of step `it`: a line and a record."""
+        self.print(
+            f"step {it}: hellaswag acc {score.acc:.4f}, acc_norm {score.acc_norm:.4f} "
+            f"({score.count} examples)"
+        )
+        self.record(
+            {
+                "iter": it,
+                "hellaswag_acc": score.acc,
+                "hellaswag_acc_norm": score.acc_norm,
+                "hellaswag_count": score.count,
+            }
+        )
 
     def step(self, it, metrics):
         """Log step `it` (its metrics read back to the host): one line, one record. Its time: from

@@ -17,9 +17,6 @@ JAX_PROCESS_ID=i.
 """
 
 import gc
-import logging
-import os
-import signal
 import sys
 from dataclasses import replace
 from functools import partial
@@ -27,7 +24,6 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.experimental import multihost_utils
 
 import attention
 import auto_settings
@@ -36,29 +32,22 @@ import hellaswag
 import hellaswag_data
 import runlog
 import sharding
-import storage
-import watchdog
+import train_setup
 from configurator import (
-    InputNotFound,
     RunStopped,
-    UsageError,
     configure,
     exit_on_bad_input,
-    exit_on_interrupt,
 )
-from dataloader import data_dir_for, data_meta, make_loader, val_batches_for
-from model import RUNTIME_FIELDS, GPTConfig, resolve_dtype
+from dataloader import data_dir_for, data_meta, val_batches_for
+from model import RUNTIME_FIELDS, resolve_dtype
 from prefetch import Prefetcher
-from pretrained import read_pretrained
 from settings import (
     DEFAULTS,
     accumulation_steps,
-    fixed_by_checkpoint,
     profile_range,
     resolve_scan_layers,
     validate,
 )
-from tokenizer import vocab_file
 from train_step import (
     all_finite,
     first_nonfinite,
@@ -67,23 +56,6 @@ from train_step import (
     make_eval_step,
     make_optimizer,
 )
-
-
-def check_one_run(c):
-    """One run per out_dir: a run that starts anew (not resume, not eval_only) into an out_dir
-    holding checkpoints would rotate some of them out and leave a resume point of the other run. One
-    line naming the ways out."""
-    if c["init_from"] == "resume" or c["eval_only"] or c["start_over"]:
-        return
-    try:
-        steps = checkpoint.all_steps(c["out_dir"])
-    except InputNotFound:
-        return
-    raise UsageError(
-        f"{c['out_dir']} holds the checkpoints of another run (steps "
-        f"{', '.join(map(str, steps))}): continue it with --init_from=resume, give this run a new "
-        "--out_dir, or --start_over=True to move them aside first"
-    )
 
 
 class Trainer:
@@ -116,99 +88,51 @@ class Trainer:
         }
 
         # the model's shape, from the settings, the checkpoint's meta (read once) or the weights'
-        # files
+        # files; then the data (a missing or bad dataset fails before anything is written)
         self.data_dir = data_dir_for(c["dataset"])
         data_vocab_size, self.vocab = data_meta(self.data_dir)
-        self.iter_num, self.best_val_loss, self.last_saved = 0, float("inf"), None
         # until compiled
         runtime = {**{k: c[k] for k in RUNTIME_FIELDS}, **auto_settings.first_candidate(c)}
-        meta = pretrained = self.mngr = None
-        if c["init_from"] == "scratch":
-            vocab_size = c["vocab_size"] or data_vocab_size
-            if not c["vocab_size"] and data_vocab_size:
-                print(f"found vocab_size = {vocab_size} (inside {vocab_file(self.data_dir)})")
-            model_config = GPTConfig(
-                block_size=c["block_size"],
-                vocab_size=vocab_size or 50304,
-                n_layer=c["n_layer"],
-                n_head=c["n_head"],
-                n_embd=c["n_embd"],
-                bias=c["bias"],
-                gelu=c["gelu"],
-                arch=c["arch"],
-                **runtime,
-            )
-        # the run's one checkpoint manager, opened where there are checkpoints
-        elif c["init_from"] == "resume":
-            if storage.isdir(checkpoint.ckpt_dir(c["out_dir"])):
-                self.mngr = checkpoint.manager(c["out_dir"], c["keep_checkpoints"])
-            meta = checkpoint.restore(c["out_dir"], mngr=self.mngr)["meta"]
-            model_config = checkpoint.model_config_from_meta(meta, **runtime)
-            ignored = fixed_by_checkpoint(c, meta["model_args"])
-            if ignored and self.master:
-                print(
-                    f"resume: the checkpoint fixes {', '.join(f'{k}={c[k]}' for k in ignored)}; "
-                    f"ignored {', '.join(f'--{k}={v}' for k, v in ignored.items())}"
-                )
-            self.vocab = meta.get("vocab", self.vocab)
-            self.iter_num, self.best_val_loss = meta["iter_num"], meta["best_val_loss"]
-            self.last_saved = self.iter_num
-        else:  # pretrained: read lazily, cropped to block_size once placed
-            # a record's .pt
-            config_args, pretrained, _ = read_pretrained(c["init_from"], n_head=c["n_head"])
-            model_config = replace(GPTConfig(**config_args), **runtime)
-        if c["block_size"] > model_config.block_size:
-            raise UsageError(
-                f"block_size={c['block_size']} exceeds the model's {model_config.block_size}"
-            )
+        start = train_setup.start_for(c, runtime, data_vocab_size, self.data_dir, self.master)
+        model_config, self.mngr = start.model_config, start.mngr
+        self.iter_num, self.best_val_loss = start.iter_num, start.best_val_loss
+        self.last_saved = self.iter_num if start.meta is not None else None
+        if start.meta is not None:
+            self.vocab = start.meta.get("vocab", self.vocab)
         self.model_config = (
-            replace(model_config, block_size=c["block_size"]) if pretrained else model_config
+            replace(model_config, block_size=c["block_size"]) if start.weights else model_config
         )
         sharding.check_model_fits_mesh(self.model_config, self.mesh)
         attention.check_run(self.model_config, self.mesh.devices.flat[0])
-
-        # the data: a missing or bad dataset fails before anything is written
-        row_slice = sharding.process_rows(
-            self.batch_sharding, (self.accum, self.rows, c["block_size"]), row_axis=1
-        )
-        loader = partial(
-            make_loader,
+        self.loaders, self.train_loader = train_setup.make_loaders(
+            c,
             self.data_dir,
-            block_size=c["block_size"],
-            rows=self.rows,
-            seed=c["seed"],
-            row_slice=row_slice,
-            shuffle_shards=c["shuffle_shards"],
-            vocab_size=self.model_config.vocab_size,
+            self.batch_sharding,
+            self.accum,
+            self.rows,
+            self.model_config.vocab_size,
+            data_vocab_size,
         )
-        # else the first batch's ids say it, after out_dir exists
-        if data_vocab_size > self.model_config.vocab_size:
-            raise UsageError(
-                f"{vocab_file(self.data_dir)} has {data_vocab_size} characters, more than the "
-                f"model's vocab_size {self.model_config.vocab_size}: set "
-                f"--vocab_size={data_vocab_size} or more (or 0: the data's)"
-            )
-        self.loaders = {"train": loader("train"), "val": loader("val")}  # estimate_loss's
-        # the steps' own: read ahead on a thread (run: Prefetcher)
-        self.train_loader = loader("train")
-        if meta is not None:
-            self.train_loader.load_state_dict(meta["loader"])
-        check_one_run(c)
-        hellaswag_path = self._hellaswag_path() if c["hellaswag_interval"] > 0 else None
+        if start.meta is not None:
+            self.train_loader.load_state_dict(start.meta["loader"])
+        train_setup.check_one_run(c)
+        hellaswag_file = None
+        if c["hellaswag_interval"] > 0:
+            hellaswag_file = train_setup.hellaswag_path(c, self.vocab, self.data_dir, self.master)
 
         # out_dir is made and locked before the model is built, so that a second run on it is
         # refused at once
         start_over = (checkpoint.CKPT_SUBDIR, runlog.LOG_FILE) if c["start_over"] else ()
         self.lock = runlog.claim_out_dir(c["out_dir"], start_over) if self.master else None
         try:
-            self._build(model_config, pretrained, meta, hellaswag_path)
+            self._build(model_config, start.weights, start.meta, hellaswag_file)
         # a failed start leaves out_dir to the next run (in this process too: a notebook's)
         except BaseException:
             if self.lock is not None:
                 self.lock.close()
             raise
 
-    def _build(self, model_config, pretrained, meta, hellaswag_path):
+    def _build(self, model_config, pretrained, meta, hellaswag_file):
         """The model, optimizer state and compiled steps, in out_dir's lock."""
         c = self.c
         tx = make_optimizer(c)
@@ -224,18 +148,13 @@ class Trainer:
         self._param_def, self._opt_def = jax.tree.structure(params), jax.tree.structure(opt_state)
         self._param_leaves, self._opt_leaves = jax.tree.leaves(params), jax.tree.leaves(opt_state)
         self.hellaswag_examples = None
-        if hellaswag_path:
+        if hellaswag_file:
             self.hellaswag_examples = hellaswag_data.load_examples(
-                hellaswag_path, max_len=self.model_config.block_size
+                hellaswag_file, max_len=self.model_config.block_size
             )
         self.train_step = self._compile_step(tx, params, opt_state)
         self.eval_step = make_eval_step(self.graphdef, params)
-        flops_per_iter = (
-            nnx.merge(self.graphdef, params).flops_per_token()
-            * c["block_size"]
-            * self.accum
-            * self.rows
-        )
+        flops_per_iter = nnx.merge(self.graphdef, params).flops_per_token() * self.tokens_per_iter
         self.out = runlog.RunLog(
             c,
             self.master,
@@ -244,7 +163,6 @@ class Trainer:
             list(self.mesh.devices.flat),
             profile_range(c["profile"]),
         )
-        self.stop_requested = None
         self._first_nonfinite = jax.device_put(jnp.int32(-1), sharding.replicated(self.mesh))
         self.batches = None  # the Prefetcher, while run() runs
         # a log step's (iter, metrics, first non-finite iter so far), read one step late
@@ -259,46 +177,10 @@ class Trainer:
     def opt_state(self):
         return self._opt_def.unflatten(self._opt_leaves)
 
-    def _hellaswag_path(self):
-        """Before anything is written, so that a missing file fails now rather than at step 5000."""
-        if isinstance(self.vocab, list):
-            raise UsageError(
-                f"hellaswag_interval={self.c['hellaswag_interval']}: HellaSwag is scored in "
-                "GPT-2's BPE, and this run's data is character-level "
-                f"({vocab_file(self.data_dir) or self.data_dir}): set --hellaswag_interval=0"
-            )
-        path = self.c["hellaswag_path"]
-        if not path:
-            try:
-                # process 0 downloads; the others then find it (a shared disk) or fetch their own
-                if not self.master:
-                    multihost_utils.sync_global_devices("hellaswag download")
-                path = hellaswag_data.download("val")
-                if self.master and jax.process_count() > 1:
-                    multihost_utils.sync_global_devices("hellaswag download")
-            except OSError:
-                raise InputNotFound(
-                    "could not download HellaSwag (offline?): set --hellaswag_path=FILE.jsonl "
-                    "or --hellaswag_interval=0"
-                ) from None
-        elif not os.path.isfile(path):
-            raise InputNotFound(f"hellaswag_path {path} does not exist")
-        return path
-
     def eval_hellaswag(self):
         model = nnx.merge(self.graphdef, self.params)
-        score = hellaswag.evaluate(model, self.hellaswag_examples, mesh=self.mesh)
-        self.out.print(
-            f"step {self.iter_num}: hellaswag acc {score.acc:.4f}, acc_norm {score.acc_norm:.4f} "
-            f"({score.count} examples)"
-        )
-        self.out.record(
-            {
-                "iter": self.iter_num,
-                "hellaswag_acc": score.acc,
-                "hellaswag_acc_norm": score.acc_norm,
-                "hellaswag_count": score.count,
-            }
+        self.out.hellaswag(
+            self.iter_num, hellaswag.evaluate(model, self.hellaswag_examples, self.mesh)
         )
 
     def _compile_step(self, tx, params, opt_state):
@@ -385,57 +267,114 @@ class Trainer:
             f"saving checkpoint to {checkpoint.ckpt_dir(self.c['out_dir'])}/{self.iter_num}"
         )
 
-    def _request_stop(self, signum, frame):
-        self.stop_requested = signal.Signals(signum).name
-
-    def _stop_agreed(self):
-        """With several processes, JAX's preemption service owns SIGTERM: each process's notice
-        reaches all, which agree on a step (the largest they have reached, plus one) and all stop
-        there; the step never waits."""
-        if jax.process_count() == 1:
-            return self.stop_requested
-        return "SIGTERM" if multihost_utils.reached_preemption_sync_point(self.iter_num) else None
-
     def run(self, started=None):
-        """The loop, to max_iters or a stop. `started()` is called as the first step begins
-        (train.main: Ctrl-C until then ends the process at once, from then on it saves)."""
+        """The loop, to max_iters or a stop, as nanoGPT's: an eval (and a save) every
+        eval_interval, then a step, a log line every log_interval. The steps are dispatched ahead
+        of the host: nothing in a step waits for the device except the log line, which reads the
+        metrics of the step before the one just dispatched (one step late), and evals and saves.
+        `started()` is called as the first step begins (train.main: Ctrl-C until then ends the
+        process at once, from then on it saves)."""
+        c, out = self.c, self.out
         try:
-            self._run(started)
-            self.out.flush()
+            self.announce()
+            # the run's one checkpoint manager: a resume's, which read its checkpoint, else a new
+            # one (makes ckpt/)
+            self.mngr = self.mngr or checkpoint.manager(c["out_dir"], c["keep_checkpoints"])
+            if started is not None:
+                started()
+            # from the first step on, SIGINT and SIGTERM save and stop
+            self.stops = train_setup.Stops()
+            # the start-up's objects (modules, traced programs) left out of the loop's garbage
+            # collections: a full one over them pauses the host (on an H200 one log line of 16
+            # read 1,455 ms and the next 525 for ~990 ms steps)
+            gc.freeze()
+            self.batches = Prefetcher(
+                self.train_loader, self.accum, partial(self._put, sharding=self.batch_sharding)
+            )
+            base_key = jax.random.key(c["seed"])
+            out.start_clock(self.iter_num)
+            try:
+                while True:
+                    last_step = self.iter_num == c["max_iters"]
+                    # eval_only: at any step
+                    if self.iter_num % c["eval_interval"] == 0 or last_step or c["eval_only"]:
+                        self._log_unlogged()
+                        self.evaluate(last_step, save=not c["eval_only"])
+                        out.start_clock(self.iter_num)  # eval time is not step time
+                    if self.hellaswag_examples and (
+                        self.iter_num % c["hellaswag_interval"] == 0 or last_step
+                    ):
+                        self._log_unlogged()
+                        self.eval_hellaswag()
+                        out.start_clock(self.iter_num)
+                    if c["eval_only"] or self.iter_num >= c["max_iters"]:
+                        self._log_unlogged()
+                        break
+
+                    if self.iter_num == out.profile[0]:
+                        self._log_unlogged()  # the trace holds the steps alone
+                        out.start_profile()
+                    x, y = self.batches.next()
+                    # dropout: a function of (seed, iter), resumable
+                    key = jax.random.fold_in(base_key, self.iter_num)
+                    self._param_leaves, self._opt_leaves, metrics = self.train_step(
+                        self._param_leaves, self._opt_leaves, x, y, key
+                    )
+                    self._first_nonfinite = first_nonfinite(
+                        self._first_nonfinite, self.iter_num, metrics["finite"]
+                    )
+                    self.iter_num += 1
+                    # a failed save stops the run before the next step
+                    checkpoint.check_saved(self.mngr)
+                    self._log_unlogged()  # the previous log step's, while this step runs
+                    if self.iter_num == out.profile[1]:
+                        out.stop_profile(self.iter_num - 1, metrics)
+                    if self.iter_num % c["log_interval"] == 0 or self.iter_num == c["max_iters"]:
+                        self._unlogged = (self.iter_num - 1, metrics, self._first_nonfinite)
+                        out.watch(self.iter_num - 1, metrics)
+                    # a step evaluated next is saved by its eval, with its val loss (for rotation
+                    # to keep the best)
+                    if self._interval_save_due() and not self._evaluates_next():
+                        self._log_unlogged()
+                        self.save()
+                    stop = self.stops.agreed(self.iter_num)
+                    if stop:
+                        self._log_unlogged()
+                        self.save()
+                        checkpoint.wait_saved(self.mngr)
+                        # every process: each host's own log
+                        print(
+                            f"{stop}: checkpoint saved at iter {self.iter_num}; "
+                            f"resume with --init_from=resume --out_dir={c['out_dir']}"
+                        )
+                        break
+            finally:
+                gc.unfreeze()  # collectable again once the loop is done (a notebook's next run)
+                self.batches.close()
+                out.stop_profile(self.iter_num - 1)
+            checkpoint.wait_saved(self.mngr)
+            self.mngr.close()
+            out.flush()
             return self
         finally:
             if self.lock is not None:
                 self.lock.close()
 
-    def _run(self, started):
-        c, mesh = self.c, self.mesh
-        self.out.print(
-            f"{jax.device_count()} device(s) ({jax.devices()[0].device_kind}) on "
-            f"{jax.process_count()} process(es); accumulation {self.accum} x micro-batch "
-            f"{self.rows} ({c['batch_size']} per batch shard)\ntokens per iteration will be: "
-            f"{self.tokens_per_iter:,}"
-        )
-        if self.auto_line:
-            self.out.print(self.auto_line)
-        if c["attention"] == "splash" and sharding.platform_of(mesh) != "tpu":
-            self.out.print(
-                "attention='splash' off a TPU: the same kernel in Pallas interpret mode (slow: for "
-                "tests)"
-            )
-        optimizer = (
-            f"Muon (lr {c['muon_learning_rate']:g}) on the blocks' matrices, Adam (lr "
-            f"{c['learning_rate']:g}) on the rest"
-            if c["optimizer"] == "muon"
-            else f"AdamW (lr {c['learning_rate']:g})"
-        )
-        self.out.print(
-            "number of parameters: "
-            f"{nnx.merge(self.graphdef, self.params).num_params() / 1e6:.2f}M (arch "
-            f"{self.model_config.arch}); dtype {c['dtype']}; {optimizer}, {c['lr_schedule']} "
-            f"schedule\nmesh: data {mesh.shape['data']} x fsdp {mesh.shape['fsdp']} x tensor "
-            f"{mesh.shape['tensor']}; memory per device: state {self.state_bytes / 2**30:.2f} GiB, "
-            f"step peak {self.step_peak_bytes / 2**30:.2f} GiB"
-        )
+    def announce(self):
+        """The start-up lines (runlog.startup_lines) and the log's first record."""
+        c = self.c
+        n_params = nnx.merge(self.graphdef, self.params).num_params()
+        memory = (self.state_bytes, self.step_peak_bytes)
+        for line in runlog.startup_lines(
+            c,
+            self.mesh,
+            (self.accum, self.rows),
+            self.auto_line,
+            n_params,
+            self.model_config,
+            memory,
+        ):
+            self.out.print(line)
         self.out.start_wandb(c)
         self.out.record(
             {
@@ -448,94 +387,6 @@ class Trainer:
                 "auto_settings": self.auto_line,
             }
         )
-        # the run's one checkpoint manager: a resume's, which read its checkpoint, else a new one
-        # (makes ckpt/)
-        self.mngr = self.mngr or checkpoint.manager(c["out_dir"], c["keep_checkpoints"])
-        if started is not None:
-            started()
-        signal.signal(
-            signal.SIGINT, self._request_stop if jax.process_count() == 1 else sigint_as_sigterm
-        )
-        if jax.process_count() == 1:
-            signal.signal(signal.SIGTERM, self._request_stop)
-
-        # the start-up's objects (modules, traced programs) left out of the loop's garbage
-        # collections: a full one over them pauses the host (on an H200 one log line of 16 read
-        # 1,455 ms and the next 525 for ~990 ms steps; a gc.collect() in a test process: 0.36 s)
-        gc.freeze()
-        self.batches = Prefetcher(
-            self.train_loader, self.accum, partial(self._put, sharding=self.batch_sharding)
-        )
-        try:
-            self._loop()
-        finally:
-            gc.unfreeze()  # collectable again once the loop is done (a notebook's next run)
-            self.batches.close()
-            self.out.stop_profile(self.iter_num - 1)
-        checkpoint.wait_saved(self.mngr)
-        self.mngr.close()
-        return self
-
-    def _loop(self):
-        """The steps, dispatched ahead of the host: nothing in a step waits for the device except
-        the log line, which reads the metrics of the step before the one just dispatched (one step
-        late), and evals/saves."""
-        c, mngr, out = self.c, self.mngr, self.out
-        base_key = jax.random.key(c["seed"])
-        out.start_clock(self.iter_num)
-        while True:
-            last_step = self.iter_num == c["max_iters"]
-            # eval_only: at any step
-            if self.iter_num % c["eval_interval"] == 0 or last_step or c["eval_only"]:
-                self._log_unlogged()
-                self.evaluate(last_step, save=not c["eval_only"])
-                out.start_clock(self.iter_num)  # eval time is not step time
-            if self.hellaswag_examples and (
-                self.iter_num % c["hellaswag_interval"] == 0 or last_step
-            ):
-                self._log_unlogged()
-                self.eval_hellaswag()
-                out.start_clock(self.iter_num)
-            if c["eval_only"] or self.iter_num >= c["max_iters"]:
-                self._log_unlogged()
-                return
-
-            if self.iter_num == out.profile[0]:
-                self._log_unlogged()  # the trace holds the steps alone
-                out.start_profile()
-            x, y = self.batches.next()
-            # dropout: a function of (seed, iter), resumable
-            key = jax.random.fold_in(base_key, self.iter_num)
-            self._param_leaves, self._opt_leaves, metrics = self.train_step(
-                self._param_leaves, self._opt_leaves, x, y, key
-            )
-            self._first_nonfinite = first_nonfinite(
-                self._first_nonfinite, self.iter_num, metrics["finite"]
-            )
-            self.iter_num += 1
-            checkpoint.check_saved(mngr)  # a failed save stops the run before the next step
-            self._log_unlogged()  # the previous log step's, while this step runs
-            if self.iter_num == out.profile[1]:
-                out.stop_profile(self.iter_num - 1, metrics)
-            if self.iter_num % c["log_interval"] == 0 or self.iter_num == c["max_iters"]:
-                self._unlogged = (self.iter_num - 1, metrics, self._first_nonfinite)
-                out.watch(self.iter_num - 1, metrics)
-            # a step evaluated next is saved by its eval, with its val loss (for rotation to keep
-            # the best)
-            if self._interval_save_due() and not self._evaluates_next():
-                self._log_unlogged()
-                self.save()
-            stop = self._stop_agreed()
-            if stop:
-                self._log_unlogged()
-                self.save()
-                checkpoint.wait_saved(mngr)
-                # every process: each host's own log
-                print(
-                    f"{stop}: checkpoint saved at iter {self.iter_num}; "
-                    f"resume with --init_from=resume --out_dir={c['out_dir']}"
-                )
-                return
 
     def evaluate(self, last_step, save=True):
         """Train and val loss, logged; with `save`, a checkpoint when val improved (or
@@ -585,58 +436,9 @@ class Trainer:
         self.out.step(it, jax.device_get(metrics))
 
 
-def sigint_as_sigterm(signum, frame):
-    """Ctrl-C on one process of several: a preemption notice like SIGTERM, so that all stop at one
-    step."""
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def launched_on_several_processes():
-    """Whether this process is one of several: JAX_COORDINATOR_ADDRESS set, or a TPU pod slice,
-    SLURM, Open MPI."""
-    env = os.environ
-    return (
-        bool(env.get("JAX_COORDINATOR_ADDRESS"))
-        or env.get("SLURM_NTASKS", "1") != "1"
-        or env.get("OMPI_COMM_WORLD_SIZE", "1") != "1"
-        or "," in env.get("TPU_WORKER_HOSTNAMES", "")
-    )
-
-
-def setup_distributed():
-    """Several processes (hosts) -> one JAX runtime: explicit with JAX_COORDINATOR_ADDRESS,
-    JAX_NUM_PROCESSES and JAX_PROCESS_ID; auto-detected on TPU pod slices, SLURM and Open MPI."""
-    env = os.environ
-    if env.get("JAX_COORDINATOR_ADDRESS"):
-        jax.distributed.initialize(
-            env["JAX_COORDINATOR_ADDRESS"],
-            int(env["JAX_NUM_PROCESSES"]),
-            int(env["JAX_PROCESS_ID"]),
-        )
-    elif launched_on_several_processes():
-        jax.distributed.initialize()
-    # a process killed or cut off ends the others within seconds, in one line each (JAX's own abort
-    # takes 100 s)
-    watchdog.watch_processes()
-
-
 def main(argv=None):
     config = configure(DEFAULTS, sys.argv[1:] if argv is None else argv)
-    # Ctrl-C or SIGTERM (a preemption, a scheduler) before the first step: one line, exit 130 or
-    # 143, not XLA's dump. With several processes JAX's preemption service owns SIGTERM
-    # (Trainer._stop_agreed): Ctrl-C only
-    signals = (
-        (signal.SIGINT,) if launched_on_several_processes() else (signal.SIGINT, signal.SIGTERM)
-    )
-    started = exit_on_interrupt("interrupted before the first step: nothing saved", signals)
-    # orbax logs a failed background save as a traceback from each of its threads (24 for a full
-    # disk); the run reports that failure itself, in one line (checkpoint.check_saved)
-    logging.getLogger("absl").addFilter(lambda record: record.levelno < logging.ERROR)
-    sharding.use_compilation_cache()
-    setup_distributed()
-    # before anything starts it: libtpu's banner on a machine without a TPU is dropped
-    sharding.start_backend()
-    sharding.keep_freed_memory()
+    started = train_setup.prepare_process()
     Trainer(config).run(started)
 
 

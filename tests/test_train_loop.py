@@ -81,7 +81,8 @@ def test_loop_reads_the_device_only_at_log_steps(dataset, tmp_path, monkeypatch)
         return wrapped
 
     monkeypatch.setattr(ArrayImpl, "_value", property(value))
-    monkeypatch.setattr(train.Trainer, "_loop", with_guard(train.Trainer._loop, True))
+    # run: the start-up lines, then the loop
+    monkeypatch.setattr(train.Trainer, "run", with_guard(train.Trainer.run, True))
     for allowed in ("_log_unlogged", "evaluate", "save"):
         monkeypatch.setattr(
             train.Trainer, allowed, with_guard(getattr(train.Trainer, allowed), False)

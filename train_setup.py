@@ -1,0 +1,225 @@
+"""
+train.py's set-up, one named builder per thing a run needs before its first step: the model's config
+(from the settings, a checkpoint or pretrained weights), the data's loaders, HellaSwag's file, the
+check that an out_dir holds one run, and several processes joined into one JAX runtime. Each checks
+its input before anything is written, and says what is wrong in one line (a UsageError).
+"""
+
+import logging
+import os
+import signal
+from dataclasses import dataclass, replace
+from functools import partial
+
+import jax
+from jax.experimental import multihost_utils
+
+import checkpoint
+import hellaswag_data
+import sharding
+import storage
+import watchdog
+from configurator import InputNotFound, UsageError, exit_on_interrupt
+from dataloader import make_loader
+from model import GPTConfig
+from pretrained import read_pretrained
+from settings import fixed_by_checkpoint
+from tokenizer import vocab_file
+
+
+@dataclass
+class Start:
+    """Where a run starts: its model's config, and what init_from read to get it."""
+
+    model_config: GPTConfig
+    meta: dict = None  # a resumed checkpoint's meta (init_from=resume)
+    weights: dict = None  # pretrained weights, read lazily (init_from=<a model>)
+    mngr: object = None  # the checkpoint manager a resume read with
+    iter_num: int = 0
+    best_val_loss: float = float("inf")
+
+
+def start_for(c, runtime, data_vocab_size, data_dir, master):
+    """The run's Start from init_from: 'scratch' (the settings' shape; vocab_size 0: the data's),
+    'resume' (the checkpoint's shape; a value the settings give that differs is named once) or a
+    pretrained model (its shape, cropped to block_size once placed). `runtime`: GPTConfig's run
+    choices (model.RUNTIME_FIELDS)."""
+    if c["init_from"] == "scratch":
+        vocab_size = c["vocab_size"] or data_vocab_size
+        if not c["vocab_size"] and data_vocab_size:
+            print(f"found vocab_size = {vocab_size} (inside {vocab_file(data_dir)})")
+        keys = ("block_size", "n_layer", "n_head", "n_embd", "bias", "gelu", "arch")
+        start = Start(
+            GPTConfig(**{k: c[k] for k in keys}, vocab_size=vocab_size or 50304, **runtime)
+        )
+    elif c["init_from"] == "resume":
+        # the run's one checkpoint manager, opened where there are checkpoints
+        mngr = None
+        if storage.isdir(checkpoint.ckpt_dir(c["out_dir"])):
+            mngr = checkpoint.manager(c["out_dir"], c["keep_checkpoints"])
+        meta = checkpoint.restore(c["out_dir"], mngr=mngr)["meta"]
+        ignored = fixed_by_checkpoint(c, meta["model_args"])
+        if ignored and master:
+            print(
+                f"resume: the checkpoint fixes {', '.join(f'{k}={c[k]}' for k in ignored)}; "
+                f"ignored {', '.join(f'--{k}={v}' for k, v in ignored.items())}"
+            )
+        config = checkpoint.model_config_from_meta(meta, **runtime)
+        start = Start(config, meta, None, mngr, meta["iter_num"], meta["best_val_loss"])
+    else:  # a pretrained model; a record's .pt needs n_head
+        config_args, weights, _ = read_pretrained(c["init_from"], n_head=c["n_head"])
+        start = Start(replace(GPTConfig(**config_args), **runtime), weights=weights)
+    if c["block_size"] > start.model_config.block_size:
+        raise UsageError(
+            f"block_size={c['block_size']} exceeds the model's {start.model_config.block_size}"
+        )
+    return start
+
+
+def make_loaders(c, data_dir, batch_sharding, accum, rows, vocab_size, data_vocab_size):
+    """{'train', 'val'} loaders for estimate_loss, and the steps' own train loader, each yielding
+    this process's rows of (accum, rows, block_size) batches. A missing or bad dataset fails here,
+    before anything is written."""
+    row_slice = sharding.process_rows(batch_sharding, (accum, rows, c["block_size"]), row_axis=1)
+    loader = partial(
+        make_loader,
+        data_dir,
+        block_size=c["block_size"],
+        rows=rows,
+        seed=c["seed"],
+        row_slice=row_slice,
+        shuffle_shards=c["shuffle_shards"],
+        vocab_size=vocab_size,
+    )
+    # else the first batch's ids say it, after out_dir exists
+    if data_vocab_size > vocab_size:
+        raise UsageError(
+            f"{vocab_file(data_dir)} has {data_vocab_size} characters, more than the "
+            f"model's vocab_size {vocab_size}: set "
+            f"--vocab_size={data_vocab_size} or more (or 0: the data's)"
+        )
+    return {"train": loader("train"), "val": loader("val")}, loader("train")
+
+
+def hellaswag_path(c, vocab, data_dir, master):
+    """The HellaSwag file the run scores every hellaswag_interval, found (or downloaded) now, so
+    that a missing file fails before anything is written rather than at step 5000."""
+    if isinstance(vocab, list):
+        raise UsageError(
+            f"hellaswag_interval={c['hellaswag_interval']}: HellaSwag is scored in GPT-2's BPE, "
+            f"and this run's data is character-level ({vocab_file(data_dir) or data_dir}): set "
+            "--hellaswag_interval=0"
+        )
+    path = c["hellaswag_path"]
+    if not path:
+        try:
+            # process 0 downloads; the others then find it (a shared disk) or fetch their own
+            if not master:
+                multihost_utils.sync_global_devices("hellaswag download")
+            path = hellaswag_data.download("val")
+            if master and jax.process_count() > 1:
+                multihost_utils.sync_global_devices("hellaswag download")
+        except OSError:
+            raise InputNotFound(
+                "could not download HellaSwag (offline?): set --hellaswag_path=FILE.jsonl "
+                "or --hellaswag_interval=0"
+            ) from None
+    elif not os.path.isfile(path):
+        raise InputNotFound(f"hellaswag_path {path} does not exist")
+    return path
+
+
+def check_one_run(c):
+    """One run per out_dir: a run that starts anew (not resume, not eval_only) into an out_dir
+    holding checkpoints would rotate some of them out and leave a resume point of the other run. One
+    line naming the ways out."""
+    if c["init_from"] == "resume" or c["eval_only"] or c["start_over"]:
+        return
+    try:
+        steps = checkpoint.all_steps(c["out_dir"])
+    except InputNotFound:
+        return
+    raise UsageError(
+        f"{c['out_dir']} holds the checkpoints of another run (steps "
+        f"{', '.join(map(str, steps))}): continue it with --init_from=resume, give this run a new "
+        "--out_dir, or --start_over=True to move them aside first"
+    )
+
+
+class Stops:
+    """From the first step on, SIGINT and SIGTERM ask the loop to save and stop at a step's end.
+    With several processes, JAX's preemption service owns SIGTERM (Ctrl-C becomes one): each
+    process's notice reaches all, which agree on a step (the largest they have reached, plus one)
+    and all stop there; the step never waits."""
+
+    def __init__(self):
+        self.requested = None
+        several = jax.process_count() > 1
+        signal.signal(signal.SIGINT, sigint_as_sigterm if several else self.request)
+        if not several:
+            signal.signal(signal.SIGTERM, self.request)
+
+    def request(self, signum, frame):
+        self.requested = signal.Signals(signum).name
+
+    def agreed(self, iter_num):
+        """The signal's name at the step every process stops at, else None."""
+        if jax.process_count() == 1:
+            return self.requested
+        return "SIGTERM" if multihost_utils.reached_preemption_sync_point(iter_num) else None
+
+
+def sigint_as_sigterm(signum, frame):
+    """Ctrl-C on one process of several: a preemption notice like SIGTERM, so that all stop at one
+    step."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def launched_on_several_processes():
+    """Whether this process is one of several: JAX_COORDINATOR_ADDRESS set, or a TPU pod slice,
+    SLURM, Open MPI."""
+    env = os.environ
+    return (
+        bool(env.get("JAX_COORDINATOR_ADDRESS"))
+        or env.get("SLURM_NTASKS", "1") != "1"
+        or env.get("OMPI_COMM_WORLD_SIZE", "1") != "1"
+        or "," in env.get("TPU_WORKER_HOSTNAMES", "")
+    )
+
+
+def setup_distributed():
+    """Several processes (hosts) -> one JAX runtime: explicit with JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID; auto-detected on TPU pod slices, SLURM and Open MPI."""
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize(
+            env["JAX_COORDINATOR_ADDRESS"],
+            int(env["JAX_NUM_PROCESSES"]),
+            int(env["JAX_PROCESS_ID"]),
+        )
+    elif launched_on_several_processes():
+        jax.distributed.initialize()
+    # a process killed or cut off ends the others within seconds, in one line each (JAX's own abort
+    # takes 100 s)
+    watchdog.watch_processes()
+
+
+def prepare_process():
+    """This process made ready for a run, as train.py's main does before the settings are used:
+    Ctrl-C or SIGTERM (a preemption, a scheduler) before the first step is one line, exit 130 or
+    143, not XLA's dump (with several processes JAX's preemption service owns SIGTERM: Ctrl-C
+    only); orbax's thread tracebacks quieted; the compilation cache; several processes joined; the
+    backend started. Returns the callable that ends the first of those (Trainer.run calls it as the
+    first step begins)."""
+    several = launched_on_several_processes()
+    signals = (signal.SIGINT,) if several else (signal.SIGINT, signal.SIGTERM)
+    started = exit_on_interrupt("interrupted before the first step: nothing saved", signals)
+    # orbax logs a failed background save as a traceback from each of its threads (24 for a full
+    # disk); the run reports that failure itself, in one line (checkpoint.check_saved)
+    logging.getLogger("absl").addFilter(lambda record: record.levelno < logging.ERROR)
+    sharding.use_compilation_cache()
+    setup_distributed()
+    # before anything starts it: libtpu's banner on a machine without a TPU is dropped
+    sharding.start_backend()
+    sharding.keep_freed_memory()
+    return started
