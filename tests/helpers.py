@@ -185,6 +185,15 @@ def one_line_error(result, code):
     return err
 
 
+def assert_memory_lines(lines, auto, fits):
+    """bench/train.py --memory's lines after the first (the devices and the mesh): the auto
+    settings, matching `auto`; the memory per device; the device's memory and whether the step
+    fits, matching `fits` (regular expressions)."""
+    memory = r"memory per device: state \d+\.\d\d GiB, step peak \d+\.\d\d GiB"
+    for i, pattern in enumerate((auto, memory, fits), 1):
+        assert re.fullmatch(pattern, lines[i]), lines[i]
+
+
 def popen_train(args, process_id, port, devices=2):
     """Process `process_id` of a train.py run of 2 processes (each compiles its own programs: JAX
     caches process 0's only)."""
