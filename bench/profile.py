@@ -93,7 +93,7 @@ def runs_apart(starts, ends, runs):
 
 
 def capture_program(auto_settings):
-    """Keeps the HLO text of each step auto_settings compiles (bench_train's bench_jax has it
+    """Keeps the HLO text of each step auto_settings compiles (train_workers.bench_jax has it
     compile the step): the last is the step that ran."""
     texts, step_peak = [], auto_settings.step_peak
 
@@ -168,6 +168,7 @@ def three_projections():
 def main():
     import auto_settings
     from bench import train as bench_train
+    from bench.train_workers import bench_jax
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     bench_train.step_options(p)
@@ -212,7 +213,7 @@ def main():
         # Python's calls: millions of events, none of them the step's
         options.python_tracer_level = 0
         with jax.profiler.trace(trace_dir, profiler_options=options):
-            r = bench_train.bench_jax(s)
+            r = bench_jax(s)
         xplane = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
         if args.xplane:
             shutil.copy(xplane, args.xplane)

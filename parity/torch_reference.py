@@ -115,9 +115,9 @@ class TorchTrainer:
 
 
 def nanogpt_train_loop(model, r, data_dir):
-    """nanoGPT's train.py loop on `model` with the settings `r` (bench_train.MAIN_RUN): the random
-    windows of get_batch, get_lr, clip_grad_norm_, an eval of eval_iters batches per split every
-    eval_interval iterations, a checkpoint (torch.save) when val improves, loss.item() every
+    """nanoGPT's train.py loop on `model` with the settings `r` (bench.train_workers.MAIN_RUN): the
+    random windows of get_batch, get_lr, clip_grad_norm_, an eval of eval_iters batches per split
+    every eval_interval iterations, a checkpoint (torch.save) when val improves, loss.item() every
     iteration. Returns the last eval's losses."""
     import torch
 

@@ -50,7 +50,7 @@ def tpu_mesh():
 
 def abstract_model(config, mesh):
     """(graphdef, params): ShapeDtypeStructs placed by the table's shardings, as
-    bench_train.bench_memory's."""
+    bench.train_workers.bench_memory's."""
     graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(config, nnx.Rngs(0))))
     return graphdef, sharding.abstract(params, sharding.shardings_for(params, mesh))
 
