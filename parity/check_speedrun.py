@@ -18,7 +18,7 @@ The run crosses the zero-initialised projections' first steps and a warmdown to 
     python -m parity.check_speedrun --scan_layers --remat qkv_proj --attention splash --seq-len 128
 
 Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input. The tolerances are
-parity.check_train's.
+check_train's (parity/train_report.py).
 """
 
 import argparse
@@ -29,15 +29,10 @@ import tempfile
 import numpy as np
 
 from configurator import UsageError, exit_on_bad_input, require_extras
-from parity.check_train import (
-    JaxTrainer,
-    Run,
-    check_rows,
-    report,
-    rerun_with_fake_devices,
-    train_side,
-)
+from parity.check_train import rerun_with_fake_devices
 from parity.common import add_step_args, pin_numerics, print_table
+from parity.train_report import report
+from parity.train_sides import JaxTrainer, Run, check_rows, train_side
 
 TINY = dict(vocab_size=128, n_layer=2, n_head=2, n_embd=64)
 # the record's optimizer settings at a learning rate that moves a tiny model far in a dozen steps
@@ -113,7 +108,7 @@ class TorchSide:
 
 
 class JaxSide(JaxTrainer):
-    """train.py's step (parity.check_train.JaxTrainer), its params named as the record's state
+    """train.py's step (parity.train_sides.JaxTrainer), its params named as the record's state
     dict."""
 
     def state_dict(self):

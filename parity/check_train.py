@@ -3,7 +3,8 @@ Training parity: nanoGPT's training step in PyTorch (parity/torch_reference.py: 
 GPT2LMHeadModel, AdamW with nanoGPT's two parameter groups, get_lr, accumulation by loss / K,
 clipping) against train.py's own jitted step (make_optimizer, init_state and make_train_step on
 sharding.py's mesh, as train.py uses them), from the same weights on the same batches: loss,
-pre-clip grad norm and lr at every step, every parameter at the end.
+pre-clip grad norm and lr at every step, every parameter at the end. The two sides are
+parity/train_sides.py's, the judgement parity/train_report.py's.
 
     # tiny random GPT-2, fp32, 50 steps, offline
     python -m parity.check_train
@@ -34,44 +35,26 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
-from typing import NamedTuple
 
 import numpy as np
 
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input, require_extras
-from dataloader import data_dir_for, data_meta, make_loader
-from parity.common import (
-    HF_SIZES,
-    add_step_args,
-    max_abs,
-    pin_numerics,
-    print_table,
-    random_hf_model,
-    verdict,
+from dataloader import data_dir_for, data_meta
+from parity.common import HF_SIZES, add_step_args, pin_numerics, random_hf_model
+from parity.train_report import report
+from parity.train_sides import (
+    Run,
+    check_rows,
+    hf_vocab_size,
+    make_batches,
+    make_trainers,
+    train_side,
 )
 
-# jax, and our modules on it (model, settings, sharding, train_step, weights), are imported where
-# they are used: bad arguments fail before jax loads, in a fraction of a second (parse_args)
+# jax, and our modules on it (model, settings, sharding), are imported where they are used: bad
+# arguments fail before jax loads, in a fraction of a second (parse_args)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# fp32 tolerances, judged at every step and, for the params, after the last (docs/parity.md's table
-# has the figures measured over seeds, accumulation and devices: each well inside its bar)
-LOSS_TOL = 1e-5  # |loss diff| / loss
-GRAD_NORM_TOL = 1e-4  # |pre-clip grad norm diff| / grad norm
-LR_TOL = 1e-6  # |lr diff| / lr (train_step.get_lr in float32, nanoGPT's in float64)
-PARAM_NORM_TOL = 2e-4  # ||param diff|| / ||param|| per tensor group: the tight check of the params
-# max |param diff| / max |param| per tensor group, a loose bar for gross errors: Adam steps an
-# element whose first gradient is below its eps (1e-8) by lr * g / (|g| + eps), a size that rounding
-# noise in g decides
-PARAM_TOL = 1e-2
-# bf16, against the fp32 reference: our errors at most BF16_FACTOR times PyTorch autocast's, in the
-# mean over steps of |Δloss|/loss and |Δgnorm|/gnorm and the worst tensor group's
-# ||Δparam||/||param||: training drifts more than a forward pass (check_logits allows 1.5x). The
-# Linears' biases added in bf16, not float32 as model.py does, fail it.
-BF16_JUDGED = ("mean_loss_rel", "mean_grad_norm_rel", "param_norm_rel")
-BF16_FACTOR = 2.0
 
 # The tiny run: nanoGPT's optimizer defaults (betas 0.9/0.95, weight decay 0.1, clip 1.0) at a
 # learning rate that moves a tiny model far in 50 steps (and clips steps 3-10), the schedule
@@ -94,368 +77,6 @@ GOLDEN_OVERRIDES = [
     "--dropout=0.0",
     "--bias=True",
 ]
-# The key bias adds q.b_k to every attention score of a query, a shift softmax ignores: its gradient
-# is 0 in exact arithmetic, so both sides move it only by rounding noise, which Adam divides by
-# sqrt(v) ~ |noise| and turns into real steps, unrelated between the two sides. The loss cannot see
-# them. Shown, not judged.
-UNJUDGED = {"h.*.attn.c_attn.bias[k]"}
-
-
-class Run(NamedTuple):
-    """One check: train.py's settings `c` (optimizer, schedule, seed), the weights, the data, the
-    batch layout."""
-
-    c: dict
-    model_dir: str  # an HF GPT-2 directory both sides load
-    data_dir: str  # train.bin (or *train*.npy shards), read by train.py's loader
-    steps: int
-    rows: int  # sequences per step, over all micro-batches and devices
-    seq_len: int
-    accum: int  # micro-batches per step (torch: loss / accum, ours: lax.scan)
-    devices: int  # our mesh's devices; torch computes the same global batch on one CPU
-    fsdp: int = 1  # the mesh's fsdp axis (data = devices / (fsdp x tensor_parallel))
-    tensor_parallel: int = 1
-
-
-# --- the two sides
-# ---------------------------------------------------------------------------------
-
-
-class JaxTrainer:
-    """train.py's optimizer, state and jitted step, in `dtype`, on sharding.py's mesh over
-    run.devices: params and optimizer state from train_step.init_state (split by
-    sharding.PARAM_SPECS), the batch's rows over data x fsdp."""
-
-    def __init__(self, run, dtype):
-        import jax
-
-        import sharding
-        import train_step
-        from model import RUNTIME_FIELDS, GPTConfig
-        from pretrained import read_pretrained
-
-        c = dict(run.c, dtype=dtype)
-        # a .pt of the record's: its heads
-        config_args, state, _ = read_pretrained(run.model_dir, n_head=c["n_head"])
-        config = GPTConfig(**config_args, **{k: c[k] for k in RUNTIME_FIELDS})
-        mesh = sharding.make_mesh(run.fsdp, run.tensor_parallel, jax.devices()[: run.devices])
-        sharding.check_model_fits_mesh(config, mesh)
-        tx = train_step.make_optimizer(c)
-        self.graphdef, params, opt_state = train_step.init_state(config, mesh, tx, weights=state)
-        self.batch_sharding = sharding.batch_sharding(mesh)
-        step = train_step.make_train_step(self.graphdef, tx, c["grad_clip"])
-        batch_shape = (run.accum, run.rows // run.accum, run.seq_len)  # (accum, B, T)
-        self.train_step, _, _ = train_step.compile_step(
-            step, params, opt_state, batch_shape, self.batch_sharding
-        )
-        self.defs = jax.tree.structure(params), jax.tree.structure(opt_state)
-        # as train.py's loop holds them
-        self.state = jax.tree.leaves(params), jax.tree.leaves(opt_state)
-        self.c, self.base_key, self.iter_num = c, jax.random.key(c["seed"]), 0
-
-    def step(self, x, y):
-        import jax
-
-        import train_step
-
-        # the lr of this update: train_step.get_lr at the optimizer's own schedule count
-        lr = float(
-            train_step.get_lr(
-                train_step.schedule_count(self.defs[1].unflatten(self.state[1])), self.c
-            )
-        )
-        key = jax.random.fold_in(self.base_key, self.iter_num)  # as train.py (dropout is 0: unused)
-        # one process: device_put is train.py's make_array_from_process_local_data
-        x, y = jax.device_put(x, self.batch_sharding), jax.device_put(y, self.batch_sharding)
-        *self.state, metrics = self.train_step(*self.state, x, y, key)
-        self.iter_num += 1
-        return {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]), "lr": lr}
-
-    def state_dict(self):
-        from flax import nnx
-
-        from weights import state_dict
-
-        return state_dict(nnx.merge(self.graphdef, self.defs[0].unflatten(self.state[0])))
-
-
-def make_trainers(run, dtype):
-    """{side: constructor}: torch fp32 (the reference), ours in `dtype`, and torch autocast-bf16 for
-    bf16."""
-    from parity.torch_reference import TorchTrainer
-
-    sides = {
-        "torch": lambda: TorchTrainer(run.model_dir, run.c),
-        "jax": lambda: JaxTrainer(run, dtype),
-    }
-    if dtype == "bfloat16":
-        sides["torch_bf16"] = lambda: TorchTrainer(run.model_dir, run.c, autocast_bf16=True)
-    return sides
-
-
-def train_side(trainer, batches):
-    """{"records": [{"loss", "grad_norm", "lr"}] per step, "initial"/"final": {HF name: array},
-    "ms": per step}."""
-    initial = trainer.state_dict()
-    records = [trainer.step(*batches[0])]  # ours compiles here
-    t0 = time.time()
-    records += [trainer.step(x, y) for x, y in batches[1:]]
-    ms = (time.time() - t0) / max(len(batches) - 1, 1) * 1000
-    return {"records": records, "initial": initial, "final": trainer.state_dict(), "ms": ms}
-
-
-def make_batches(run):
-    """run.steps batches (x, y), each (accum, rows / accum, T) int32, from train.py's loader: the
-    tokens of a step depend on (seed, step) only, not on how its rows split into micro-batches or
-    devices."""
-    import jax
-
-    if run.c["dropout"] != 0.0:
-        raise UsageError(
-            "training parity needs dropout 0: the two frameworks draw different dropout masks"
-        )
-    check_rows(run.rows, run.accum, run.devices, run.tensor_parallel)
-    if run.devices > jax.device_count():
-        raise UsageError(f"{run.devices} devices asked for, {jax.device_count()} here")
-    loader = make_loader(
-        run.data_dir,
-        "train",
-        run.seq_len,
-        run.rows // run.accum,
-        run.c["seed"],
-        vocab_size=hf_vocab_size(run.model_dir),
-    )
-    return [loader.next(run.accum) for _ in range(run.steps)]
-
-
-def check_rows(rows, accum, devices, tensor_parallel):
-    shards = devices // tensor_parallel  # data x fsdp: the devices of a tensor group share rows
-    if rows % (accum * shards):
-        raise UsageError(
-            f"{rows} rows per step do not split into --accum {accum} micro-batches over {shards} "
-            "batch shards (data x fsdp): rows per step must be divisible by accum x data x fsdp"
-        )
-
-
-# --- the comparison
-# ----------------------------------------------------------------------------------
-
-
-def split_qkv(state):
-    """c_attn's q, k and v columns as three tensors (...c_attn.weight[q] etc.): the key bias needs
-    its own row."""
-    out = {}
-    for name, value in state.items():
-        if ".attn.c_attn." in name:
-            for part, v in zip("qkv", np.split(value, 3, axis=-1)):
-                out[f"{name}[{part}]"] = v
-        else:
-            out[name] = value
-    return out
-
-
-def param_diffs(ref, test, initial):
-    """{group: {"max": max |test - ref| / max |ref|, "norm": ||test - ref|| / ||ref||, "moved": max
-    |ref - initial| / max |ref|, "decayed": bool}} per tensor group."""
-    ref, test, initial = split_qkv(ref), split_qkv(test), split_qkv(initial)
-    groups = {}
-    # a group across layers: transformer.h.3.attn.c_proj.weight -> h.*.attn.c_proj.weight
-    for name in ref:
-        groups.setdefault(
-            re.sub(r"^h\.\d+\.", "h.*.", name.removeprefix("transformer.")), []
-        ).append(name)
-    out = {}
-    for group, names in groups.items():
-        r, t, i = (
-            np.concatenate([s[n].astype(np.float64).ravel() for n in names])
-            for s in (ref, test, initial)
-        )
-        scale = np.max(np.abs(r))
-        out[group] = {
-            "max": np.max(np.abs(t - r)) / scale,
-            "norm": np.linalg.norm(t - r) / np.linalg.norm(r),
-            "moved": np.max(np.abs(r - i)) / scale,
-            "decayed": ref[names[0]].ndim >= 2,
-        }
-    return out
-
-
-def rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-30)
-
-
-def shown_steps(steps):
-    """Every step of a short run; every steps // 10 (every 20 of the 200-step golden run) of a long
-    one."""
-    stride = 1 if steps <= 50 else steps // 10
-    return sorted(set(range(0, steps, stride)) | {steps - 1})
-
-
-def side_figures(results, side):
-    """(per step {"loss", "grad_norm", "lr"}: |side - ref| / ref, param_diffs, figures) of
-    results[side] against the fp32 reference: the worst step's, the mean over steps and the worst
-    judged tensor group's."""
-    ref, ours = results["torch"]["records"], results[side]["records"]
-    per_step = {
-        k: [rel(o[k], r[k]) for r, o in zip(ref, ours)] for k in ("loss", "grad_norm", "lr")
-    }
-    diffs = param_diffs(
-        results["torch"]["final"], results[side]["final"], results["torch"]["initial"]
-    )
-    judged = [d for group, d in diffs.items() if group not in UNJUDGED]
-    figures = {
-        "mean_loss_rel": float(np.mean(per_step["loss"])),
-        "loss_rel": max(per_step["loss"]),
-        "mean_grad_norm_rel": float(np.mean(per_step["grad_norm"])),
-        "grad_norm_rel": max(per_step["grad_norm"]),
-        "param_rel": float(max(d["max"] for d in judged)),
-        "param_norm_rel": float(max(d["norm"] for d in judged)),
-        "lr_rel": max(per_step["lr"]),
-    }
-    return per_step, diffs, figures
-
-
-def report_fp32(run, results):
-    ref, ours = results["torch"]["records"], results["jax"]["records"]
-    per_step, diffs, figures = side_figures(results, "jax")
-    clip = run.c["grad_clip"]
-    print_table(
-        [
-            [
-                str(i),
-                ref[i]["lr"],
-                ours[i]["lr"],
-                f"{ref[i]['loss']:.6f}",
-                f"{ours[i]['loss']:.6f}",
-                per_step["loss"][i],
-                f"{ref[i]['grad_norm']:.5f}",
-                f"{ours[i]['grad_norm']:.5f}",
-                per_step["grad_norm"][i],
-                "yes" if ref[i]["grad_norm"] > clip > 0 else "",
-            ]
-            for i in shown_steps(run.steps)
-        ],
-        [
-            "step",
-            "lr torch",
-            "lr jax",
-            "loss torch",
-            "loss jax",
-            "|Δloss|/loss",
-            "gnorm torch",
-            "gnorm jax",
-            "|Δgnorm|/gnorm",
-            "clipped",
-        ],
-    )
-    gaps = [abs(o["loss"] - r["loss"]) for r, o in zip(ref, ours)]
-    names = {"loss": "|Δloss|/loss", "grad_norm": "|Δgnorm|/gnorm", "lr": "|Δlr|/lr"}
-    print(
-        f"max loss gap {max(gaps):.3g} (step {int(np.argmax(gaps))}); worst step: "
-        + ", ".join(
-            f"{names[k]} {max(v):.3g} (step {int(np.argmax(v))})" for k, v in per_step.items()
-        )
-    )
-    print()
-    print_table(
-        [
-            [
-                g,
-                "yes" if d["decayed"] else "no",
-                d["moved"],
-                d["max"],
-                d["norm"],
-                "no (zero gradient)" if g in UNJUDGED else "yes",
-            ]
-            for g, d in diffs.items()
-        ],
-        [
-            f"params after {run.steps} steps",
-            "decayed",
-            "moved (rel)",
-            "max |Δparam| (rel)",
-            "||Δparam|| (rel)",
-            "judged",
-        ],
-    )
-    print(
-        f"ms per step after the first: torch {results['torch']['ms']:.0f}, jax "
-        f"{results['jax']['ms']:.0f}"
-    )
-    figures.update(
-        loss_gap=max(gaps), losses=[o["loss"] for o in ours], ref_losses=[r["loss"] for r in ref]
-    )
-    ok = (
-        figures["loss_rel"] <= LOSS_TOL
-        and figures["grad_norm_rel"] <= GRAD_NORM_TOL
-        and figures["lr_rel"] <= LR_TOL
-        and figures["param_rel"] <= PARAM_TOL
-        and figures["param_norm_rel"] <= PARAM_NORM_TOL
-    )
-    return verdict(
-        ok,
-        f"fp32 training parity (every step |Δloss|/loss <= {LOSS_TOL:g}, |Δgnorm|/gnorm <= "
-        f"{GRAD_NORM_TOL:g}, |Δlr|/lr <= {LR_TOL:g}; params: max |Δ| <= {PARAM_TOL:g} of their "
-        f"scale, ||Δ|| <= {PARAM_NORM_TOL:g} of their norm)",
-    ), figures
-
-
-def report_bf16(run, results):
-    ref = results["torch"]["records"]
-    sides = {"jax bf16": "jax", "torch autocast-bf16": "torch_bf16"}
-    recs = [results[side]["records"] for side in sides.values()]
-    print_table(
-        [
-            [str(i), ref[i]["lr"], f"{ref[i]['loss']:.5f}"]
-            + [f"{r[i]['loss']:.5f}" for r in recs]
-            + [f"{ref[i]['grad_norm']:.4f}"]
-            + [f"{r[i]['grad_norm']:.4f}" for r in recs]
-            for i in shown_steps(run.steps)
-        ],
-        [
-            "step",
-            "lr",
-            "loss fp32",
-            "loss jax bf16",
-            "loss torch bf16",
-            "gnorm fp32",
-            "gnorm jax bf16",
-            "gnorm torch bf16",
-        ],
-    )
-    print()
-    figures = {name: side_figures(results, side)[2] for name, side in sides.items()}
-    keys = [
-        "mean_loss_rel",
-        "loss_rel",
-        "mean_grad_norm_rel",
-        "grad_norm_rel",
-        "param_rel",
-        "param_norm_rel",
-    ]
-    print_table(
-        [[f"{name} vs torch fp32"] + [f[k] for k in keys] for name, f in figures.items()],
-        [
-            "",
-            "mean |Δloss|/loss",
-            "max",
-            "mean |Δgnorm|/gnorm",
-            "max",
-            "max |Δparam| (rel)",
-            "max ||Δparam|| (rel)",
-        ],
-    )
-    print(
-        f"ms per step after the first: torch fp32 {results['torch']['ms']:.0f}, torch bf16 "
-        f"{results['torch_bf16']['ms']:.0f}, jax bf16 {results['jax']['ms']:.0f}"
-    )
-    ours, theirs = figures["jax bf16"], figures["torch autocast-bf16"]
-    ok = all(ours[k] <= BF16_FACTOR * theirs[k] for k in BF16_JUDGED) and ours["lr_rel"] <= LR_TOL
-    return verdict(
-        ok,
-        "bf16 training parity (our mean |Δloss|/loss, mean |Δgnorm|/gnorm and max ||Δparam|| "
-        f"(rel) against the fp32 reference <= {BF16_FACTOR:g}x autocast's)",
-    ), figures
 
 
 def check(run, dtype="float32"):
@@ -481,22 +102,6 @@ def check(run, dtype="float32"):
         side: train_side(make(), batches) for side, make in make_trainers(run, dtype).items()
     }
     return report(run, results, dtype)
-
-
-def report(run, results, dtype="float32"):
-    """Print the comparison of the sides' results; (ok, figures)."""
-    initial = results["torch"]["initial"]
-    init_diff = max(max_abs(initial[k], results["jax"]["initial"][k]) for k in initial)
-    print(f"initial weights: max |torch - jax| = {init_diff:g}")
-    if init_diff != 0.0:
-        return verdict(False, "identical initial weights"), {}
-    return report_fp32(run, results) if dtype == "float32" else report_bf16(run, results)
-
-
-def hf_vocab_size(model_dir):
-    from weights import hf_directory, read_hf_config
-
-    return read_hf_config(hf_directory(model_dir))["vocab_size"]
 
 
 # --- the runs the CLI offers

@@ -14,7 +14,7 @@ import pytest
 from helpers import one_torch_thread
 
 import train_step
-from parity import check_speedrun, check_train
+from parity import check_speedrun, check_train, train_report, train_sides
 
 # as test_check_train: held to check_train's tolerances at XLA's defaults
 pytestmark = pytest.mark.xla_defaults
@@ -36,14 +36,14 @@ def tiny(tmp_path_factory):
         check_speedrun.parse_args([]), str(tmp_path_factory.mktemp("speedrun"))
     )
     batches = check_speedrun.make_batches(run, shards)
-    reference = check_train.train_side(check_speedrun.TorchSide(run.model_dir, run.c), batches)
+    reference = train_sides.train_side(check_speedrun.TorchSide(run.model_dir, run.c), batches)
     return run, batches, reference
 
 
 def ours_against_reference(tiny):
     run, batches, reference = tiny
-    ours = check_train.train_side(check_speedrun.JaxSide(run, "float32"), batches)
-    return check_train.report(run, {"torch": reference, "jax": ours})
+    ours = train_sides.train_side(check_speedrun.JaxSide(run, "float32"), batches)
+    return train_report.report(run, {"torch": reference, "jax": ours})
 
 
 def test_tiny_fp32_matches_the_record(tiny, capsys):
@@ -82,8 +82,8 @@ def test_qkv_orthogonalised_whole_fails(tiny, monkeypatch, capsys):
     ok, f = ours_against_reference(tiny)
     assert not ok and "NOT OK" in capsys.readouterr().out
     assert (
-        f["loss_rel"] > 10 * check_train.LOSS_TOL
-        and f["param_norm_rel"] > 10 * check_train.PARAM_NORM_TOL
+        f["loss_rel"] > 10 * train_report.LOSS_TOL
+        and f["param_norm_rel"] > 10 * train_report.PARAM_NORM_TOL
     ), f
 
 

@@ -16,7 +16,7 @@ import pytest
 from helpers import assert_close, one_torch_thread
 
 import train_step
-from parity import check_train
+from parity import check_train, train_report, train_sides
 
 # conftest: quick compilation moves 10 steps to the edge of the tolerances
 pytestmark = pytest.mark.xla_defaults
@@ -43,18 +43,18 @@ def tiny(tmp_path_factory):
     run = check_train.make_run(
         check_train.parse_args(TINY), str(tmp_path_factory.mktemp("check_train"))
     )
-    batches = check_train.make_batches(run)
+    batches = train_sides.make_batches(run)
     return (
         run,
         batches,
-        check_train.train_side(check_train.make_trainers(run, "float32")["torch"](), batches),
+        train_sides.train_side(train_sides.make_trainers(run, "float32")["torch"](), batches),
     )
 
 
 def ours_against_reference(tiny):
     run, batches, reference = tiny
-    ours = check_train.train_side(check_train.make_trainers(run, "float32")["jax"](), batches)
-    return check_train.report(run, {"torch": reference, "jax": ours})
+    ours = train_sides.train_side(train_sides.make_trainers(run, "float32")["jax"](), batches)
+    return train_report.report(run, {"torch": reference, "jax": ours})
 
 
 def test_tiny_fp32_matches_pytorch(tiny, capsys):
@@ -91,8 +91,8 @@ def test_tiny_fp32_matches_pytorch_with_each_compute_setting(setting, tiny, caps
     each at XLA's defaults."""
     run, batches, reference = tiny
     run = run._replace(c=dict(run.c, **setting))
-    ours = check_train.train_side(check_train.make_trainers(run, "float32")["jax"](), batches)
-    ok, _ = check_train.report(run, {"torch": reference, "jax": ours})
+    ours = train_sides.train_side(train_sides.make_trainers(run, "float32")["jax"](), batches)
+    ok, _ = train_report.report(run, {"torch": reference, "jax": ours})
     assert ok and "fp32 training parity" in capsys.readouterr().out
 
 
@@ -108,7 +108,10 @@ def test_accumulation_changes_nothing(tiny, capsys):
         what="torch losses, accum 4 vs 1",
     )
     assert_close(
-        f["losses"], f["ref_losses"], rtol=check_train.LOSS_TOL, what="jax vs torch losses, accum 4"
+        f["losses"],
+        f["ref_losses"],
+        rtol=train_report.LOSS_TOL,
+        what="jax vs torch losses, accum 4",
     )
 
 
@@ -157,9 +160,9 @@ def test_a_port_that_differs_from_nanogpt_fails(bug, tiny, monkeypatch, capsys):
     assert not ok and "NOT OK" in capsys.readouterr().out
     # caught by a wide margin, not by noise at the edge of a tolerance
     assert (
-        f["loss_rel"] > 10 * check_train.LOSS_TOL
-        or f["param_norm_rel"] > 10 * check_train.PARAM_NORM_TOL
-        or f["lr_rel"] > 10 * check_train.LR_TOL
+        f["loss_rel"] > 10 * train_report.LOSS_TOL
+        or f["param_norm_rel"] > 10 * train_report.PARAM_NORM_TOL
+        or f["lr_rel"] > 10 * train_report.LR_TOL
     ), f
 
 

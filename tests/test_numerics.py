@@ -19,7 +19,7 @@ import layers
 import model as model_lib
 import train_step
 from model import GPT
-from parity import check_train
+from parity import check_train, train_report
 from settings import DEFAULTS
 
 # what each claim is, found by the source of the equation (every equation of a jaxpr, the backward
@@ -288,8 +288,8 @@ def one_thread():
 def test_bf16_training_is_within_2x_of_torch_autocast(tmp_path, one_thread, capsys):
     """docs/parity.md's bf16 training row, on the tiny random GPT-2 for 10 steps: ours in bf16 and
     torch autocast-bf16, each against torch fp32 from the same weights on the same batches; our mean
-    |Δloss|/loss, mean |Δgnorm|/gnorm and worst ||Δparam||/||param|| at most check_train.BF16_FACTOR
-    (2) times autocast's."""
+    |Δloss|/loss, mean |Δgnorm|/gnorm and worst ||Δparam||/||param|| at most
+    train_report.BF16_FACTOR (2) times autocast's."""
     check_train.pin_numerics()
     run = check_train.make_run(
         check_train.parse_args(["--steps", "10", "--batch-size", "16"]), str(tmp_path)
@@ -297,8 +297,8 @@ def test_bf16_training_is_within_2x_of_torch_autocast(tmp_path, one_thread, caps
     ok, figures = check_train.check(run, "bfloat16")
     assert ok and "bf16 training parity" in capsys.readouterr().out
     ours, autocast = figures["jax bf16"], figures["torch autocast-bf16"]
-    assert check_train.BF16_FACTOR == 2.0  # the documented bar
-    for k in check_train.BF16_JUDGED:
+    assert train_report.BF16_FACTOR == 2.0  # the documented bar
+    for k in train_report.BF16_JUDGED:
         # > 0: it really ran in bf16
         assert 0 < ours[k] <= 2.0 * autocast[k], (k, ours[k], autocast[k])
-    assert ours["lr_rel"] <= check_train.LR_TOL
+    assert ours["lr_rel"] <= train_report.LR_TOL

@@ -23,8 +23,8 @@ import accelerators
 import train
 from configurator import UsageError
 from parity import nanogpt_reference as nanogpt
-from parity.check_train import LOSS_TOL
 from parity.common import save_random_hf_model
+from parity.train_report import LOSS_TOL
 from weights import load_hf_model
 
 
