@@ -15,20 +15,22 @@ from helpers import tiny_config
 from model import GPT
 from parity.check_generate import (
     CACHE_LOGITS_TOL,
-    FILTER_PROB_TOL,
     bf16_ok,
     check_bf16,
-    check_filters,
     check_greedy,
     check_sampling,
-    chi_square,
-    draw,
-    hf_probs,
     make_prompt,
-    reference_probs,
     varied_hf_model,
 )
 from parity.common import max_abs, pin_numerics
+from parity.sampling_checks import (
+    FILTER_PROB_TOL,
+    check_filters,
+    chi_square,
+    draw,
+    hf_probs,
+    reference_probs,
+)
 
 TINY = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=128)
 
@@ -126,7 +128,7 @@ def test_filters_match_numpy_and_transformers():
 
 def test_generate_draws_from_the_filtered_softmax():
     """20,000 tokens through generate (2,000 rows x 10 steps) from one fixed logit vector, against
-    the filtered softmax of that vector in float64 numpy (parity.check_generate.reference_probs,
+    the filtered softmax of that vector in float64 numpy (parity.sampling_checks.reference_probs,
     written from the definitions; transformers' warpers give the same): nothing drawn outside the
     kept set, and Pearson's chi-square within its 1 - 1e-6 quantile, so a correct sampler fails with
     probability 1e-6 over keys (the key is fixed: the test is deterministic). At T=0.8, top_k=20,
