@@ -1,8 +1,10 @@
 """
-How the stack of blocks runs: a Python loop, or one lax.scan over their params stacked on a leading
-layer axis (scan_layers), each block with or without remat; and the conditionals XLA:CPU needs in
-the backward pass. Also the model's parameter-free pieces: dropout, the speedrun architecture's
-RMSNorm and rotary embedding (modded-nanogpt's record 5), and the tied head and its cross-entropy.
+The models' pieces that know the mesh and the platform, shared by GPT-2 (model.py) and the
+speedrun's records (speedrun_model.py): how the stack of blocks runs (a Python loop, or one lax.scan
+over their params stacked on a leading layer axis, scan_layers), each block's input pinned to its
+rows, with or without remat, and the conditionals XLA:CPU needs in the backward pass; the Linear
+and embedding whose tables sharding.py lays out. Also the parameter-free pieces: dropout, record 5's
+RMSNorm and rotary embedding, and the tied head and its cross-entropy.
 """
 
 import functools
@@ -199,7 +201,7 @@ def dropout(x, rate, key):
 
 
 # ------------------------------------------------------------------------------------------------
-# the speedrun architecture (model.GPTConfig.arch='speedrun'): modded-nanogpt's record 5,
+# the speedrun's record 5 (speedrun_model.py, GPTConfig.arch='speedrun'): modded-nanogpt's
 # 2024-10-14_ModernArch
 
 ROTARY_BASE = 10000
