@@ -7,14 +7,18 @@ round trips, and the HF loader's bad input."""
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 import torch
 from flax import nnx
 from helpers import tiny_config
+from jax.sharding import NamedSharding
 
+import sharding
 from configurator import exit_on_bad_input
 from model import GPT
+from models import load_pretrained
 from parity import check_logits
 from parity.check_logits import check
 from parity.common import save_random_hf_model
@@ -129,3 +133,21 @@ def test_check_logits_cli(tmp_path, capsys):
         and command.stderr.startswith("error: --random-init takes a size name")
         and command.stderr.count("\n") == 1
     ), command.stderr
+
+
+def test_load_pretrained_gives_the_model_the_runs_settings_and_mesh(tmp_path):
+    """models.load_pretrained (sample, eval, hellaswag, a finetune's start): the run's choices reach
+    the config (bf16 here), and with a mesh every tensor lands in its shards on it; without one,
+    in no mesh's."""
+    path = save_random_hf_model(
+        tmp_path / "hf", seed=2, n_layer=1, n_head=2, n_embd=64, n_positions=32, vocab_size=128
+    )
+    mesh = sharding.make_mesh()
+    model, _ = load_pretrained(str(path), mesh=mesh, dtype="bfloat16")
+    assert model.config.dtype == "bfloat16"
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert all(isinstance(p.sharding, NamedSharding) and p.sharding.mesh == mesh for p in params)
+    plain, _ = load_pretrained(str(path))
+    assert plain.config.dtype == "float32"
+    params = jax.tree.leaves(nnx.state(plain, nnx.Param))
+    assert not any(isinstance(p.sharding, NamedSharding) for p in params)
