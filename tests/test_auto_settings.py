@@ -181,6 +181,8 @@ def test_train_says_what_each_auto_became(dataset, tmp_path, capsys):
         line,
     ), line
     assert (trainer.model_config.remat, trainer.model_config.loss_chunk) == ("none", 0)
+    # the run's settings as compiled, not 'auto': what the log and the checkpoint's meta record
+    assert (trainer.c["remat"], trainer.c["loss_chunk"]) == ("none", 0)
     trainer = run(
         dataset,
         tmp_path / "explicit",

@@ -364,6 +364,18 @@ def test_hellaswag_in_the_training_loop(dataset, tmp_path, capsys):
         shutil.copy(os.path.join(dataset, split), bpe / split)
     with pytest.raises(FileNotFoundError, match="hellaswag_path nowhere.jsonl does not exist"):
         train.Trainer(settings(str(bpe), tmp_path / "x", *extra, "--hellaswag_path=nowhere.jsonl"))
+
+    def offline(split):
+        raise OSError("no network")
+
+    with pytest.MonkeyPatch.context() as patch:  # no hellaswag_path: the download, offline
+        patch.setattr(hellaswag_data, "download", offline)
+        with pytest.raises(
+            FileNotFoundError,
+            match=r"^could not download HellaSwag \(offline\?\): set --hellaswag_path=FILE.jsonl "
+            r"or --hellaswag_interval=0$",
+        ):
+            train.Trainer(settings(str(bpe), tmp_path / "x", *extra))
     assert not os.path.exists(tmp_path / "x")
     capsys.readouterr()
     t = run(str(bpe), tmp_path, *extra, f"--hellaswag_path={HELLASWAG_FIXTURE}")
