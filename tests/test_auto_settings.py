@@ -11,7 +11,7 @@ import re
 import jax
 import pytest
 from flax import nnx
-from helpers import run, settings, tiny_config
+from helpers import read_log, run, settings, tiny_config
 
 import accelerators
 import auto_settings
@@ -183,6 +183,8 @@ def test_train_says_what_each_auto_became(dataset, tmp_path, capsys):
     assert (trainer.model_config.remat, trainer.model_config.loss_chunk) == ("none", 0)
     # the run's settings as compiled, not 'auto': what the log and the checkpoint's meta record
     assert (trainer.c["remat"], trainer.c["loss_chunk"]) == ("none", 0)
+    [(_, config)] = read_log(tmp_path / "auto", "config")
+    assert (config["remat"], config["loss_chunk"], config["max_iters"]) == ("none", 0, 1)
     trainer = run(
         dataset,
         tmp_path / "explicit",
