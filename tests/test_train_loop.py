@@ -159,6 +159,9 @@ def test_best_val_loss_is_never_overwritten_by_a_worse_value(dataset, tmp_path, 
     import checkpoint
 
     assert checkpoint.restore(tmp_path)["meta"]["best_val_loss"] == 2.0
+    vals = iter([2.9, 2.9])  # a resume's evals, worse than the checkpoint's best: not forgotten
+    t = run(dataset, tmp_path, "--max_iters=4", "--eval_interval=1", "--init_from=resume")
+    assert t.best_val_loss == 2.0
 
 
 def test_gradient_accumulation_equivalence(dataset, tmp_path):
