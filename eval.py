@@ -28,8 +28,8 @@ import sharding
 from checkpoint import load_bpe_model
 from configurator import UsageError, configure, exit_on_bad_input, exit_without_extras
 from eval_lm import JaxLM
-from model import resolve_dtype
 from runlog import check_results_file, write_results
+from settings import resolve_dtype
 
 try:  # without the eval extras, one line naming them
     import lm_eval

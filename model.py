@@ -99,16 +99,6 @@ DTYPES = ("float32", "bfloat16")
 ARCHS = ("gpt2", "speedrun")  # models.MODELS builds each
 
 
-def resolve_dtype(dtype, platform):
-    """A dtype setting ('auto' or one of DTYPES) -> the compute dtype on `platform`
-    (sharding.platform_of a mesh): 'auto' is bfloat16 on GPU/TPU, float32 on CPU."""
-    if dtype == "auto":
-        return "float32" if platform == "cpu" else "bfloat16"
-    if dtype not in DTYPES:
-        raise UsageError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
-    return dtype
-
-
 # GPTConfig's fields that are choices of the run, not the architecture: a restored checkpoint takes
 # them from the current settings (checkpoint.model_config_from_meta), so a run saved on a GPU
 # resumes on a CPU

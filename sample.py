@@ -31,7 +31,7 @@ import sharding
 from checkpoint import load_with_codec
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
 from generate import check_sampling
-from model import resolve_dtype
+from settings import resolve_dtype
 
 defaults = dict(
     # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory,

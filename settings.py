@@ -10,7 +10,7 @@ import os
 import runlog
 from configurator import UsageError
 from layers import REMAT
-from model import GPTConfig, resolve_dtype
+from model import DTYPES, GPTConfig
 from models import check_config
 
 # -----------------------------------------------------------------------------
@@ -246,6 +246,16 @@ def profile_range(profile):
             f"{profile!r}"
         )
     return start, stop
+
+
+def resolve_dtype(dtype, platform):
+    """A dtype setting ('auto' or one of DTYPES) -> the compute dtype on `platform`
+    (sharding.platform_of a mesh): 'auto' is bfloat16 on GPU/TPU, float32 on CPU."""
+    if dtype == "auto":
+        return "float32" if platform == "cpu" else "bfloat16"
+    if dtype not in DTYPES:
+        raise UsageError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {dtype!r}")
+    return dtype
 
 
 def resolve_scan_layers(scan_layers, platform):

@@ -39,12 +39,13 @@ from configurator import (
     exit_on_bad_input,
 )
 from dataloader import data_dir_for, data_meta, val_batches_for
-from model import RUNTIME_FIELDS, resolve_dtype
+from model import RUNTIME_FIELDS
 from prefetch import Prefetcher
 from settings import (
     DEFAULTS,
     accumulation_steps,
     profile_range,
+    resolve_dtype,
     resolve_scan_layers,
     validate,
 )

@@ -17,8 +17,9 @@ from helpers import assert_close, tiny_config
 import layers
 from configurator import UsageError
 from layers import dropout
-from model import GPT, GPTConfig, cross_entropy, layer_norm, resolve_dtype
+from model import GPT, GPTConfig, cross_entropy, layer_norm
 from models import build, check_config
+from settings import resolve_dtype
 from tokenizer import get_encoding
 
 
