@@ -248,3 +248,17 @@ class Call:
 
     def __reduce__(self):
         return self.fn, self.args
+
+
+def python_in_c_locale(script, timeout=120):
+    """`python -c script` in the repository as a C locale without Python's UTF-8 mode runs it (a
+    python of its own, as on a bare server): what reads or writes a file must not depend on the
+    locale's encoding."""
+    return subprocess.run(
+        [sys.executable, "-X", "utf8=0", "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0"},
+        timeout=timeout,
+    )

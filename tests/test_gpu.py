@@ -110,31 +110,22 @@ def test_gpu_table():
         accelerators.gpu_devices("h100", 12)
 
 
-def test_bench_memory_for_a_gpu():
-    """bench/train.py --memory --gpu: the memory line, the GPU's memory and whether the step fits;
-    with nothing on stderr (no CUDA plugin's complaint about a missing GPU, no libtpu banner)."""
+def bench_memory(*args):
+    """`python -m bench.train --memory ARGS` as a user runs it: the environment without the suite's
+    JAX_PLATFORMS and constraint-check skip, so that the CUDA plugin starts as it would."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
     }
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.train",
-            "--memory",
-            "--gpu=a100-40",
-            "--gpus=2",
-            "--preset=tiny",
-            "--dtype=bfloat16",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    command = [sys.executable, "-m", "bench.train", "--memory", *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_bench_memory_for_a_gpu():
+    """bench/train.py --memory --gpu: the memory line, the GPU's memory and whether the step fits;
+    with nothing on stderr (no CUDA plugin's complaint about a missing GPU, no libtpu banner)."""
+    p = bench_memory("--gpu=a100-40", "--gpus=2", "--preset=tiny", "--dtype=bfloat16")
     assert p.returncode == 0 and p.stderr == "", p.stderr[-3000:]
     lines = p.stdout.splitlines()
     assert (
@@ -175,28 +166,7 @@ def test_the_124m_recipe_takes_what_fits_each_gpu(gpu, picks):
     H100 recomputes nothing (none/0), an A100 40 GB takes what fits its 29.57 GiB; the same line
     train.py prints at start-up, naming the attention kernel compiled in (cuDNN's). XLA:GPU's cuDNN
     LayerNorm is in the step (train_step.GPU_OPTIONS)."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("JAX_PLATFORMS", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
-    }
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.train",
-            "--memory",
-            f"--gpu={gpu}",
-            "--preset=gpt2",
-            "--batch_size=64",
-            "--dtype=bfloat16",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    p = bench_memory(f"--gpu={gpu}", "--preset=gpt2", "--batch_size=64", "--dtype=bfloat16")
     assert p.returncode == 0, p.stderr[-3000:]
     auto = next(line for line in p.stdout.splitlines() if line.startswith("auto settings:"))
     name = GPUS[gpu][0]

@@ -9,14 +9,12 @@ import io
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import pytest
 from flax import nnx
-from helpers import HELLASWAG_FIXTURE, REPO
+from helpers import HELLASWAG_FIXTURE, python_in_c_locale
 
 import hellaswag
 import hellaswag_data
@@ -90,14 +88,7 @@ def test_blank_lines_are_skipped_and_the_file_is_read_as_utf8_in_any_locale(tmp_
     read = hellaswag_data.read_examples(path)
     assert [ex["_line"] for ex in read] == [1, 3] and read[1]["ctx"] == "Un café — naïve"
     script = f"import hellaswag_data; print(ascii(hellaswag_data.read_examples({ascii(path)})))"
-    r = subprocess.run(
-        [sys.executable, "-X", "utf8=0", "-c", script],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0"},
-        timeout=120,
-    )
+    r = python_in_c_locale(script)
     assert r.returncode == 0 and r.stdout.strip() == ascii(read), r.stderr[-2000:]
     path = write_lines(tmp_path, ["", " "])
     with pytest.raises(ValueError, match=f"^{re.escape(path)}: no examples$"):

@@ -14,11 +14,18 @@ import pickle
 import runpy
 import shutil
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
-from helpers import HELLASWAG_FIXTURE, REPO, Call, one_line_error, run, train_cli
+from helpers import (
+    HELLASWAG_FIXTURE,
+    REPO,
+    Call,
+    one_line_error,
+    python_in_c_locale,
+    run,
+    train_cli,
+)
 
 import checkpoint
 import eval as lm_eval_py
@@ -380,14 +387,7 @@ def test_save_vocab_writes_nanogpts_meta_pkl_and_a_utf8_json_twin_in_any_locale(
     os.makedirs(ascii_locale)
     # an ASCII argv
     script = f"import tokenizer; tokenizer.save_vocab({ascii(str(ascii_locale))}, {ascii(chars)})"
-    r = subprocess.run(
-        [sys.executable, "-X", "utf8=0", "-c", script],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0"},
-        timeout=60,
-    )
+    r = python_in_c_locale(script, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     for name in ("meta.json", "meta.pkl"):  # the same files
         assert (ascii_locale / name).read_bytes() == (here / name).read_bytes(), name
