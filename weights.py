@@ -345,12 +345,24 @@ def save_hf(model, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config_for(model.config), f, indent=2)
+    path = os.path.join(out_dir, "model.safetensors")
     # lm_head.weight is left out, as transformers' save_pretrained leaves out a tied weight
-    save_file(
-        state_dict(model, zero_biases=True),
-        os.path.join(out_dir, "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    save_file(state_dict(model, zero_biases=True), path, metadata={"format": "pt"})
+    # safetensors writes a temporary file (mode 0600, as mkstemp makes it) and renames it over
+    # `path`: the mode every other file gets instead, the umask's
+    os.chmod(path, 0o666 & ~umask())
+
+
+def umask():
+    """This process's umask, read (os.umask only sets it: setting it back at once leaves a moment
+    where a file another thread creates gets the wrong mode)."""
+    try:
+        with open("/proc/self/status") as f:  # Linux 4.7+
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration):
+        mask = os.umask(0o077)  # briefly the strictest mode, never a looser one
+        os.umask(mask)
+        return mask
 
 
 def load_hf_model(name_or_path):

@@ -12,6 +12,7 @@ import os
 import pickle
 import random
 import re
+import stat
 import subprocess
 import sys
 
@@ -334,6 +335,31 @@ def test_a_step_is_restored_by_its_number_and_a_missing_one_names_those_there(da
         match=r"^no checkpoint of step 3 in \S+/ckpt: it has steps 2, 4$",
     ):
         checkpoint.restore(tmp_path, step=3)
+
+
+def test_a_train_runs_checkpoint_files_get_the_umasks_mode(dataset, tmp_path):
+    """Every file and folder of the checkpoints train.py saves (orbax's arrays, our meta and
+    metrics): 0666 & ~umask and 0777 & ~umask, as any program's, under a umask that is neither
+    0o022 nor 0o077. Exports: test_export.py."""
+    old = os.umask(0o007)
+    try:
+        run(dataset, tmp_path, "--max_iters=2", "--eval_interval=2")
+    finally:
+        os.umask(old)
+    modes = {"ckpt": os.stat(tmp_path / "ckpt").st_mode}
+    for root, dirs, files in os.walk(tmp_path / "ckpt"):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            modes[os.path.relpath(path, tmp_path)] = os.stat(path).st_mode
+    assert {"ckpt/2/meta/metadata", "ckpt/2/metrics/metrics", "ckpt/2/params/_METADATA"} <= set(
+        modes
+    )
+    wrong = {
+        path: oct(stat.S_IMODE(mode))
+        for path, mode in modes.items()
+        if stat.S_IMODE(mode) != (0o770 if stat.S_ISDIR(mode) else 0o660)
+    }
+    assert wrong == {}
 
 
 def test_rotation_keeps_the_latest_and_the_best(tmp_path):

@@ -9,6 +9,7 @@ read in: test_weights.py)."""
 import json
 import os
 import pickle
+import stat
 import subprocess
 import sys
 
@@ -24,6 +25,7 @@ import export
 import sample
 from configurator import UsageError, exit_on_bad_input
 from model import GPT
+from models import build
 from parity import nanogpt_reference as nanogpt
 from parity.check_logits import FP32_MAX_REL_TOL as FP32_LOGITS_TOL  # max |Δlogit| / max |logit|
 from tokenizer import save_vocab
@@ -159,6 +161,41 @@ def test_an_export_is_whole_or_not_at_all(tmp_path, capsys):
         == 0
     )
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_each_export_and_checkpoint_file_gets_the_umasks_mode(dataset, tmp_path, umask):
+    """Checkpoints saved as train.py saves them, and each format's export (a character-level run's
+    with its vocabulary beside): files 0666 & ~umask, folders 0777 & ~umask, as any program's files.
+    safetensors alone wrote model.safetensors 0600 (a temporary file, renamed)."""
+    char_level = GPT(tiny_config(gelu="exact", vocab_size=64), nnx.Rngs(0))
+    exports = [("run", "hf", "hf"), ("run", "nanogpt", "nano"), ("speedrun", "modded", "s.pt")]
+    old = os.umask(umask)
+    try:
+        save_ours(tmp_path / "run", char_level, {"dataset": str(dataset)})
+        save_ours(
+            tmp_path / "speedrun", build(tiny_config(arch="speedrun", bias=False), nnx.Rngs(0))
+        )
+        for run, fmt, to in exports:
+            argv = [f"--out_dir={tmp_path / run}", f"--format={fmt}", f"--to={tmp_path / to}"]
+            assert export.main(argv) == 0
+    finally:
+        os.umask(old)
+    modes = {}
+    for top in ("run", "speedrun", "hf", "nano", "s.pt"):
+        modes[top] = os.stat(tmp_path / top).st_mode
+        for root, dirs, files in os.walk(tmp_path / top):
+            for name in dirs + files:
+                path = os.path.join(root, name)
+                modes[os.path.relpath(path, tmp_path)] = os.stat(path).st_mode
+    assert {"hf/model.safetensors", "hf/meta.json", "nano/ckpt.pt", "nano/meta.pkl"} <= set(modes)
+    assert any(p.startswith("run/ckpt/5/params/") for p in modes)
+    wrong = {
+        path: oct(stat.S_IMODE(mode))
+        for path, mode in modes.items()
+        if stat.S_IMODE(mode) != (0o777 if stat.S_ISDIR(mode) else 0o666) & ~umask
+    }
+    assert wrong == {}, f"umask {umask:#o}"
 
 
 def test_export_cli_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
