@@ -10,16 +10,25 @@ new settings and touches nothing else, so a bad setting fails before any side ef
 Errors: every script checks its input by raising `UsageError`, and runs its main() through
 `exit_on_bad_input`, which turns that (and only that) into one line and exit 2; any other exception
 keeps its traceback (exit 1).
+
+Help: `-h` or `--help` anywhere in argv makes `configure` raise `HelpRequested`, which
+`exit_on_bad_input` prints (exit 0, nothing written): the script's purpose, then every setting with
+its default and its meaning, read from the comments beside the settings dict in its own source, so
+the help never needs a second list.
 """
 
+import ast
 import atexit
 import contextlib
 import difflib
 import importlib.util
+import io
 import os
 import signal
 import sys
+import textwrap
 import threading
+import tokenize
 from ast import literal_eval
 
 
@@ -35,6 +44,15 @@ class InputNotFound(UsageError, FileNotFoundError):
 
 class ConfigError(UsageError):
     pass
+
+
+class HelpRequested(Exception):
+    """-h or --help in a script's argv: `configure` raises it with the settings' `defaults`, before
+    anything is read, and `exit_on_bad_input` prints `help_text(defaults)` and exits 0."""
+
+    def __init__(self, defaults):
+        super().__init__("help requested")
+        self.defaults = defaults
 
 
 class RunStopped(RuntimeError):
@@ -99,11 +117,15 @@ def exit_without_extras(error, group=None):
 
 
 def exit_on_bad_input(main):
-    """Run a CLI's main(): a UsageError becomes one line on stderr and exit 2, a RunStopped one line
-    and exit 1; an import of a module of an optional group that is not installed one line and exit
-    2; anything else is a real error and keeps its traceback."""
+    """Run a CLI's main(): -h/--help prints the help on stdout and exits 0 (HelpRequested); a
+    UsageError becomes one line on stderr and exit 2, a RunStopped one line and exit 1; an import of
+    a module of an optional group that is not installed one line and exit 2; anything else is a real
+    error and keeps its traceback."""
     try:
         sys.exit(main())
+    except HelpRequested as e:
+        print(help_text(e.defaults), flush=True)
+        sys.exit(0)
     except ImportError as e:
         exit_without_extras(e)
     except (UsageError, RunStopped) as e:
@@ -168,6 +190,139 @@ def stderr_into(file):
         os.close(saved)
 
 
+# -- --help: the settings, read from the source that defines them
+# the formatter's line length (pyproject.toml): a comment line wraps there
+LINE = 100
+
+
+def help_text(defaults):
+    """The help of a script that configures `defaults`: its purpose (the first paragraph of the
+    running script's docstring), how settings are given, then each setting as `--key=default` with
+    its meaning, under the headings its source groups them by."""
+    main = sys.modules.get("__main__")
+    module, name = defining_module(defaults)
+    doc = getattr(main, "__doc__", None) or getattr(module, "__doc__", None) or ""
+    script = os.path.basename(sys.argv[0])
+    lines = [f"usage: python {script} [CONFIG_FILE.py ...] [--key=value ...]", ""]
+    if doc.strip():
+        lines += [doc.strip().split("\n\n")[0], ""]
+    how = (
+        "Config files (Python assignments to these keys) and --key=value overrides apply in argv "
+        "order; a value is a Python literal or a bare word (a string). The settings, with their "
+        "defaults:"
+    )
+    lines += [*textwrap.wrap(how, LINE), ""]
+    comments = setting_comments(read_source(module), name) if module else {}
+    shown = {key: f"--{key}={shown_value(value)}" for key, value in defaults.items()}
+    width = min(max(map(len, shown.values()), default=0), 32)
+    for key in defaults:
+        headings, meaning = comments.get(key, ([], ""))
+        for heading in headings:
+            lines += [""] * bool(lines[-1]) + textwrap.wrap(heading, LINE)
+        first = f"  {shown[key].ljust(width)}  "
+        lines += textwrap.wrap(
+            meaning, LINE, initial_indent=first, subsequent_indent=" " * len(first)
+        )
+        if not meaning:
+            lines.append(first.rstrip())
+    return "\n".join(lines)
+
+
+def defining_module(defaults):
+    """(module, name) of the loaded module whose source assigns `defaults` (this very dict) at its
+    top: settings.py for train.py's DEFAULTS, which train.py imports too; (None, None) if none."""
+    for module in list(sys.modules.values()):
+        for name, value in list(getattr(module, "__dict__", {}).items()):
+            if value is defaults and dict_node(read_source(module), name) is not None:
+                return module, name
+    return None, None
+
+
+def read_source(module):
+    path = getattr(module, "__file__", None)
+    if not path or not path.endswith(".py") or not os.path.isfile(path):
+        return ""
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def dict_node(source, name):
+    """The `dict(key=value, ...)` or `{"key": value, ...}` assigned to `name` at the top of
+    `source`, or None."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            value = node.value
+            if isinstance(value, ast.Dict) or (
+                isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Name)
+                and value.func.id == "dict"
+            ):
+                return value
+    return None
+
+
+def setting_comments(source, name):
+    """{key: (headings, meaning)} from the comments inside the dict `name` of `source`. A key's
+    meaning is its trailing comment, or else the paragraph of comment lines right above it; the
+    other comment paragraphs above a key (all of them, where it has a trailing comment) are headings
+    (`# I/O`, `# model`). A comment line ends its paragraph where the next line's first word would
+    have fitted on it: the comments are wrapped at LINE columns."""
+    node = dict_node(source, name)
+    if node is None:
+        return {}
+    if isinstance(node, ast.Dict):
+        pairs = zip(node.keys, node.values)
+        keys = [(k.value, k.lineno, v.end_lineno) for k, v in pairs if isinstance(k, ast.Constant)]
+    else:
+        keys = [(k.arg, k.lineno, k.value.end_lineno) for k in node.keywords if k.arg]
+    alone, trailing = {}, {}  # line number -> (line's width, comment text)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            own_line = not tok.line[: tok.start[1]].strip()
+            text = tok.string.lstrip("#").strip()
+            (alone if own_line else trailing)[tok.start[0]] = (len(tok.line.rstrip()), text)
+    out = {}
+    for key, first, last in keys:
+        above = first
+        while above - 1 in alone:
+            above -= 1
+        paragraphs = []
+        for n in range(above, first):
+            text = alone[n][1]
+            if paragraphs and not ends_paragraph(alone[n - 1], text):
+                paragraphs[-1] += " " + text
+            elif text:
+                paragraphs.append(text)
+        own = next((trailing[n][1] for n in range(first, last + 1) if n in trailing), None)
+        if own is None and paragraphs:
+            own = paragraphs.pop()
+        out[key] = (paragraphs, own or "")
+    return out
+
+
+def ends_paragraph(line, next_text):
+    """Whether a comment line (width, text) ends a paragraph, given the next line's text."""
+    width, text = line
+    words = next_text.split()
+    return not text or not words or width + 1 + len(words[0]) <= LINE
+
+
+def shown_value(value):
+    """A default as one types it: a plain word bare (--dataset=openwebtext), anything else as
+    literal_eval reads it ('', '\\n', 0.0006, None)."""
+    if isinstance(value, str) and value and value.isprintable() and " " not in value:
+        try:
+            literal_eval(value)
+        except (ValueError, SyntaxError, TypeError):
+            return value
+    return repr(value)
+
+
 def _checked(key, value, defaults, source, nullable=()):
     if key not in defaults:
         close = difflib.get_close_matches(key, defaults, n=3)
@@ -192,7 +347,9 @@ def _checked(key, value, defaults, source, nullable=()):
 def configure(defaults: dict, argv: list[str], nullable=()) -> dict:
     """defaults + config files + --key=value overrides, in argv order -> a new dict. None is a value
     only for the settings whose default is None and those in `nullable` (documented: sample.py's
-    top_k=None, all tokens)."""
+    top_k=None, all tokens). -h or --help anywhere: HelpRequested, before any file is read."""
+    if "-h" in argv or "--help" in argv:
+        raise HelpRequested(defaults)
     config = dict(defaults)
     for arg in argv:
         if not arg.startswith("--"):

@@ -2,12 +2,30 @@
 Prepare tiny shakespeare with GPT-2's BPE (tokenizer.py): train.bin and val.bin, uint16, 90/10
 split. Reads the copy bundled in data/shakespeare_char/input.txt (downloads only if neither copy
 exists).
+
+    python data/shakespeare/prepare.py   # no arguments; -h prints this
 """
 
+import argparse
 import os
 import sys
 
 import numpy as np
+
+# as a command, the arguments are checked before anything is written: -h/--help prints this
+# docstring (exit 0), anything else is refused in one line (exit 2)
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    _, unknown = parser.parse_known_args()
+    if unknown:
+        print(
+            f"error: {sys.argv[0]} takes no arguments, got {' '.join(unknown)}: run it bare "
+            "(it writes train.bin and val.bin beside itself)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
 
 here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(here)))

@@ -2,12 +2,32 @@
 Prepare the Shakespeare dataset for character-level language modeling: map characters to ints, write
 train.bin and val.bin (uint16) and meta.pkl (vocab_size, itos, stoi), as nanoGPT does. input.txt
 ships with the repo (tiny shakespeare, from karpathy/char-rnn); it is downloaded only if missing.
+
+    python data/shakespeare_char/prepare.py   # no arguments; -h prints this
 """
 
+import argparse
 import os
 import pickle
+import sys
 
 import numpy as np
+
+# as a command, the arguments are checked before anything is written: -h/--help prints this
+# docstring (exit 0), anything else is refused in one line (exit 2); the tests also run this file
+# with runpy, without arguments
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    _, unknown = parser.parse_known_args()
+    if unknown:
+        print(
+            f"error: {sys.argv[0]} takes no arguments, got {' '.join(unknown)}: run it bare "
+            "(it writes train.bin, val.bin and meta.pkl beside itself)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
 
 here = os.path.dirname(os.path.abspath(__file__))
 input_file_path = os.path.join(here, "input.txt")
