@@ -26,17 +26,11 @@ import jax
 
 import sharding
 from checkpoint import load_bpe_model
-from configurator import UsageError, configure, exit_on_bad_input, exit_without_extras
-from eval_lm import JaxLM
+from configurator import UsageError, configure, exit_on_bad_input, require_extras
+from hellaswag import check_bpe
 from runlog import check_results_file, write_results
 from settings import resolve_dtype
-
-try:  # without the eval extras, one line naming them
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-    from lm_eval.utils import handle_non_serializable, make_table
-except ImportError as e:
-    exit_without_extras(e, group="eval")
+from weights import HF_NAMES, hf_directory
 
 defaults = dict(
     # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory, a ckpt.pt
@@ -92,6 +86,8 @@ def check_settings(cfg):
 def task_manager(tasks, include_path):
     """lm-eval's TaskManager for `tasks`: the local YAMLs alone when they hold them all (indexing
     lm-eval's own ~15k takes seconds); an unknown name is one line naming the closest."""
+    from lm_eval.tasks import TaskManager
+
     if include_path:
         local = TaskManager(include_path=include_path, include_defaults=False)
         if all(t in local.all_tasks for t in tasks):
@@ -113,6 +109,8 @@ NOT_BPE = "lm-eval's tasks are text in GPT-2's BPE"
 
 def evaluate(lm, cfg, manager):
     """lm-eval's simple_evaluate on `lm` with cfg's task settings -> its results dict."""
+    import lm_eval
+
     seed = cfg["seed"]
     return lm_eval.simple_evaluate(
         model=lm,
@@ -131,10 +129,21 @@ def evaluate(lm, cfg, manager):
 
 def main(argv=None):
     cfg = configure(defaults, sys.argv[1:] if argv is None else argv)
+    require_extras("eval")
     check_settings(cfg)
-    manager = task_manager(cfg["tasks"].split(","), cfg["include_path"])
     sharding.use_compilation_cache()
     sharding.start_backend()
+    # what needs neither lm-eval nor the network, then the network, then lm-eval: importing it and
+    # indexing its tasks take seconds, which a character-level model or a hub model out of reach
+    # (offline) would wait for before its one line
+    check_bpe(cfg["init_from"], cfg["out_dir"], NOT_BPE)
+    if cfg["init_from"] in HF_NAMES:
+        hf_directory(cfg["init_from"])  # downloaded now, read from the cache below
+    from lm_eval.utils import handle_non_serializable, make_table
+
+    from eval_lm import JaxLM
+
+    manager = task_manager(cfg["tasks"].split(","), cfg["include_path"])
     cfg["dtype"] = resolve_dtype(cfg["dtype"], jax.default_backend())
     t0 = time.time()
     model, step = load_bpe_model(cfg["init_from"], cfg["out_dir"], cfg["dtype"], NOT_BPE)

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import time
 from typing import NamedTuple
 
@@ -33,9 +34,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
+import checkpoint
 import hellaswag_data
+import pretrained
 import sharding
-from checkpoint import load_bpe_model
+import tokenizer
+import weights
 from configurator import UsageError, exit_on_bad_input
 from layers import cross_entropy_terms
 from runlog import check_results_file, write_results
@@ -252,9 +256,47 @@ def evaluate(model, examples, mesh=None, batch_size=8, progress=False):
 # the command line
 
 
+NOT_BPE = "HellaSwag is scored in GPT-2's BPE"
+
+
 def load_model(init_from, out_dir, dtype="float32"):
     """Our GPT of `init_from` (checkpoint.load_model's names); a character-level one is one line."""
-    return load_bpe_model(init_from, out_dir, dtype, "HellaSwag is scored in GPT-2's BPE")[0]
+    return checkpoint.load_bpe_model(init_from, out_dir, dtype, NOT_BPE)[0]
+
+
+def check_bpe(init_from, out_dir, why):
+    """checkpoint.load_bpe_model's refusal of a character-level model, before any download and any
+    weights read (hellaswag.py's, eval.py's): told by what says the vocabulary (our checkpoint's
+    meta, an HF directory's config.json, a nanoGPT ckpt.pt's model_args and dataset, a meta.json or
+    meta.pkl beside them or in the dataset's folder). A hub name is GPT-2's; a model this cannot
+    read is left to the load, which says what is wrong with it."""
+    vocab = dataset = None
+    beside = init_from if os.path.isdir(init_from) else os.path.dirname(init_from)
+    if init_from == "resume":
+        meta = checkpoint.restore(out_dir)["meta"]  # the JSON item alone: no array is read
+        vocab_size, vocab = meta["model_args"]["vocab_size"], meta.get("vocab")
+        dataset, beside = meta["config"].get("dataset"), None
+    elif (pt := pretrained.nanogpt_checkpoint(init_from)) is not None:
+        import torch
+
+        try:  # mapped, not read: the tensors stay on disk
+            ckpt = torch.load(pt, map_location="cpu", weights_only=True, mmap=True)
+            vocab_size = ckpt["model_args"]["vocab_size"]
+        # modded-nanogpt's state_step*.pt (GPT-2's BPE, no model_args), or no checkpoint at all
+        except Exception:
+            return
+        dataset = (ckpt.get("config") or {}).get("dataset")
+    elif os.path.isfile(os.path.join(init_from, "config.json")):  # an HF directory
+        vocab_size = weights.read_hf_config(init_from).get("vocab_size", GPT2_VOCAB)
+    else:
+        return
+    codec = tokenizer.codec_for(vocab_size, vocab, dataset, beside)
+    if isinstance(codec, tokenizer.CharCodec):
+        where = out_dir if init_from == "resume" else init_from
+        raise UsageError(
+            f"{where} is a character-level model (a vocabulary of {codec.n_vocab} characters): "
+            f"{why}, give a GPT-2 model"
+        )
 
 
 def cli_parser(doc):
@@ -279,11 +321,15 @@ def cli_parser(doc):
     return p
 
 
+def check_limit(limit):
+    if limit is not None and limit < 1:
+        raise UsageError(f"--limit must be >= 1, got {limit}")
+
+
 def cli_examples(args):
     """(path, raw examples) that cli_parser's options name; bad data fails here, before a model is
     loaded."""
-    if args.limit is not None and args.limit < 1:
-        raise UsageError(f"--limit must be >= 1, got {args.limit}")
+    check_limit(args.limit)
     path = args.path or hellaswag_data.download(args.split, args.cache_dir)
     return path, hellaswag_data.read_examples(path, args.limit)
 
@@ -304,12 +350,15 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.batch_size < 1:
         raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
+    check_limit(args.limit)
     if args.out:
         check_results_file(args.out, "--out")
-    path, raw = cli_examples(args)
-    t0 = time.time()
     sharding.use_compilation_cache()
     sharding.start_backend()
+    # a character-level model is refused before the examples are downloaded
+    check_bpe(args.init_from, args.out_dir, NOT_BPE)
+    path, raw = cli_examples(args)
+    t0 = time.time()
     model = load_model(args.init_from, args.out_dir, args.dtype)
     block_size = model.config.block_size
     examples = render_all(raw, block_size, path)

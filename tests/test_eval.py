@@ -268,6 +268,7 @@ def test_bad_input_is_one_line(tiny_hf, tmp_path, capsys, monkeypatch):
     fails(
         r"^unknown task 'qqqzzz' \(lm-eval's tasks: python -m lm_eval ls tasks; local YAMLs: "
         r"--include_path=DIR\)$",
+        f"--init_from={tiny_hf}",  # a hub name would be fetched first (tests/test_eval_checks.py)
         "--tasks=qqqzzz",
     )  # nothing close: no guess
     fails("batch_size must be an integer >= 1", "--tasks=hellaswag_local", "--batch_size=0")
