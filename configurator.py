@@ -383,3 +383,9 @@ def configure(defaults: dict, argv: list[str], nullable=()) -> dict:
                 value = raw  # a bare string: --dataset=shakespeare_char
             config[key] = _checked(key, value, defaults, arg, nullable)
     return config
+
+
+def command_line_keys(argv: list[str]) -> set:
+    """The settings given as --key=value in `argv` (typed by the user, not read from a config
+    file)."""
+    return {arg[2:].partition("=")[0] for arg in argv if arg.startswith("--")}

@@ -5,7 +5,6 @@ in one line: a full disk stops the run (RunStopped, exit 1), a path the OS refus
 fix (UsageError, exit 2).
 """
 
-import concurrent.futures
 import errno
 import json
 import os
@@ -18,6 +17,7 @@ import run_lock
 import sharding
 import storage
 from configurator import RunStopped, UsageError
+from step_clock import StepClock, duration, mfu
 
 LOG_FILE = "log.jsonl"
 # process 0 writes it at start; every process must read it back (check_shared)
@@ -78,15 +78,29 @@ class RunLog:
         self.log = (ObjectLog(self.path) if storage.is_url(self.path) else None) if master else None
         self.profiling = False
         self.mfu = None  # a running average, once past the first steps (compilation)
-        # watch: {iteration: future of the time its step ended}
-        self._waiter, self._ended = None, {}
+        self.clock = StepClock(c["max_iters"], c["eval_interval"])
 
-    def start_wandb(self, c):
+    def start(self, c, lines, it, resumed, memory, auto_line):
+        """The run's start at iteration `it`: its start-up `lines` (startup_lines), wandb, and the
+        log's first record (`memory`: the state's and the step's peak bytes per device)."""
+        for line in lines:
+            self.print(line)
         if c["wandb_log"] and self.master:
             import wandb  # optional: imported only when asked for
 
             wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], config=c)
             self.wandb = wandb
+        self.record(
+            {
+                "iter": it,
+                "event": "resume" if resumed else "start",
+                "dataset": c["dataset"],
+                "config": c,
+                "state_bytes_per_device": memory[0],
+                "step_peak_bytes_per_device": memory[1],
+                "auto_settings": auto_line,
+            }
+        )
 
     def print(self, *args):
         if self.master:
@@ -110,18 +124,20 @@ class RunLog:
         if self.log is not None:
             self.log.flush()
 
-    def start_clock(self, it):
-        """Step times count from here (after an eval: its time is not step time)."""
-        self._t0, self._since = time.time(), it
+    def eval_line(self, it, losses, lr, seconds):
+        """An eval's line and record; its `seconds` count in the eta, for each eval to come."""
+        self.clock.eval_s = seconds
+        self.print(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        self.record(
+            {"iter": it, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr}
+        )
 
-    def watch(self, it, metrics):
-        """Note when step `it` ends on the device, as it ends: a thread waits for its outputs. The
-        loop reads them later, after dispatching the next step, and that dispatch may hold the host
-        for much of the next step's time (a speedrun step on an H200: the last iteration's line said
-        458 ms for a 1,225 ms step)."""
-        if self._waiter is None:
-            self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-clock")
-        self._ended[it] = self._waiter.submit(ended_at, metrics)
+    def step_ran(self, it):
+        """Step `it` has run (the loop waited for it): three steps in, once, a line when the run as
+        configured will take very long here."""
+        line = self.clock.first_estimate(it)
+        if line:
+            self.print(line)
 
     def hellaswag(self, it, score):
         """HellaSwag's score (hellaswag.Score) of step `it`: a line and a record."""
@@ -139,20 +155,18 @@ class RunLog:
         )
 
     def step(self, it, metrics):
-        """Log step `it` (its metrics read back to the host): one line, one record. Its time: from
-        the clock's start, or the last logged step's end, to its end (watch), over the steps in
-        between."""
+        """Log step `it` (its metrics read back to the host): one line, one record. Its time: the
+        clock's lap (step_clock.StepClock.lap)."""
         done = it + 1
-        ended = self._ended.pop(it).result() if it in self._ended else time.time()
-        dt = (ended - self._t0) / (done - self._since)
-        self._t0, self._since = ended, done
+        dt = self.clock.lap(it)
         step_mfu = mfu(self.flops_per_iter, dt, self.devices)
         if step_mfu is not None and done > 5:  # the first steps include compilation
             self.mfu = step_mfu if self.mfu is None else 0.9 * self.mfu + 0.1 * step_mfu
         shown = f"{self.mfu * 100:.2f}%" if self.mfu is not None else "n/a"
         self.print(
             f"iter {it}: loss {metrics['loss']:.4f}, time {dt * 1000:.2f}ms, "
-            f"tok/s {self.tokens_per_iter / dt:,.0f}, mfu {shown}"
+            f"tok/s {self.tokens_per_iter / dt:,.0f}, mfu {shown}, "
+            f"eta {duration(self.clock.eta(done))}"
         )
         self.record(
             {
@@ -183,12 +197,6 @@ class RunLog:
             f"tensorboard --logdir={self.profile_dir} (profile plugin), or its "
             "perfetto_trace.json.gz in ui.perfetto.dev"
         )
-
-
-def ended_at(outputs):
-    """The time at which a step's outputs are ready."""
-    jax.block_until_ready(outputs)
-    return time.time()
 
 
 def nearest_existing(path):
@@ -367,42 +375,3 @@ def drop_partial_line(path):
         data = f.read()
         if data and not data.endswith(b"\n"):
             f.truncate(data.rfind(b"\n") + 1)
-
-
-# bf16 dense peak FLOP/s per device, by substrings of jax's device_kind (first match wins). TPUs:
-# Google Cloud's figure per chip over the devices a chip shows (accelerators.TPUS: v2, v3 and TPU7x
-# show each TensorCore as a device)
-PEAK_BF16_FLOPS = [
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("TPU v2", 45e12 / 2),
-    ("TPU v3", 123e12 / 2),
-    ("TPU v4", 275e12),
-    ("TPU v5 lite", 197e12),  # v5e
-    ("TPU v5e", 197e12),
-    ("TPU v5p", 459e12),
-    ("TPU v5", 459e12),
-    ("TPU v6 lite", 918e12),  # v6e (Trillium)
-    ("TPU v6e", 918e12),
-    ("TPU7x", 2307e12 / 2),  # Ironwood
-]
-
-
-def peak_flops(device):
-    """A JAX device's bf16 peak FLOP/s, or None where unknown (CPU)."""
-    return peak_flops_of(getattr(device, "device_kind", ""))
-
-
-def peak_flops_of(kind):
-    """By a device's name (jax's device_kind, torch.cuda.get_device_name())."""
-    return next((flops for name, flops in PEAK_BF16_FLOPS if name in kind), None)
-
-
-def mfu(flops, seconds, devices):
-    """Model FLOPs utilization: `flops` (the model's count, GPT.flops_per_token x tokens) done in
-    `seconds` over the bf16 peak of `devices`; None where a device's peak is unknown (CPU), rather
-    than a made-up number."""
-    peaks = [peak_flops(d) for d in devices]
-    return None if None in peaks else flops / seconds / sum(peaks)

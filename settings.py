@@ -152,15 +152,9 @@ def validate(c):
             raise UsageError(f"{key} must be in [0, 1), got {c[key]}")
     resolve_dtype(c["dtype"], "cpu")
     resolve_scan_layers(c["scan_layers"], "cpu")
-    # the model's own checks: arch (and its bias), n_embd % n_head, gelu, attention; remat,
-    # loss_chunk
-    try:
-        check_memory_settings(c["remat"], c["loss_chunk"])
-        config = {k: c[k] for k in ("arch", "bias", "n_head", "n_embd", "gelu", "attention")}
-        check_config(GPTConfig(**config))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    check_optimizer(c)
+    # a resume's model is its checkpoint's, checked once read (fixed_by_checkpoint)
+    if c["init_from"] != "resume":
+        check_model(c)
     profile_range(c["profile"])
     if not 0 <= c["seed"] < 2**32:
         raise UsageError(f"seed must be in [0, 2**32), got {c['seed']}")
@@ -177,6 +171,18 @@ def validate(c):
             f"--dataset={c['dataset']} is a file: give the folder holding train.bin and val.bin "
             "(or the .npy shards), or a name under data/"
         )
+
+
+def check_model(c):
+    """The model's own checks: arch (and its bias), n_embd % n_head, gelu, attention; remat,
+    loss_chunk; then the optimizer's, which depend on the arch."""
+    try:
+        check_memory_settings(c["remat"], c["loss_chunk"])
+        config = {k: c[k] for k in ("arch", "bias", "n_head", "n_embd", "gelu", "attention")}
+        check_config(GPTConfig(**config))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    check_optimizer(c)
 
 
 def check_memory_settings(remat, loss_chunk):
@@ -270,15 +276,28 @@ def resolve_scan_layers(scan_layers, platform):
     return scan_layers
 
 
-def fixed_by_checkpoint(c, model_args):
-    """On resume the checkpoint fixes the model's shape: the settings that asked otherwise, which
-    now follow it."""
+def fixed_by_checkpoint(c, model_args, typed=()):
+    """On resume the checkpoint fixes the model's shape, as nanoGPT's resume does: `c` takes its
+    arch, n_layer, n_head, n_embd, vocab_size, bias and gelu, and its block_size unless a shorter
+    one is typed. Returns the values `typed` on the command line that asked otherwise (one line
+    names them); a config file's values, written for a new run, pass without a word. A longer
+    block_size typed cannot be honoured (the position embedding has the checkpoint's rows)."""
     ignored = {}
     model_args = {"arch": "gpt2", **model_args}  # a checkpoint from before arch: GPT-2
     for key in ("arch", "n_layer", "n_head", "n_embd", "vocab_size", "bias", "gelu"):
-        if c[key] != model_args[key] and not (key == "vocab_size" and c[key] == 0):
+        asked = c[key] != model_args[key] and not (key == "vocab_size" and c[key] == 0)
+        if asked and key in typed:
             ignored[key] = c[key]
         c[key] = model_args[key]
+    if "block_size" not in typed:
+        c["block_size"] = model_args["block_size"]
+    elif c["block_size"] > model_args["block_size"]:
+        raise UsageError(
+            f"--block_size={c['block_size']} exceeds the checkpoint's {model_args['block_size']} "
+            f"(its position embedding's rows): give --block_size={model_args['block_size']} or "
+            "less, or leave it out"
+        )
+    check_model(c)
     return ignored
 
 

@@ -16,8 +16,10 @@ under SLURM or Open MPI; elsewhere set JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NU
 JAX_PROCESS_ID=i.
 """
 
+import collections
 import gc
 import sys
+import time
 from dataclasses import replace
 from functools import partial
 
@@ -35,6 +37,7 @@ import sharding
 import train_setup
 from configurator import (
     RunStopped,
+    command_line_keys,
     configure,
     exit_on_bad_input,
 )
@@ -58,12 +61,17 @@ from train_step import (
     make_optimizer,
 )
 
+# steps the loop dispatches ahead of the one the device runs: one keeps the device busy while the
+# host reads the next batch, and a stop (SIGTERM: ~30 s of notice on a spot VM) waits for that one
+STEPS_AHEAD = 1
+
 
 class Trainer:
     """Everything a run holds, set up in __init__ (which validates all input before writing
-    anything) and advanced by run()."""
+    anything) and advanced by run(). `typed`: the settings typed on the command line
+    (configurator.command_line_keys), which a resume names where the checkpoint overrides them."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, typed=()):
         validate(config)
         c = self.c = dict(config)
         self.settings = dict(config)  # as given: what was 'auto' (auto_settings.line)
@@ -75,6 +83,16 @@ class Trainer:
         platform = sharding.platform_of(self.mesh)  # the program's, not the host's
         c["dtype"] = resolve_dtype(c["dtype"], platform)
         c["scan_layers"] = resolve_scan_layers(c["scan_layers"], platform)
+        # the model's shape (and on resume the block_size), from the settings, the checkpoint's
+        # meta (read once) or the weights' files; then the batches and the data (a missing or bad
+        # dataset fails before anything is written)
+        self.data_dir = data_dir_for(c["dataset"])
+        data_vocab_size, self.vocab = data_meta(self.data_dir)
+        # until compiled
+        runtime = {**{k: c[k] for k in RUNTIME_FIELDS}, **auto_settings.first_candidate(c)}
+        start = train_setup.start_for(
+            c, runtime, data_vocab_size, self.data_dir, self.master, typed
+        )
         self.batch_sharding = sharding.batch_sharding(self.mesh)
         # data x fsdp: the devices of a tensor group share rows
         shards = sharding.batch_shards(self.mesh)
@@ -87,14 +105,6 @@ class Trainer:
             "train": c["eval_iters"],
             "val": val_batches_for(c["val_tokens"], self.rows, c["block_size"]) or c["eval_iters"],
         }
-
-        # the model's shape, from the settings, the checkpoint's meta (read once) or the weights'
-        # files; then the data (a missing or bad dataset fails before anything is written)
-        self.data_dir = data_dir_for(c["dataset"])
-        data_vocab_size, self.vocab = data_meta(self.data_dir)
-        # until compiled
-        runtime = {**{k: c[k] for k in RUNTIME_FIELDS}, **auto_settings.first_candidate(c)}
-        start = train_setup.start_for(c, runtime, data_vocab_size, self.data_dir, self.master)
         model_config, self.mngr = start.model_config, start.mngr
         self.iter_num, self.best_val_loss = start.iter_num, start.best_val_loss
         self.last_saved = self.iter_num if start.meta is not None else None
@@ -270,9 +280,10 @@ class Trainer:
 
     def run(self, started=None):
         """The loop, to max_iters or a stop, as nanoGPT's: an eval (and a save) every
-        eval_interval, then a step, a log line every log_interval. The steps are dispatched ahead
-        of the host: nothing in a step waits for the device except the log line, which reads the
-        metrics of the step before the one just dispatched (one step late), and evals and saves.
+        eval_interval, then a step, a log line every log_interval. Each step is dispatched before
+        the device has run the previous one, and no further (STEPS_AHEAD): the host waits for that
+        one, reads a log line's metrics one step late, and waits for evals and saves; it reads
+        nothing else of the device.
         `started()` is called as the first step begins (train.main: Ctrl-C until then ends the
         process at once, from then on it saves)."""
         c, out = self.c, self.out
@@ -293,7 +304,8 @@ class Trainer:
                 self.train_loader, self.accum, partial(self._put, sharding=self.batch_sharding)
             )
             base_key = jax.random.key(c["seed"])
-            out.start_clock(self.iter_num)
+            in_flight = collections.deque()  # a value of each step the device may not have run
+            out.clock.start(self.iter_num)
             try:
                 while True:
                     last_step = self.iter_num == c["max_iters"]
@@ -301,13 +313,13 @@ class Trainer:
                     if self.iter_num % c["eval_interval"] == 0 or last_step or c["eval_only"]:
                         self._log_unlogged()
                         self.evaluate(last_step, save=not c["eval_only"])
-                        out.start_clock(self.iter_num)  # eval time is not step time
+                        out.clock.start(self.iter_num)  # eval time is not step time
                     if self.hellaswag_examples and (
                         self.iter_num % c["hellaswag_interval"] == 0 or last_step
                     ):
                         self._log_unlogged()
                         self.eval_hellaswag()
-                        out.start_clock(self.iter_num)
+                        out.clock.start(self.iter_num)
                     if c["eval_only"] or self.iter_num >= c["max_iters"]:
                         self._log_unlogged()
                         break
@@ -325,6 +337,12 @@ class Trainer:
                         self._first_nonfinite, self.iter_num, metrics["finite"]
                     )
                     self.iter_num += 1
+                    # the host at most STEPS_AHEAD steps ahead of the device: a stop waits for
+                    # those alone, and the next step is queued while this one runs
+                    in_flight.append(metrics["finite"])
+                    if len(in_flight) > STEPS_AHEAD:
+                        in_flight.popleft().block_until_ready()
+                        out.step_ran(self.iter_num - 1 - STEPS_AHEAD)
                     # a failed save stops the run before the next step
                     checkpoint.check_saved(self.mngr)
                     self._log_unlogged()  # the previous log step's, while this step runs
@@ -332,7 +350,7 @@ class Trainer:
                         out.stop_profile(self.iter_num - 1, metrics)
                     if self.iter_num % c["log_interval"] == 0 or self.iter_num == c["max_iters"]:
                         self._unlogged = (self.iter_num - 1, metrics, self._first_nonfinite)
-                        out.watch(self.iter_num - 1, metrics)
+                        out.clock.watch(self.iter_num - 1, metrics)
                     # a step evaluated next is saved by its eval, with its val loss (for rotation
                     # to keep the best)
                     if self._interval_save_due() and not self._evaluates_next():
@@ -362,32 +380,20 @@ class Trainer:
                 self.lock.close()
 
     def announce(self):
-        """The start-up lines (runlog.startup_lines) and the log's first record."""
-        c = self.c
+        """The start-up lines (runlog.startup_lines), wandb, and the log's first record."""
         n_params = nnx.merge(self.graphdef, self.params).num_params()
         memory = (self.state_bytes, self.step_peak_bytes)
-        for line in runlog.startup_lines(
-            c,
+        lines = runlog.startup_lines(
+            self.c,
             self.mesh,
             (self.accum, self.rows),
             self.auto_line,
             n_params,
             self.model_config,
             memory,
-        ):
-            self.out.print(line)
-        self.out.start_wandb(c)
-        self.out.record(
-            {
-                "iter": self.iter_num,
-                "event": "resume" if self.last_saved is not None else "start",
-                "dataset": c["dataset"],
-                "config": c,
-                "state_bytes_per_device": self.state_bytes,
-                "step_peak_bytes_per_device": self.step_peak_bytes,
-                "auto_settings": self.auto_line,
-            }
         )
+        resumed = self.last_saved is not None
+        self.out.start(self.c, lines, self.iter_num, resumed, memory, self.auto_line)
 
     def evaluate(self, last_step, save=True):
         """Train and val loss, logged; with `save`, a checkpoint when val improved (or
@@ -395,18 +401,10 @@ class Trainer:
         that is already there."""
         c = self.c
         self.check_finite()  # no eval of a diverged run
+        began = time.time()
         losses = self.estimate_loss()
-        self.out.print(
-            f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
-        )
-        self.out.record(
-            {
-                "iter": self.iter_num,
-                "train_loss": losses["train"],
-                "val_loss": losses["val"],
-                "lr": float(get_lr(self.iter_num, c)),
-            }
-        )
+        lr = float(get_lr(self.iter_num, c))
+        self.out.eval_line(self.iter_num, losses, lr, time.time() - began)
         improved = losses["val"] < self.best_val_loss
         self.best_val_loss = min(self.best_val_loss, losses["val"])
         if (
@@ -438,9 +436,10 @@ class Trainer:
 
 
 def main(argv=None):
-    config = configure(DEFAULTS, sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    config = configure(DEFAULTS, argv)
     started = train_setup.prepare_process()
-    Trainer(config).run(started)
+    Trainer(config, typed=command_line_keys(argv)).run(started)
 
 
 if __name__ == "__main__":

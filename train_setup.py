@@ -39,9 +39,10 @@ class Start:
     best_val_loss: float = float("inf")
 
 
-def start_for(c, runtime, data_vocab_size, data_dir, master):
+def start_for(c, runtime, data_vocab_size, data_dir, master, typed=()):
     """The run's Start from init_from: 'scratch' (the settings' shape; vocab_size 0: the data's),
-    'resume' (the checkpoint's shape; a value the settings give that differs is named once) or a
+    'resume' (the checkpoint's shape and block_size, into `c`; a value `typed` on the command line
+    that differs is named once: settings.fixed_by_checkpoint) or a
     pretrained model (its shape, cropped to block_size once placed). `runtime`: GPTConfig's run
     choices (model.RUNTIME_FIELDS)."""
     if c["init_from"] == "scratch":
@@ -58,7 +59,7 @@ def start_for(c, runtime, data_vocab_size, data_dir, master):
         if storage.isdir(checkpoint.ckpt_dir(c["out_dir"])):
             mngr = checkpoint.manager(c["out_dir"], c["keep_checkpoints"])
         meta = checkpoint.restore(c["out_dir"], mngr=mngr)["meta"]
-        ignored = fixed_by_checkpoint(c, meta["model_args"])
+        ignored = fixed_by_checkpoint(c, meta["model_args"], typed)
         if ignored and master:
             print(
                 f"resume: the checkpoint fixes {', '.join(f'{k}={c[k]}' for k in ignored)}; "

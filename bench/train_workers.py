@@ -26,8 +26,8 @@ def bench_jax(s):
     from flax import nnx
 
     import auto_settings
-    import runlog
     import sharding
+    import step_clock
     import train_step
 
     sharding.start_backend()
@@ -75,7 +75,7 @@ def bench_jax(s):
         "compile_s": compile_s,
         "peak_mb": (peak or rss_bytes()) / 2**20,
         "memory": "device" if peak else "RSS",
-        "mfu": runlog.mfu(flops_per_token * tokens, dt, jax.devices()),
+        "mfu": step_clock.mfu(flops_per_token * tokens, dt, jax.devices()),
         "device": jax.devices()[0].device_kind,
         "temp_mb": temp / 2**20,
         "tokens": tokens,
@@ -206,9 +206,9 @@ def torch_model(s, device):
 
 def torch_mfu(model, s, dt, device_name):
     """nanoGPT's estimate_mfu for a torch model over the device's bf16 peak
-    (runlog.PEAK_BF16_FLOPS); None where the peak is unknown (CPU)."""
+    (step_clock.PEAK_BF16_FLOPS); None where the peak is unknown (CPU)."""
     from model import flops_per_token
-    from runlog import peak_flops_of
+    from step_clock import peak_flops_of
 
     if (peak := peak_flops_of(device_name)) is None:
         return None

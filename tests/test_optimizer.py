@@ -95,13 +95,17 @@ def test_bad_setting_is_one_line(args, message):
 
 
 def test_checkpoint_fixes_arch():
+    speedrun = asdict(GPTConfig(arch="speedrun", bias=False))
     c = dict(DEFAULTS)
-    assert fixed_by_checkpoint(c, asdict(GPTConfig(arch="speedrun", bias=False)))["arch"] == "gpt2"
+    assert fixed_by_checkpoint(c, speedrun, typed={"arch"}) == {"arch": "gpt2"}
     assert c["arch"] == "speedrun"
+    c = dict(DEFAULTS)  # not typed: a config file's or the default, followed without a word
+    assert fixed_by_checkpoint(c, speedrun) == {} and c["arch"] == "speedrun"
     # a checkpoint from before arch
     older = {k: v for k, v in asdict(GPTConfig()).items() if k != "arch"}
     c = dict(DEFAULTS, arch="speedrun")
-    assert fixed_by_checkpoint(c, older)["arch"] == "speedrun" and c["arch"] == "gpt2"
+    assert fixed_by_checkpoint(c, older, typed={"arch"}) == {"arch": "speedrun"}
+    assert c["arch"] == "gpt2"
 
 
 def test_adamw_takes_the_runs_betas_and_weight_decay_as_torch_does():

@@ -2,9 +2,8 @@
 
 Each logged time is the step's: the loop reads a step's metrics after dispatching the next step, and
 that dispatch can hold the host for much of a step (a speedrun step on an H200: the last iteration's
-line said 458 ms for a ~1,225 ms step). runlog.RunLog.watch notes the time each step's outputs
-become ready, as they do, so a late read
-makes no step longer and none shorter."""
+line said 458 ms for a ~1,225 ms step). step_clock.StepClock.watch notes the time each step's
+outputs become ready, as they do, so a late read makes no step longer and none shorter."""
 
 import json
 import os
@@ -36,12 +35,12 @@ def test_a_step_read_late_logs_its_own_time(dataset, tmp_path):
         flops_per_iter=1,
         devices=jax.devices(),
     )
-    out.start_clock(0)
+    out.clock.start(0)
     late = 1.0 + 2 * step_s  # the host busy well past both steps' ends before it reads them
     y0 = slow_step(x)
-    out.watch(0, {"loss": y0[0, 0]})
+    out.clock.watch(0, {"loss": y0[0, 0]})
     y1 = slow_step(y0)  # the next step, dispatched before the first is read (the loop's order)
-    out.watch(1, {"loss": y1[0, 0]})
+    out.clock.watch(1, {"loss": y1[0, 0]})
     time.sleep(late)
     for it, y in enumerate((y0, y1)):
         out.step(it, {"loss": float(y[0, 0]), "lr": 0.1, "grad_norm": 1.0})
@@ -51,7 +50,7 @@ def test_a_step_read_late_logs_its_own_time(dataset, tmp_path):
     for t in ms:
         assert 1000 * step_s / 3 < t < 1000 * (step_s + late) / 2, (ms, step_s)
     # without watch, the time of the read: what train.py logged before
-    out.start_clock(2)
+    out.clock.start(2)
     y = slow_step(x)
     time.sleep(late)
     out.step(2, {"loss": float(y[0, 0]), "lr": 0.1, "grad_norm": 1.0})
