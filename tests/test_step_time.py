@@ -3,17 +3,21 @@
 Each logged time is the step's: the loop reads a step's metrics after dispatching the next step, and
 that dispatch can hold the host for much of a step (a speedrun step on an H200: the last iteration's
 line said 458 ms for a ~1,225 ms step). step_clock.StepClock.watch notes the time each step's
-outputs become ready, as they do, so a late read makes no step longer and none shorter."""
+outputs become ready, as they do, so a late read makes no step longer and none shorter. The same
+clock says how long the run has left: an eta in each log line, and a line after three steps when the
+run will take very long here."""
 
 import json
 import os
+import re
 import time
 
 import jax
 import jax.numpy as jnp
-from helpers import settings
+from helpers import run, settings
 
 import runlog
+import step_clock
 
 
 @jax.jit
@@ -56,3 +60,37 @@ def test_a_step_read_late_logs_its_own_time(dataset, tmp_path):
     out.step(2, {"loss": float(y[0, 0]), "lr": 0.1, "grad_norm": 1.0})
     with open(os.path.join(tmp_path, runlog.LOG_FILE)) as f:
         assert [r["ms"] for r in map(json.loads, f)][-1] >= 1000 * late
+
+
+def test_eta_counts_the_steps_and_evals_left():
+    clock = step_clock.StepClock(max_iters=100, eval_interval=30)
+    clock.eval_s = 2.0
+    # after 10 steps: 90 steps of 0.5 s, and the evals at 30, 60, 90 and the last, 100
+    assert clock.eta(10, step_s=0.5) == 90 * 0.5 + 4 * 2.0
+    assert clock.eta(90, step_s=0.5) == 10 * 0.5 + 2 * 2.0  # 90's own eval, then 100's
+    assert [step_clock.duration(s) for s in (67_912, 725, 45.4)] == ["18h51m", "12m05s", "45s"]
+
+
+def test_a_long_run_is_said_after_three_steps_once(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(step_clock.time, "time", lambda: now[0])
+    clock = step_clock.StepClock(max_iters=5000, eval_interval=250)
+    clock.start(0)
+    now[0] += 2 * 34.0
+    assert clock.first_estimate(1) is None  # two steps: too few to say
+    now[0] += 34.0
+    assert clock.first_estimate(2) == (  # 4,997 steps x 34 s
+        "iterations 0..2 took 34.00 s each: the run's 5,000 iterations and evals end in about "
+        "47h11m here"
+    )
+    assert clock.first_estimate(3) is None  # once
+    quick = step_clock.StepClock(max_iters=100, eval_interval=50)
+    quick.start(0)
+    now[0] += 3 * 0.05
+    assert quick.first_estimate(2) is None  # 5 s: nothing to warn of
+
+
+def test_each_log_line_ends_with_the_eta(dataset, tmp_path, capsys):
+    run(dataset, tmp_path, "--max_iters=3", "--log_interval=1")
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("iter ")]
+    assert len(lines) == 3 and all(re.search(r", eta \d+s$", x) for x in lines), lines
