@@ -90,6 +90,41 @@ def test_notebook_trains_samples_and_plots_on_cpu(tmp_path):
         assert f.read(8) == PNG_MAGIC
 
 
+def first_cell(repo_url=None):
+    """The first code cell, its REPO_URL form field set to `repo_url` (None: as shipped, empty)."""
+    source = code_cells()[0][0]
+    field = 'REPO_URL = ""  # @param {type:"string"}'  # a Colab form field
+    assert field in source
+    return source if repo_url is None else source.replace('""', repr(repo_url), 1)
+
+
+@pytest.mark.parametrize(
+    "repo_url",
+    [None, "https://github.com/OWNER/nanogpt-jax", "https://github.com/<account>/nanogpt-jax"],
+)
+def test_opened_alone_with_no_repository_set_the_first_cell_stops_in_one_line(
+    repo_url, tmp_path, monkeypatch
+):
+    """Outside a clone, REPO_URL empty or a placeholder: the one line a notebook shows (IPython
+    renders the exception by its _render_traceback_) names what to set, and no git runs."""
+    source, elsewhere = first_cell(repo_url), first_cell(str(tmp_path / "nowhere"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Exception) as e:
+        exec(source, {})
+    assert e.value._render_traceback_() == [
+        "SetUpError: set REPO_URL in the first code cell to this repository's git URL (e.g. "
+        "https://github.com/<account>/nanogpt-jax), then run the cells again"
+    ]
+    assert os.listdir(tmp_path) == []  # nothing cloned
+    # a URL git cannot clone: one line too, after git's own
+    with pytest.raises(Exception) as e:
+        exec(elsewhere, {})
+    assert e.value._render_traceback_() == [
+        f"SetUpError: git clone {tmp_path / 'nowhere'} failed (git says why above): check "
+        "REPO_URL in the first code cell"
+    ]
+
+
 # one host's devices of each generation (docs/tpu.md, "Every generation"); 1 too: a single-chip
 # runtime (v5e-1)
 HOST_DEVICES = {"v2": 8, "v3": 8, "v4": 4, "v5e": 8, "v5p": 4, "v6e": 8, "tpu7x": 8}
