@@ -358,7 +358,7 @@ def append_line(path, line):
     """One write() of the whole line, so that a crash leaves at most a partial last line, never two
     mixed."""
     data = (line + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         if os.write(fd, data) != len(data):
             raise OSError(errno.ENOSPC, "short write (disk full?)", path)

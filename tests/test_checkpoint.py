@@ -339,14 +339,14 @@ def test_a_step_is_restored_by_its_number_and_a_missing_one_names_those_there(da
 
 def test_a_train_runs_checkpoint_files_get_the_umasks_mode(dataset, tmp_path):
     """Every file and folder of the checkpoints train.py saves (orbax's arrays, our meta and
-    metrics): 0666 & ~umask and 0777 & ~umask, as any program's, under a umask that is neither
-    0o022 nor 0o077. Exports: test_export.py."""
+    metrics), and its log: 0666 & ~umask and 0777 & ~umask, as any program's, under a umask that is
+    neither 0o022 nor 0o077. Exports: test_export.py."""
     old = os.umask(0o007)
     try:
         run(dataset, tmp_path, "--max_iters=2", "--eval_interval=2")
     finally:
         os.umask(old)
-    modes = {"ckpt": os.stat(tmp_path / "ckpt").st_mode}
+    modes = {name: os.stat(tmp_path / name).st_mode for name in ("ckpt", "log.jsonl")}
     for root, dirs, files in os.walk(tmp_path / "ckpt"):
         for name in dirs + files:
             path = os.path.join(root, name)
