@@ -36,7 +36,7 @@ defaults = dict(
     out_dir="out",  # our training run's out_dir
     step=-1,  # the saved step to export; -1: the latest
     format="hf",  # 'hf' | 'nanogpt' | 'modded' (modded-nanogpt's state_step*.pt, arch='speedrun')
-    to="",  # where to write (see above)
+    to="",  # where to write: a folder (hf), a ckpt.pt (nanogpt), a state_step*.pt (modded)
     # replace an earlier export at --to, whole (its weights and vocabulary files first removed)
     overwrite=False,
 )

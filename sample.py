@@ -34,10 +34,10 @@ from generate import check_sampling
 from settings import resolve_dtype
 
 defaults = dict(
-    # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory,
+    # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory, a nanoGPT
+    # ckpt.pt (or its out_dir; a character-level run decodes with its dataset's meta.pkl), or a
+    # modded-nanogpt state_step*.pt (record 5's GPT: arch='speedrun')
     init_from="resume",
-    # a nanoGPT ckpt.pt (or its out_dir; a character-level run decodes with its dataset's meta.pkl),
-    # or a modded-nanogpt state_step*.pt (record 5's GPT: arch='speedrun')
     out_dir="out",  # ignored unless init_from is 'resume'
     start="\n",  # or "<|endoftext|>" or etc. Can also specify a file, use as: "FILE:prompt.txt"
     num_samples=10,  # number of samples to draw, decoded together as one batch

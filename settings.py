@@ -18,9 +18,9 @@ from models import check_config
 DEFAULTS = dict(
     # I/O
     out_dir="out",  # a folder, or gs://bucket/run (docs/pods.md)
-    eval_interval=2000,
-    log_interval=1,
-    eval_iters=200,
+    eval_interval=2000,  # train and val loss (and a checkpoint) every N iterations
+    log_interval=1,  # a log line every N iterations
+    eval_iters=200,  # batches per split in each eval
     eval_only=False,  # if True, script exits right after the first eval
     always_save_checkpoint=True,  # if True, always save a checkpoint after each eval
     checkpoint_interval=0,  # also save every N iterations (0: only at evals)
@@ -32,7 +32,7 @@ DEFAULTS = dict(
     # a new run into an out_dir holding checkpoints: move them to out_dir/previous-<time>/ first
     start_over=False,
     # wandb logging
-    wandb_log=False,
+    wandb_log=False,  # send the log's records to wandb too (needs pip install wandb)
     wandb_project="owt",
     wandb_run_name="gpt2",
     # data
@@ -45,14 +45,14 @@ DEFAULTS = dict(
     total_batch_size=0,  # tokens per step; when > 0, gradient_accumulation_steps is derived from it
     # micro-batch size per batch shard (a device, or a group of tensor_parallel devices)
     batch_size=12,
-    block_size=1024,
+    block_size=1024,  # tokens of context: each training window's length
     # model
     # 'gpt2' | 'speedrun': modded-nanogpt's record 5 (rotary, QK-norm, RMSNorm, ReLU^2; needs
     # bias=False)
     arch="gpt2",
-    n_layer=12,
-    n_head=12,
-    n_embd=768,
+    n_layer=12,  # transformer blocks
+    n_head=12,  # attention heads per block
+    n_embd=768,  # the residual stream's width
     vocab_size=0,  # 0: from data/<dataset>/meta.pkl, else GPT-2's 50257 padded to 50304
     dropout=0.0,  # for pretraining 0 is good, for finetuning try 0.1+
     bias=False,  # do we use bias inside LayerNorm and Linear layers?
@@ -63,7 +63,7 @@ DEFAULTS = dict(
     optimizer="adamw",
     learning_rate=6e-4,  # max learning rate (AdamW's; with optimizer='muon', the embedding's)
     max_iters=600000,  # total number of training iterations
-    weight_decay=1e-1,
+    weight_decay=1e-1,  # AdamW's, on the >= 2-D params only (nanoGPT's groups)
     beta1=0.9,
     beta2=0.95,
     grad_clip=1.0,  # clip gradients at this value, or disable if == 0.0
@@ -89,16 +89,16 @@ DEFAULTS = dict(
     dtype="auto",  # 'float32' | 'bfloat16' | 'auto' (bfloat16 on GPU/TPU, float32 on CPU)
     # 'xla' | 'cudnn' (NVIDIA Ampere+, bf16) | 'splash' (TPU) | 'auto': the fused one where it runs
     attention="auto",
-    # 'auto': the least recompute whose compiled step fits the device (auto_settings; said at
-    # start-up) recompute in the backward to save memory: 'none' | 'dots' | 'qkv_proj' | 'block'
-    # (layers.REMAT)
+    # what the backward recomputes to save memory: 'none' | 'dots' | 'qkv_proj' | 'block'
+    # (layers.REMAT); 'auto': the least recompute whose compiled step fits the device
+    # (auto_settings; said at start-up)
     remat="auto",
     # the loss's logits this many positions at a time (memory B x loss_chunk x vocab); 0: all
     loss_chunk="auto",
     # True: the blocks under one lax.scan (one compiled block) | False | 'auto' (on TPU)
     scan_layers="auto",
     profile="",  # 'START:STOP': a jax.profiler trace of iterations START..STOP-1 to out_dir/profile
-    seed=1337,
+    seed=1337,  # the init's, the data order's and dropout's
 )
 
 
