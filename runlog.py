@@ -139,6 +139,15 @@ class RunLog:
         if line:
             self.print(line)
 
+    def eval_ran(self, losses, batches, began):
+        """An eval's batches so far (`losses`, of `batches`, begun at time `began`): at the run's
+        first eval's second batch, once, a line when the eval will take very long here."""
+        if len(losses) == 2 and not self.clock.eval_said:
+            jax.block_until_ready(losses)
+            line = self.clock.first_eval_estimate(2, batches, time.time() - began)
+            if line:
+                self.print(line)
+
     def hellaswag(self, it, score):
         """HellaSwag's score (hellaswag.Score) of step `it`: a line and a record."""
         self.print(

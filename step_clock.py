@@ -11,6 +11,8 @@ import jax
 
 # a run that the first steps say will take longer than this here gets a line saying so at once
 LONG_RUN_S = 3600
+# an eval the first of whose batches say it will take longer than this gets a line saying so
+LONG_EVAL_S = 300
 
 
 class StepClock:
@@ -22,6 +24,7 @@ class StepClock:
         self.eval_s = 0.0  # the last eval's seconds (RunLog.eval_line)
         self._step_s, self._steps = 0.0, 0  # the laps' seconds and steps, evals left out
         self._estimated = False  # first_estimate made
+        self.eval_said = False  # first_eval_estimate made
         # watch: {iteration: future of the time its step ended}
         self._waiter, self._ended = None, {}
 
@@ -76,6 +79,19 @@ class StepClock:
         return (
             f"iterations {since}..{it} took {step_s:.2f} s each: the run's {self.max_iters:,} "
             f"iterations and evals end in about {duration(eta)} here"
+        )
+
+    def first_eval_estimate(self, done, batches, seconds):
+        """The run's first eval has run `done` of its `batches` in `seconds`: once, a line when that
+        eval will take longer than LONG_EVAL_S here (nanoGPT's GPU recipe on a CPU: over an hour,
+        before its first step), else None."""
+        self.eval_said = True
+        eval_s = seconds / done * batches
+        if eval_s <= LONG_EVAL_S:
+            return None
+        return (
+            f"eval: {done} of {batches} batches took {seconds / done:.2f} s each: this eval ends "
+            f"in about {duration(eval_s)} here (fewer batches: --eval_iters)"
         )
 
 

@@ -36,7 +36,6 @@ import runlog
 import sharding
 import train_setup
 from configurator import (
-    RunStopped,
     command_line_keys,
     configure,
     exit_on_bad_input,
@@ -225,14 +224,15 @@ class Trainer:
         """Mean loss over eval_iters batches per split (val: val_tokens' worth, where set), each
         batch split over all devices."""
         rows = sharding.batch_sharding(self.mesh, ndim=2)
-        out = {}
+        out, began, batches = {}, time.time(), sum(self.eval_batches.values())
         for split, loader in self.loaders.items():
+            losses = []
             # the model's sharding constraints apply when the eval step is traced
             with jax.set_mesh(self.mesh):
-                losses = [
-                    self.eval_step(self._param_leaves, self._put(x, rows), self._put(y, rows))
-                    for x, y in loader.eval_batches(self.eval_batches[split], self.iter_num)
-                ]
+                for x, y in loader.eval_batches(self.eval_batches[split], self.iter_num):
+                    x, y = self._put(x, rows), self._put(y, rows)
+                    losses.append(self.eval_step(self._param_leaves, x, y))
+                    self.out.eval_ran(losses, batches, began)
             out[split] = float(jnp.mean(jnp.stack(losses)))
         return out
 
@@ -244,16 +244,7 @@ class Trainer:
         if bad < 0 and params and not all_finite(self._param_leaves):
             bad = self.iter_num - 1
         if bad >= 0:
-            last = (
-                f"the last checkpoint, {checkpoint.ckpt_dir(self.c['out_dir'])}/{self.last_saved}, "
-                "is from before"
-                if self.last_saved is not None
-                else "no checkpoint was written"
-            )
-            raise RunStopped(
-                f"iter {bad}: the loss or gradient norm is not finite (the run diverged: lower "
-                f"learning_rate, keep grad_clip); stopped without saving, {last}"
-            )
+            raise train_setup.diverged(bad, self.c["out_dir"], self.last_saved)
 
     def save(self, val_loss=None):
         """A checkpoint of this step. `val_loss`: that of the eval of this step, with which rotation

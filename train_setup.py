@@ -19,7 +19,7 @@ import hellaswag_data
 import sharding
 import storage
 import watchdog
-from configurator import InputNotFound, UsageError, exit_on_interrupt
+from configurator import InputNotFound, RunStopped, UsageError, exit_on_interrupt
 from dataloader import make_loader
 from model import GPTConfig
 from pretrained import read_pretrained
@@ -224,3 +224,16 @@ def prepare_process():
     sharding.start_backend()
     sharding.keep_freed_memory()
     return started
+
+
+def diverged(bad, out_dir, last_saved):
+    """The RunStopped of a run whose step `bad` was not finite, naming its last checkpoint."""
+    last = (
+        f"the last checkpoint, {checkpoint.ckpt_dir(out_dir)}/{last_saved}, is from before"
+        if last_saved is not None
+        else "no checkpoint was written"
+    )
+    return RunStopped(
+        f"iter {bad}: the loss or gradient norm is not finite (the run diverged: lower "
+        f"learning_rate, keep grad_clip); stopped without saving, {last}"
+    )

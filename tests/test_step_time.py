@@ -94,3 +94,20 @@ def test_each_log_line_ends_with_the_eta(dataset, tmp_path, capsys):
     run(dataset, tmp_path, "--max_iters=3", "--log_interval=1")
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("iter ")]
     assert len(lines) == 3 and all(re.search(r", eta \d+s$", x) for x in lines), lines
+
+
+def test_a_long_first_eval_is_said_at_its_second_batch_once():
+    clock = step_clock.StepClock(max_iters=5000, eval_interval=250)
+    assert clock.first_eval_estimate(2, 400, 22.0) == (
+        "eval: 2 of 400 batches took 11.00 s each: this eval ends in about 1h13m here (fewer "
+        "batches: --eval_iters)"
+    )
+    assert clock.eval_said
+    assert step_clock.StepClock(100, 50).first_eval_estimate(2, 40, 1.0) is None  # 20 s
+
+
+def test_the_first_eval_of_a_run_says_its_time_when_long(dataset, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(step_clock, "LONG_EVAL_S", 0)  # every eval is long
+    run(dataset, tmp_path, "--max_iters=2", "--eval_interval=1", "--eval_iters=3")
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("eval: ")]
+    assert len(said) == 1 and said[0].startswith("eval: 2 of 6 batches took "), said
