@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import train
-from configurator import configure
+from configurator import command_line_keys, configure
 from settings import DEFAULTS
 
 
@@ -119,12 +119,18 @@ TINY = [
 ]
 
 
+def tiny_argv(dataset, out_dir, *extra):
+    return TINY + [f"--dataset={dataset}", f"--out_dir={out_dir}", *extra]
+
+
 def settings(dataset, out_dir, *extra):
-    return configure(DEFAULTS, TINY + [f"--dataset={dataset}", f"--out_dir={out_dir}", *extra])
+    return configure(DEFAULTS, tiny_argv(dataset, out_dir, *extra))
 
 
 def run(dataset, out_dir, *extra):
-    return train.Trainer(settings(dataset, out_dir, *extra)).run()
+    """train.py's run of the tiny settings and `extra`, each as typed on its command line."""
+    argv = tiny_argv(dataset, out_dir, *extra)
+    return train.Trainer(configure(DEFAULTS, argv), typed=command_line_keys(argv)).run()
 
 
 def read_log(out_dir, key):
