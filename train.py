@@ -222,7 +222,7 @@ class Trainer:
 
     def estimate_loss(self):
         """Mean loss over eval_iters batches per split (val: val_tokens' worth, where set), each
-        batch split over all devices."""
+        batch split over all devices; None when a stop came meanwhile."""
         rows = sharding.batch_sharding(self.mesh, ndim=2)
         out, began, batches = {}, time.time(), sum(self.eval_batches.values())
         for split, loader in self.loaders.items():
@@ -233,6 +233,11 @@ class Trainer:
                     x, y = self._put(x, rows), self._put(y, rows)
                     losses.append(self.eval_step(self._param_leaves, x, y))
                     self.out.eval_ran(losses, batches, began)
+                    # as the steps: one batch ahead of the device, so that a stop ends the eval
+                    if len(losses) > STEPS_AHEAD:
+                        losses[-1 - STEPS_AHEAD].block_until_ready()
+                    if self.stops.requested:
+                        return None
             out[split] = float(jnp.mean(jnp.stack(losses)))
         return out
 
@@ -394,6 +399,8 @@ class Trainer:
         self.check_finite()  # no eval of a diverged run
         began = time.time()
         losses = self.estimate_loss()
+        if losses is None:  # a stop came: the loop's next step saves and exits
+            return
         lr = float(get_lr(self.iter_num, c))
         self.out.eval_line(self.iter_num, losses, lr, time.time() - began)
         improved = losses["val"] < self.best_val_loss

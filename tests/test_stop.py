@@ -20,22 +20,36 @@ import train
 NAP = 0.3  # seconds each step takes on the device, a slow step's
 
 
-def test_sigterm_stops_within_the_steps_dispatched_ahead(dataset, tmp_path, capsys):
+def napping(signal_at):
+    """(a jitted identity on a step's tokens that first sleeps NAP on the device's time, the times
+    it ran); at its `signal_at`-th run it sends SIGTERM."""
     runs, signalled = [], {}
 
     def nap(first_token):
-        """On the device's time: sleeps, counts the step, and at the third sends SIGTERM."""
         time.sleep(NAP)
         runs.append(time.monotonic())
-        if len(runs) == 3:
-            signalled.update(at=time.monotonic(), steps_run=len(runs))
+        if len(runs) == signal_at:
+            signalled.update(at=time.monotonic(), runs=len(runs))
             os.kill(os.getpid(), signal.SIGTERM)
         return np.zeros((), np.int32)
 
-    # the step's tokens pass through the nap (+ 0): the step runs after it
+    # the tokens pass through the nap (+ 0): the step runs after it
     slowed = jax.jit(
-        lambda x: x + jax.pure_callback(nap, jax.ShapeDtypeStruct((), jnp.int32), x[0, 0, 0])
+        lambda x: x + jax.pure_callback(nap, jax.ShapeDtypeStruct((), jnp.int32), x.reshape(-1)[0])
     )
+    return slowed, runs, signalled
+
+
+def saved_line(capsys, t, out_dir):
+    saved = [x for x in capsys.readouterr().out.splitlines() if x.startswith("SIGTERM: ")]
+    assert saved == [
+        f"SIGTERM: checkpoint saved at iter {t.iter_num}; resume with --init_from=resume "
+        f"--out_dir={out_dir}"
+    ]
+
+
+def test_sigterm_stops_within_the_steps_dispatched_ahead(dataset, tmp_path, capsys):
+    slowed, runs, signalled = napping(signal_at=3)
     t = train.Trainer(
         settings(dataset, tmp_path, "--max_iters=60", "--log_interval=100", "--eval_interval=1000")
     )
@@ -43,15 +57,23 @@ def test_sigterm_stops_within_the_steps_dispatched_ahead(dataset, tmp_path, caps
     t.train_step = lambda params, opt_state, x, y, key: step(params, opt_state, slowed(x), y, key)
     t.run()
     stopped = time.monotonic()
-
-    saved = [x for x in capsys.readouterr().out.splitlines() if x.startswith("SIGTERM: ")]
-    assert saved == [
-        f"SIGTERM: checkpoint saved at iter {t.iter_num}; resume with --init_from=resume "
-        f"--out_dir={tmp_path}"
-    ]
+    saved_line(capsys, t, tmp_path)
     # steps the device ran after the signal: the one dispatched ahead, then the one the loop's
     # check of the stop follows
-    assert len(runs) - signalled["steps_run"] <= train.STEPS_AHEAD + 1
+    assert len(runs) - signalled["runs"] <= train.STEPS_AHEAD + 1
     assert t.iter_num == len(runs) < 60
     # the whole stop: those steps and the save
     assert stopped - signalled["at"] < (train.STEPS_AHEAD + 1) * NAP + 5
+
+
+def test_sigterm_during_a_long_eval_ends_it(dataset, tmp_path, capsys):
+    """The first eval (before step 0) of 40 slow batches, signalled at its third: the loop leaves
+    the eval within a batch or two, takes one step and saves it."""
+    slowed, runs, signalled = napping(signal_at=3)
+    t = train.Trainer(settings(dataset, tmp_path, "--max_iters=60", "--eval_iters=20"))
+    eval_step = t.eval_step
+    t.eval_step = lambda params, x, y: eval_step(params, slowed(x), y)
+    t.run()
+    saved_line(capsys, t, tmp_path)
+    assert t.iter_num == 1
+    assert len(runs) - signalled["runs"] <= train.STEPS_AHEAD + 1  # of the 37 batches left
