@@ -64,9 +64,7 @@ mutants: $(VENV)/.mutants
 # starts over: the last run's checkpoints and log are moved to out-shakespeare-char/previous-<time>/ (--start_over)
 shakespeare: venv
 	$(BIN)/python data/shakespeare_char/prepare.py
-	$(BIN)/python train.py config/train_shakespeare_char.py --start_over=True --eval_iters=20 --log_interval=100 \
-		--block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 \
-		--lr_decay_iters=2000 --dropout=0.0
+	$(BIN)/python train.py config/train_shakespeare_char.py config/cpu.py --start_over=True
 	$(BIN)/python sample.py --out_dir=out-shakespeare-char --num_samples=3 --max_new_tokens=300
 
 # constraints.txt anew: what clean installs of the test and mutants groups, and of the GPU's (gpu-compile, and cuda's

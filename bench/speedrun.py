@@ -24,19 +24,7 @@ from configurator import UsageError, exit_on_bad_input
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 # make shakespeare's train.py command (Makefile), the shape both runs share
-BASELINE = [
-    "config/train_shakespeare_char.py",
-    "--eval_iters=20",
-    "--log_interval=100",
-    "--block_size=64",
-    "--batch_size=12",
-    "--n_layer=4",
-    "--n_head=4",
-    "--n_embd=128",
-    "--max_iters=2000",
-    "--lr_decay_iters=2000",
-    "--dropout=0.0",
-]
+BASELINE = ["config/train_shakespeare_char.py", "config/cpu.py"]
 SPEEDRUN = ["config/speedrun_shakespeare_char.py"]
 EVAL_LINE = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)")
 
