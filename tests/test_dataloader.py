@@ -250,8 +250,9 @@ def test_a_run_from_another_directory_finds_the_projects_data(tmp_path, monkeypa
     assert str(e.value).startswith(
         f"no dataset 'nowhere': no such folder ({', '.join(looked)}): give --dataset"
     )
-    assert "(fineweb10B, shakespeare, shakespeare_char: python data/NAME/prepare.py;" in str(
-        e.value
+    assert (
+        "(fineweb10B, openwebtext, shakespeare, shakespeare_char: python data/NAME/prepare.py;"
+        in str(e.value)
     )
     (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)
     assert dataloader.data_dir_for("shakespeare_char") == os.path.join("data", "shakespeare_char")
