@@ -37,6 +37,7 @@ for step in range(args.num_iterations):
 """  # noqa: E501
 
 
+@pytest.mark.slow  # a benchmark's whole run, 20 s: make test-slow
 def test_the_three_rows_at_tiny_sizes():
     p = subprocess.run(
         [sys.executable, "-m", "bench.gpu", "--tiny", "--speedrun_steps=4"],

@@ -254,6 +254,19 @@ def test_parity_reads_our_checkpoint_by_its_own_path(bpe_run, monkeypatch, capsy
 
 
 def test_bad_input_is_one_line(tiny_hf, tmp_path, capsys, monkeypatch):
+    from lm_eval import tasks
+
+    # lm-eval's index of its ~15k tasks, built once for the two unknown-task lines (8 s each)
+    indexes, index = {}, tasks.TaskManager
+
+    def cached(**kw):
+        key = repr(sorted(kw.items()))
+        if key not in indexes:
+            indexes[key] = index(**kw)
+        return indexes[key]
+
+    monkeypatch.setattr(tasks, "TaskManager", cached)
+
     def fails(match, *argv):
         with pytest.raises(UsageError, match=match):
             lm_eval_py.main(list(argv))
@@ -270,6 +283,7 @@ def test_bad_input_is_one_line(tiny_hf, tmp_path, capsys, monkeypatch):
         r"--include_path=DIR\)$",
         f"--init_from={tiny_hf}",  # a hub name would be fetched first (tests/test_eval_checks.py)
         "--tasks=qqqzzz",
+        f"--include_path={TASKS}",
     )  # nothing close: no guess
     fails("batch_size must be an integer >= 1", "--tasks=hellaswag_local", "--batch_size=0")
     fails(
