@@ -434,10 +434,14 @@ def load_bpe_model(init_from, out_dir, dtype, why):
     """(model, step) of load_with_codec for a task whose text is GPT-2's BPE (HellaSwag, lm-eval's):
     a character-level model is one line saying `why` it cannot be scored."""
     model, codec, step = load_with_codec(init_from, out_dir, dtype)
+    refuse_char_level(codec, out_dir if init_from == "resume" else init_from, why)
+    return model, step
+
+
+def refuse_char_level(codec, where, why):
+    """One line when `codec` is a character-level model's (`where`): `why` it cannot be scored."""
     if isinstance(codec, tokenizer.CharCodec):
-        where = out_dir if init_from == "resume" else init_from
         raise UsageError(
             f"{where} is a character-level model (a vocabulary of {codec.n_vocab} characters): "
             f"{why}, give a GPT-2 model"
         )
-    return model, step

@@ -291,12 +291,7 @@ def check_bpe(init_from, out_dir, why):
     else:
         return
     codec = tokenizer.codec_for(vocab_size, vocab, dataset, beside)
-    if isinstance(codec, tokenizer.CharCodec):
-        where = out_dir if init_from == "resume" else init_from
-        raise UsageError(
-            f"{where} is a character-level model (a vocabulary of {codec.n_vocab} characters): "
-            f"{why}, give a GPT-2 model"
-        )
+    checkpoint.refuse_char_level(codec, out_dir if init_from == "resume" else init_from, why)
 
 
 def cli_parser(doc):

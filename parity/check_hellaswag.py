@@ -184,6 +184,7 @@ def load_models(init_from, out_dir="out"):
 def main(argv=None):
     args = hellaswag.cli_parser(__doc__).parse_args(argv)
     require_extras("parity")
+    hellaswag.check_bpe(args.init_from, args.out_dir, hellaswag.NOT_BPE)  # before any download
     path, raw = hellaswag.cli_examples(args)
     sharding.use_compilation_cache()
     sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is

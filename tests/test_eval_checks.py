@@ -1,9 +1,10 @@
 """python -m pytest tests/test_eval_checks.py -q
 
-What eval.py and hellaswag.py check before their slow or networked steps: a character-level model
-(our run, its vocabulary from its dataset's meta.pkl; an HF export with its meta.json; a nanoGPT
-ckpt.pt) is refused before HellaSwag is downloaded, before lm-eval is imported or indexes its tasks,
-and before any weights load; a hub model out of reach (offline) is one line before lm-eval too."""
+What eval.py, hellaswag.py and parity.check_hellaswag check before their slow or networked steps: a
+character-level model (our run, its vocabulary from its dataset's meta.pkl; an HF export with its
+meta.json; a nanoGPT ckpt.pt) is refused before HellaSwag is downloaded, before lm-eval is imported
+or indexes its tasks, and before any weights load; a hub model out of reach (offline) is one line
+before lm-eval too."""
 
 import os
 import subprocess
@@ -18,6 +19,7 @@ import hellaswag
 import hellaswag_data
 from configurator import UsageError
 from model import GPT
+from parity import check_hellaswag
 from parity import nanogpt_reference as nanogpt
 from tokenizer import read_vocab, save_vocab
 from weights import save_hf
@@ -60,6 +62,9 @@ def test_a_character_level_model_is_refused_before_any_download_lm_eval_or_load(
         hellaswag.main(char_level[source])
     with pytest.raises(UsageError, match=refusal + "lm-eval's tasks are text in GPT-2's BPE, give"):
         lm_eval_py.main([*char_level[source], "--tasks=arc_easy"])
+    monkeypatch.setattr(check_hellaswag, "load_models", fails_loudly("the models were loaded"))
+    with pytest.raises(UsageError, match=refusal + "HellaSwag is scored in GPT-2's BPE, give a"):
+        check_hellaswag.main(char_level[source])
 
 
 # eval.py's main in a fresh process: which of lm-eval and its dependencies are imported at each
