@@ -92,6 +92,43 @@ def test_stream_prints_the_sample_as_it_comes(hf_dir, capsys, monkeypatch):
     assert streamed.startswith("Once upon a time") and len(streamed) > len("Once upon a time") + 24
 
 
+def test_generate_gets_the_command_lines_settings(tmp_path, capsys, monkeypatch):
+    """sys.argv's settings reach generate (top_p as well), a vocabulary padded past GPT-2's
+    (50257 -> 50304) is sampled below 50257, and the time said is the generation's."""
+    got = []
+    generate = GPT.generate
+    monkeypatch.setattr(GPT, "generate", lambda *a, **kw: got.append((a, kw)) or generate(*a, **kw))
+    padded = save_random_hf_model(
+        tmp_path / "padded", n_layer=1, n_head=2, n_embd=16, n_positions=16, vocab_size=50304
+    )
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "sample.py",
+            f"--init_from={padded}",
+            "--num_samples=2",
+            "--max_new_tokens=8",
+            "--top_p=0.5",
+        ],
+    )
+    assert sample.main() == 0
+    out, err = capsys.readouterr()
+    assert len(samples(out)) == 2
+    (_, _, max_new_tokens, _, top_k, top_p), kw = got[-1]  # model, x, ...
+    assert (max_new_tokens, top_k, top_p, kw["vocab_limit"]) == (8, 200, 0.5, 50257)
+    assert float(err.split("16 tokens in ")[1].split("s")[0]) < 600  # not seconds since 1970
+    # a meta.pkl with more characters than the model's ids: samples, nothing to limit
+    small = save_random_hf_model(
+        tmp_path / "small", n_layer=1, n_head=2, n_embd=16, n_positions=16, vocab_size=32
+    )
+    chars = [chr(ord("0") + i) for i in range(40)]
+    with open(small / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 40, "itos": dict(enumerate(chars))}, f)
+    out = samples(run(capsys, f"--init_from={small}", "--start=012", "--max_new_tokens=4"))
+    assert got[-1][1]["vocab_limit"] is None and all(len(x) == 3 + 4 for x in out), out
+
+
 CHARS = sorted(set("First Citizen:\nBefore we proceed any further, hear me speak.\n"))
 
 

@@ -88,6 +88,21 @@ def test_a_long_run_is_said_after_three_steps_once(monkeypatch):
     quick.start(0)
     now[0] += 3 * 0.05
     assert quick.first_estimate(2) is None  # 5 s: nothing to warn of
+    exact = step_clock.StepClock(max_iters=3603, eval_interval=10_000)
+    exact.start(0)
+    now[0] += 3 * 1.0
+    assert exact.first_estimate(2) is None  # 3,600 s, LONG_RUN_S itself: not longer, no line
+
+
+def test_mfu_is_the_flops_over_the_devices_summed_peak():
+    class Device:
+        def __init__(self, kind):
+            self.device_kind = kind
+
+    h100, a100 = Device("NVIDIA H100 80GB HBM3"), Device("NVIDIA A100-SXM4-80GB")
+    assert step_clock.mfu(989e12, 2.0, [h100]) == 0.5
+    assert step_clock.mfu(2 * 1301e12, 2.0, [h100, a100]) == 1.0  # 989 + 312 TFLOP/s
+    assert step_clock.mfu(1e12, 1.0, [h100, Device("cpu")]) is None  # no made-up number
 
 
 def test_each_log_line_ends_with_the_eta(dataset, tmp_path, capsys):
