@@ -23,6 +23,7 @@ from safetensors import safe_open
 import checkpoint
 import export
 import sample
+import storage
 from configurator import UsageError, exit_on_bad_input
 from model import GPT
 from models import build
@@ -274,3 +275,29 @@ def test_the_exported_config_is_the_model_as_transformers_reads_it(tmp_path, voc
         assert hf.resid_pdrop == hf.embd_pdrop == hf.attn_pdrop == 0.0
         assert hf.tie_word_embeddings is True and hf.bos_token_id == hf.eos_token_id == eot
         assert hf.dtype in (torch.float32, "float32")
+
+
+def test_an_export_to_gs_is_the_local_exports_files(tmp_path, gcs_dir):
+    """--to on gs://: written in a staging folder, then uploaded, the files a local export writes
+    (hf: its folder; nanogpt: the folder of its ckpt.pt); a bucket that does not exist is one line
+    naming --to. An earlier nanogpt export is refused as an HF one is, and a path under a file, even
+    an executable one, is no writable directory."""
+    model = GPT(tiny_config(gelu="exact", vocab_size=65), nnx.Rngs(0))
+    save_ours(tmp_path / "run", model, {"dataset": "x"})
+    run = f"--out_dir={tmp_path / 'run'}"
+    for fmt in ("hf", "nanogpt"):
+        assert export.main([run, f"--format={fmt}", f"--to={gcs_dir}/{fmt}"]) == 0
+        assert export.main([run, f"--format={fmt}", f"--to={tmp_path / fmt}"]) == 0
+        names = sorted(os.listdir(tmp_path / fmt))
+        assert names == (["config.json", "model.safetensors"] if fmt == "hf" else ["ckpt.pt"])
+        for name in names:
+            got = storage.read_bytes(f"{gcs_dir}/{fmt}/{name}")
+            assert got == (tmp_path / fmt / name).read_bytes(), name
+        with pytest.raises(UsageError, match="holds an earlier export"):
+            export.main([run, f"--format={fmt}", f"--to={tmp_path / fmt}"])
+    with pytest.raises(UsageError, match=r"^--to gs://nanogpt-no-such-bucket/hf: the bucket"):
+        export.main([run, "--to=gs://nanogpt-no-such-bucket/hf"])
+    (tmp_path / "exe").write_text("")
+    (tmp_path / "exe").chmod(0o755)  # W_OK | X_OK even for root: only "not a directory" refuses
+    with pytest.raises(UsageError, match=r"exe is not a writable directory$"):
+        export.main([run, f"--to={tmp_path / 'exe' / 'hf'}"])
