@@ -33,7 +33,14 @@ from model import GPT
 from models import load_pretrained
 from parity import speedrun_reference as record
 from parity.check_logits import FP32_MAX_REL_TOL
-from pretrained import COMPILED_PREFIX, from_modded_state, read_pretrained, to_modded_state
+from pretrained import (
+    COMPILED_PREFIX,
+    from_modded_state,
+    modded_config,
+    read_modded,
+    read_pretrained,
+    to_modded_state,
+)
 from tokenizer import save_vocab
 from weights import state_dict
 
@@ -216,3 +223,18 @@ def test_bad_files_and_exports_are_one_line_exit_2_and_write_nothing(tmp_path, c
     assert sorted(os.listdir(tmp_path)) == before
     with pytest.raises(UsageError, match="a modded-nanogpt state dict has transformer.wte.weight"):
         from_modded_state({"transformer.h.0.attn.c_q.weight": np.zeros((2, 2))})
+
+
+def test_a_record_file_read_at_its_edges():
+    """q, k and v fuse only where all three are there (a lone c_q passes through, for
+    load_state_dict to name as unexpected); one head is a model; a file that is not a dict names
+    what it holds."""
+    wte = np.zeros((8, 4), np.float32)
+    q = np.ones((4, 4), np.float32)
+    lone = from_modded_state({"transformer.wte.weight": wte, "transformer.h.0.attn.c_q.weight": q})
+    assert sorted(lone) == ["transformer.h.0.attn.c_q.weight", "transformer.wte.weight"]
+    assert modded_config({"transformer.wte.weight": wte}, n_head=1)["n_head"] == 1
+    with pytest.raises(UsageError, match="n_head=0 does not split n_embd=4"):
+        modded_config({"transformer.wte.weight": wte}, n_head=0)
+    with pytest.raises(UsageError, match=r"it holds list$"):
+        read_modded("state_step000100.pt", ckpt=[1, 2])
