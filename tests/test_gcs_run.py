@@ -29,6 +29,7 @@ import sample
 import storage
 import train
 from configurator import UsageError
+from tools.gcs_emulator import FORBIDDEN
 
 STEPS = ["--max_iters=8", "--checkpoint_interval=2"]
 
@@ -141,9 +142,17 @@ def test_the_lock_on_gs_refuses_a_live_run_and_takes_over_a_dead_ones(
         > held["refreshed"]
     )
     with pytest.raises(
-        UsageError, match=r"locked is in use by another run \(pid \d+ on .*, lock refreshed 0 s ago"
+        UsageError,
+        match=r"locked is in use by another run \(pid \d+ on .*, lock refreshed 0 s ago\): wait "
+        r"for it to end \(a run that died leaves a lock taken over after \d+ s\), or give this one "
+        r"another --out_dir$",
     ):
         run_lock.ObjectLock(out)
+    # the lock's own write refused: one line naming it
+    with pytest.raises(
+        UsageError, match=rf"^out_dir lock gs://{FORBIDDEN}/run/run\.lock: permission"
+    ):
+        run_lock.ObjectLock(f"gs://{FORBIDDEN}/run")
     with pytest.raises(UsageError, match="is in use by another run"):
         train.Trainer(settings(dataset, out))
     assert not storage.exists(storage.join(out, runlog.LOG_FILE))
@@ -162,6 +171,15 @@ def test_the_lock_on_gs_refuses_a_live_run_and_takes_over_a_dead_ones(
     # not refreshed
     write_lock(out, host="another-host", pid=1, refreshed=time.time() - run_lock.LOCK_STALE_S - 1)
     run_lock.ObjectLock(out).close()
+    # another run created it between this one's look and its own create: that run has it
+    monkeypatch.setattr(run_lock.ObjectLock, "_create", lambda self: False)
+    monkeypatch.setattr(run_lock.ObjectLock, "_read", lambda self: (None, None))
+    with pytest.raises(
+        UsageError,
+        match=r"locked was taken by another run starting at the same time: give this one another "
+        r"--out_dir$",
+    ):
+        run_lock.ObjectLock(out)
 
 
 def test_start_over_on_gs_moves_the_previous_run_aside(gcs_dir, capsys):

@@ -286,7 +286,11 @@ def test_a_locked_out_dir_is_refused_before_the_model_is_built(dataset, tmp_path
     # another run's lock (flock: per open file, so one process shows it)
     held = run_lock.lock_out_dir(str(out))
     monkeypatch.setattr(train, "init_state", lambda *a, **k: pytest.fail("the model was built"))
-    with pytest.raises(UsageError, match=r"out is in use by another run \(pid \d+"):
+    with pytest.raises(
+        UsageError,
+        match=r"out is in use by another run \(pid \d+ on .+, since \d{4}-\d\d-\d\d \d\d:\d\d:"
+        r"\d\d\): wait for it to end, or give this one another --out_dir$",
+    ):
         train.Trainer(settings(dataset, out))
     held.close()
 
