@@ -30,6 +30,7 @@ from models import build
 from parity import nanogpt_reference as nanogpt
 from parity.check_logits import FP32_MAX_REL_TOL as FP32_LOGITS_TOL  # max |Δlogit| / max |logit|
 from tokenizer import save_vocab
+from tools.gcs_emulator import FORBIDDEN
 from weights import hf_config_for, load_hf_model, state_dict
 
 
@@ -297,6 +298,8 @@ def test_an_export_to_gs_is_the_local_exports_files(tmp_path, gcs_dir):
             export.main([run, f"--format={fmt}", f"--to={tmp_path / fmt}"])
     with pytest.raises(UsageError, match=r"^--to gs://nanogpt-no-such-bucket/hf: the bucket"):
         export.main([run, "--to=gs://nanogpt-no-such-bucket/hf"])
+    with pytest.raises(UsageError, match=rf"^--to gs://{FORBIDDEN}/hf: permission denied on"):
+        export.main([run, f"--to=gs://{FORBIDDEN}/hf"])
     (tmp_path / "exe").write_text("")
     (tmp_path / "exe").chmod(0o755)  # W_OK | X_OK even for root: only "not a directory" refuses
     with pytest.raises(UsageError, match=r"exe is not a writable directory$"):
