@@ -337,3 +337,59 @@ def test_mesh_settings_are_checked():
         sharding.make_mesh(3, 1, devices)
     mesh = sharding.make_mesh(1, 1, devices)
     assert mesh.axis_names == ("data", "fsdp", "tensor") and mesh.devices.shape == (1, 1, 1)
+    # the devices given, not every device: 3 here (the one device thrice)
+    with pytest.raises(UsageError, match="divide the 3 device"):
+        sharding.make_mesh(2, 1, devices * 3)
+
+
+def test_batches_rows_are_split_over_data_and_fsdp():
+    """(accum, B, T) micro-batches and put_rows' (B, T) arrays split by rows (B) over data x fsdp,
+    not replicated: on one device both place the same, so only the specs tell."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = sharding.make_mesh(1, 1, jax.devices())
+    assert sharding.batch_sharding(mesh).spec == P(None, sharding.BATCH, None)
+    assert sharding.batch_sharding(mesh, ndim=2).spec == P(sharding.BATCH, None)
+    (x,) = sharding.put_rows((np.arange(6).reshape(3, 2),), mesh)
+    assert x.sharding.spec == P(sharding.BATCH, None) and x.tolist() == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_process_rows_joins_its_devices_ranges_and_refuses_a_gap():
+    """A process's rows are its devices' row ranges joined, in any order; ranges with a gap
+    between them are refused (on one device there is one range, so only a stand-in tells)."""
+
+    class Rows:  # a sharding's map of devices to their indices, all process_rows reads
+        def __init__(self, *ranges):
+            self.ranges = ranges
+
+        def addressable_devices_indices_map(self, shape):
+            return {d: (slice(a, b), slice(None)) for d, (a, b) in enumerate(self.ranges)}
+
+    assert sharding.process_rows(Rows((4, 8), (0, 4)), (8, 3), 0) == slice(0, 8)
+    assert sharding.process_rows(Rows((None, None)), (8, 3), 0) == slice(0, 8)
+    with pytest.raises(AssertionError, match="not contiguous"):
+        sharding.process_rows(Rows((0, 2), (4, 8)), (8, 3), 0)
+
+
+def test_the_compilation_cache_is_under_the_users_cache_directory(monkeypatch, tmp_path):
+    """Without $JAX_COMPILATION_CACHE_DIR: nanogpt-jax/jax under $XDG_CACHE_HOME, else under
+    ~/.cache (not a .cache in the working directory)."""
+    saved = {
+        k: getattr(jax.config, k)
+        for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    }
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    try:
+        sharding.use_compilation_cache()
+        home = tmp_path / ".cache" / "nanogpt-jax" / "jax"
+        assert jax.config.jax_compilation_cache_dir == str(home)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+        sharding.use_compilation_cache()
+        xdg = tmp_path / "xdg" / "nanogpt-jax" / "jax"
+        assert jax.config.jax_compilation_cache_dir == str(xdg)
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)
