@@ -2,6 +2,7 @@
 behind."""
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 import train
-from configurator import command_line_keys, configure
+from configurator import command_line_keys, configure, exit_on_bad_input
 from settings import DEFAULTS
 
 
@@ -181,6 +182,25 @@ def snapshot(path):
         for r, _, fs in os.walk(path)
         for f in fs
     }
+
+
+def prepare_script(name):
+    """data/<name>/prepare.py as a module (its main() callable in process)."""
+    path = os.path.join(REPO, "data", name, "prepare.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_prepare", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def exit_line(main, capsys):
+    """What the command line prints for main's UsageError: its exit code and the one line on
+    stderr."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        exit_on_bad_input(main)
+    err = capsys.readouterr().err
+    return done.value.code, err.splitlines()[-1]
 
 
 def one_line_error(result, code):

@@ -5,37 +5,20 @@ across filesystems), skips the complete ones and fetches a broken one again, ref
 bad local shard in one line, downloads the record's files from the HF hub, and says what to do
 offline (the loader of these shards: test_bin_shards.py)."""
 
-import importlib.util
 import os
 
 import numpy as np
 import pytest
-from helpers import REPO
+from helpers import exit_line, prepare_script
 from test_bin_shards import write_shards
 
-from configurator import exit_on_bad_input
 from dataloader import BinShardLoader, make_loader
 from parity.check_speedrun import write_datafile
 
 
 @pytest.fixture(scope="module")
 def prepare():
-    spec = importlib.util.spec_from_file_location(
-        "fineweb10B_prepare", os.path.join(REPO, "data", "fineweb10B", "prepare.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def one_line(main, capsys):
-    """What the command line prints for main's UsageError: its exit code and the one line on
-    stderr."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as done:
-        exit_on_bad_input(main)
-    err = capsys.readouterr().err
-    return done.value.code, err.splitlines()[-1]
+    return prepare_script("fineweb10B")
 
 
 def test_prepare_links_shards_from_local_and_skips_complete_ones(
@@ -73,12 +56,12 @@ def test_prepare_links_shards_from_local_and_skips_complete_ones(
     assert sorted(os.listdir(out)) == sorted(names)  # no temporary file left
     assert isinstance(make_loader(str(out), "train", 8, 2, seed=0), BinShardLoader)
 
-    code, line = one_line(
+    code, line = exit_line(
         lambda: prepare.main(["--num_chunks=4", f"--local={src}", f"--out_dir={out}"]), capsys
     )
     assert (code, line) == (2, f"error: --local {src} holds no fineweb_train_000004.bin")
     write_datafile(src / "fineweb_train_000003.bin", [1, 2], version=7)
-    code, line = one_line(
+    code, line = exit_line(
         lambda: prepare.main(["--num_chunks=3", f"--local={src}", f"--out_dir={out}"]), capsys
     )
     assert (code, line) == (
@@ -115,7 +98,9 @@ def test_prepare_downloads_the_records_files_and_says_what_to_do_offline(
         )
 
     monkeypatch.setattr(prepare, "hf_hub_download", offline)
-    code, line = one_line(lambda: prepare.main(["--num_chunks=2", f"--out_dir={tmp_path}"]), capsys)
+    code, line = exit_line(
+        lambda: prepare.main(["--num_chunks=2", f"--out_dir={tmp_path}"]), capsys
+    )
     assert (code, line) == (
         2,
         "error: could not download fineweb_train_000002.bin from the HF hub dataset "

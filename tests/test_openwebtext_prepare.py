@@ -6,7 +6,6 @@ each followed by <|endoftext|>, and which train.py trains on; a write that fails
 the run before and no temporary file; a bad --local, too few documents, datasets missing, the hub
 offline or refusing its loading script: one line each, nothing written."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -14,9 +13,8 @@ import sys
 import numpy as np
 import pytest
 from datasets import Dataset
-from helpers import REPO, TINY, train_cli
+from helpers import TINY, exit_line, prepare_script, train_cli
 
-from configurator import exit_on_bad_input
 from tokenizer import EOT, get_encoding
 
 # documents as the hub's rows hold them: several lines, unicode, a "<|endoftext|>" that is text;
@@ -32,12 +30,7 @@ DOCS = [
 
 @pytest.fixture(scope="module")
 def prepare():
-    spec = importlib.util.spec_from_file_location(
-        "openwebtext_prepare", os.path.join(REPO, "data", "openwebtext", "prepare.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return prepare_script("openwebtext")
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +46,6 @@ def prepared(prepare, sample):
     out = sample.parent / "data"
     assert prepare.main([f"--local={sample}", f"--out_dir={out}", "--num_proc=1"]) == 0
     return out
-
-
-def one_line(main, capsys):
-    """What the command line prints for main's UsageError: its exit code and the one line on
-    stderr."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as done:
-        exit_on_bad_input(main)
-    err = capsys.readouterr().err
-    return done.value.code, err.splitlines()[-1]
 
 
 def documents(path):
@@ -140,30 +123,30 @@ def test_bad_input_is_one_line_and_writes_nothing(prepare, sample, tmp_path, cap
     def main(*args):
         return lambda: prepare.main([f"--out_dir={out}", "--num_proc=1", *args])
 
-    assert one_line(main(f"--local={missing}"), capsys) == (
+    assert exit_line(main(f"--local={missing}"), capsys) == (
         2,
         f"error: --local {str(missing)!r} matches no files",
     )
     one = tmp_path / "one.jsonl"
     one.write_text(json.dumps({"text": DOCS[0]}) + "\n")
-    assert one_line(main(f"--local={one}"), capsys) == (
+    assert exit_line(main(f"--local={one}"), capsys) == (
         2,
         "error: 1 document(s): the split needs 2 or more (1 goes to val)",
     )
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"title": "no text"}\n')
-    assert one_line(main(f"--local={bad}"), capsys) == (
+    assert exit_line(main(f"--local={bad}"), capsys) == (
         2,
         f"error: {bad}:2: no string field 'text'",
     )
-    assert one_line(main(f"--local={sample}", "--num_proc=0"), capsys) == (
+    assert exit_line(main(f"--local={sample}", "--num_proc=0"), capsys) == (
         2,
         "error: --num_proc=0: give at least 1",
     )
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "datasets", None)  # as if not installed
         m.setattr(sys, "argv", ["data/openwebtext/prepare.py"])
-        assert one_line(main(f"--local={sample}"), capsys) == (
+        assert exit_line(main(f"--local={sample}"), capsys) == (
             2,
             "error: prepare.py needs the data extras (no module named 'datasets'): "
             "pip install -c constraints.txt -e '.[data]'",
@@ -200,7 +183,7 @@ def test_the_hub_route_loads_nanogpts_dataset_or_says_why_not(
         "load_dataset",
         refusing(ConnectionError("Couldn't reach 'openwebtext' on the Hub (OfflineModeIsEnabled)")),
     )
-    assert one_line(lambda: prepare.main([f"--out_dir={out}"]), capsys) == (
+    assert exit_line(lambda: prepare.main([f"--out_dir={out}"]), capsys) == (
         2,
         "error: could not load 'openwebtext' from the HF hub (ConnectionError: Couldn't reach "
         "'openwebtext' on the Hub (OfflineModeIsEnabled)); offline? give --local files",
@@ -210,7 +193,7 @@ def test_the_hub_route_loads_nanogpts_dataset_or_says_why_not(
         "load_dataset",
         refusing(RuntimeError("Dataset scripts are no longer supported, but found openwebtext.py")),
     )
-    code, line = one_line(lambda: prepare.main([f"--out_dir={out}"]), capsys)
+    code, line = exit_line(lambda: prepare.main([f"--out_dir={out}"]), capsys)
     assert code == 2 and line.startswith("error: the HF hub's 'openwebtext' is a loading script")
     assert "--dataset" in line and "--local" in line
     assert not out.exists()

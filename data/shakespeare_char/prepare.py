@@ -9,25 +9,15 @@ ships with the repo (tiny shakespeare, from karpathy/char-rnn); it is downloaded
 import argparse
 import os
 import pickle
-import sys
 
 import numpy as np
 
-# as a command, the arguments are checked before anything is written: -h/--help prints this
-# docstring (exit 0), anything else is refused in one line (exit 2); the tests also run this file
-# with runpy, without arguments
+# as a command, argparse checks the arguments before anything is written: -h prints this docstring,
+# anything else is refused (exit 2); the tests also run this file with runpy
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
+    argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    _, unknown = parser.parse_known_args()
-    if unknown:
-        print(
-            f"error: {sys.argv[0]} takes no arguments, got {' '.join(unknown)}: run it bare "
-            "(it writes train.bin, val.bin and meta.pkl beside itself)",
-            file=sys.stderr,
-        )
-        sys.exit(2)
+    ).parse_args()
 
 here = os.path.dirname(os.path.abspath(__file__))
 input_file_path = os.path.join(here, "input.txt")
