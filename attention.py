@@ -269,3 +269,41 @@ def _splash(q, k, v):
     )
     # check_vma off: the kernel's pallas_calls do not declare how their outputs vary over the mesh
     return jax.shard_map(local, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(q, k, v)
+
+
+# ------------------------------------------------------------------------------------------------
+# the speedrun's record 20 (speedrun_model.py, GPTConfig.arch='speedrun20'): document-causal
+# attention over block-wise sliding windows
+
+EOT = 50256  # GPT-2's <|endoftext|>: each one starts a document (it is that document's first token)
+WINDOW_BLOCK = 128  # the record's FlexAttention block: windows are whole blocks of this many tokens
+
+
+def documents(idx):
+    """Token ids (B, T) -> (B, T) int32 document numbers, as record 20 counts them: the number of
+    <|endoftext|> tokens up to and including each position."""
+    return jnp.cumsum(idx == EOT, axis=-1, dtype=jnp.int32)
+
+
+def window_mask(q_pos, k_pos, q_docs, k_docs, window_blocks):
+    """Which keys each query attends in record 20: (..., Tq, Tk) bool from positions (Tq,), (Tk,)
+    and document numbers (..., Tq), (..., Tk). Causal, within the query's document, and in the
+    query's block or the window_blocks - 1 blocks before it (at least its own block). This is what
+    the record's hand-built BlockMask selects: for each query block it keeps the nearest
+    window_blocks kv blocks that overlap the query's documents (the clamps on its full and partial
+    block counts add up to that), full blocks whole and the partial ones through document_causal,
+    which is all-true on a full block; window_blocks of 0 (the short window at step 0) keeps the
+    query's own block. window_blocks may be traced."""
+    q_blocks, k_blocks = q_pos // WINDOW_BLOCK, k_pos // WINDOW_BLOCK
+    near = q_blocks[:, None] - k_blocks[None, :] < jnp.maximum(window_blocks, 1)
+    causal = q_pos[:, None] >= k_pos[None, :]
+    return causal & near & (q_docs[..., :, None] == k_docs[..., None, :])
+
+
+def masked_attention(q, k, v, mask, scale):
+    """q (B, Tq, nh, hs), k and v (B, Tk, nh, hs), mask (B, Tq, Tk) -> (B, Tq, nh, hs) in v's dtype:
+    softmax(q k^T * scale) v over the keys the mask allows, scores and softmax in float32. Every
+    query allows at least its own position."""
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    att = jax.nn.softmax(jnp.where(mask[:, None], att, -jnp.inf), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", att, v)

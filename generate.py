@@ -157,7 +157,7 @@ def generate_in_jit(model, buf, prompt_len, key, *, sampling, use_cache, on_toke
         cache = jax.lax.fori_loop(0, (n_prefill + C - 1) // C, prefill, cache)
 
     V = model.config.vocab_size if vocab_limit is None else vocab_limit
-    all_logits = jnp.zeros((B, L if return_logits else 0, model.config.vocab_size), jnp.float32)
+    all_logits = jnp.zeros((B, L if return_logits else 0, model.n_logits), jnp.float32)
 
     def step(i, carry):
         buf, cache, all_logits = carry

@@ -85,21 +85,22 @@ def block_input(x):
     return fusion_barrier_in_grad(x) if sharding.target_platform() == "cpu" else x
 
 
-def apply_block(block, x, key, remat_policy):
-    """block(x, key) as the stack runs it (block_input first); remat_policy, an entry of REMAT, has
-    the block's forward pass recomputed in the backward (None: everything kept)."""
+def apply_block(block, x, key, remat_policy, *args):
+    """block(x, key, *args) as the stack runs it (block_input first); remat_policy, an entry of
+    REMAT, has the block's forward pass recomputed in the backward (None: everything kept). args:
+    arrays (or None) a block takes besides x (record 20's x0, value embedding and mask)."""
     if remat_policy is None:
-        return block(block_input(x), key)
+        return block(block_input(x), key, *args)
     graphdef, state = nnx.split(block)
-    return block_fn(graphdef, remat_policy)(state, x, key)
+    return block_fn(graphdef, remat_policy)(state, x, key, *args)
 
 
 def block_fn(graphdef, remat_policy):
-    """(block state, x, key) -> the block's output, as apply_block runs it; the scanned stack's
-    body (scan_layers)."""
+    """(block state, x, key, *args) -> the block's output, as apply_block runs it; the scanned
+    stack's body (scan_layers)."""
 
-    def f(state, x, key):
-        return nnx.merge(graphdef, state)(block_input(x), key)
+    def f(state, x, key, *args):
+        return nnx.merge(graphdef, state)(block_input(x), key, *args)
 
     return f if remat_policy is None else remat(f, remat_policy)
 
@@ -253,6 +254,18 @@ def rotary(x, cos, sin):
     cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hs/2)
     x1, x2 = jnp.split(x, 2, axis=-1)  # (B, T, nh, hs/2) each
     return jnp.concatenate([x1 * cos + x2 * sin, x1 * -sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+@functools.cache
+def half_truncated_rotary_tables(n, hs):
+    """Record 20's rotary tables for positions 0..n-1 and head size hs: (cos, sin), each (n, hs/2)
+    float32 numpy. hs/4 frequencies (1/1024)^(j/(hs/4-1)), then hs/4 zeros (half-truncated RoPE:
+    those dimensions never turn); the angles position * frequency in float32, as the record's, and
+    their cos and sin rounded once from float64."""
+    freq = (1 / 1024) ** np.linspace(0, 1, hs // 4, dtype=np.float64)
+    freq = np.concatenate([freq.astype(np.float32), np.zeros(hs // 4, np.float32)])
+    theta = np.arange(n, dtype=np.float32)[:, None] * freq  # (n, hs/2), float32
+    return tuple(f(theta.astype(np.float64)).astype(np.float32) for f in (np.cos, np.sin))
 
 
 # ------------------------------------------------------------------------------------------------

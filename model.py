@@ -50,7 +50,8 @@ class GPTConfig:
     # 'tanh': GPT-2's approximation (HF gelu_new) | 'exact': erf, nanoGPT's F.gelu (HF gelu)
     gelu: str = "tanh"
     dtype: str = "float32"  # compute dtype, 'float32' | 'bfloat16'; params are always float32
-    # 'gpt2' | 'speedrun': modded-nanogpt's record 5 (speedrun_model.py; models.py builds either)
+    # 'gpt2' | 'speedrun': modded-nanogpt's record 5 | 'speedrun20': its record 20
+    # (speedrun_model.py; models.py builds each)
     arch: str = "gpt2"
     # how the run computes, not what it computes (a checkpoint's are ignored on restore, see
     # RUNTIME_FIELDS): 'xla' | 'cudnn' (NVIDIA) | 'splash' (TPU) | 'auto': the fused kernel where it
@@ -72,7 +73,8 @@ class GPTConfig:
             raise ValueError(f"gelu must be 'tanh' (GPT-2) or 'exact' (nanoGPT), got {self.gelu!r}")
         if self.arch not in ARCHS:
             raise ValueError(
-                f"arch must be 'gpt2' or 'speedrun' (modded-nanogpt's record 5), got {self.arch!r}"
+                "arch must be 'gpt2', 'speedrun' or 'speedrun20' (modded-nanogpt's records 5 and "
+                f"20), got {self.arch!r}"
             )
         if self.attention not in attention.SETTINGS:
             raise ValueError(
@@ -96,7 +98,7 @@ class GPTConfig:
 
 
 DTYPES = ("float32", "bfloat16")
-ARCHS = ("gpt2", "speedrun")  # models.MODELS builds each
+ARCHS = ("gpt2", "speedrun", "speedrun20")  # models.MODELS builds each
 
 
 # GPTConfig's fields that are choices of the run, not the architecture: a restored checkpoint takes
@@ -348,6 +350,11 @@ class GPT(nnx.Module):
             (jnp.zeros(shape, c.compute_dtype), jnp.zeros(shape, c.compute_dtype))
             for _ in range(c.n_layer)
         ]
+
+    @property
+    def n_logits(self):
+        """The logits' last axis: vocab_size (record 20's head pads it)."""
+        return self.config.vocab_size
 
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, **options):
         """nanoGPT's generate, with a KV cache: see generate.generate."""

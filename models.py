@@ -11,9 +11,9 @@ from flax import nnx
 
 import pretrained
 from model import ARCHS, GPT, GPTConfig
-from speedrun_model import Record5GPT
+from speedrun_model import Record5GPT, Record20GPT
 
-MODELS = {"gpt2": GPT, "speedrun": Record5GPT}
+MODELS = {"gpt2": GPT, "speedrun": Record5GPT, "speedrun20": Record20GPT}
 assert tuple(MODELS) == ARCHS
 
 

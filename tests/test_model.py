@@ -226,7 +226,8 @@ def test_attention_drops_its_probabilities_as_well_as_its_output():
         (dict(gelu="relu"), r"gelu must be 'tanh' \(GPT-2\) or 'exact' \(nanoGPT\), got 'relu'"),
         (
             dict(arch="llama"),
-            r"arch must be 'gpt2' or 'speedrun' \(modded-nanogpt's record 5\), got 'llama'",
+            r"arch must be 'gpt2', 'speedrun' or 'speedrun20' \(modded-nanogpt's records 5 and "
+            r"20\), got 'llama'",
         ),
         (
             dict(attention="flash"),

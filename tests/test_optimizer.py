@@ -79,8 +79,9 @@ BAD = [
     ),
     ([*MUON, "--muon_learning_rate=0.0"], "needs --muon_learning_rate > 0"),
     ([*MUON, "--learning_rate=0.0"], "learning_rate must be > 0"),
-    (["--arch=llama"], "arch must be 'gpt2' or 'speedrun'"),
+    (["--arch=llama"], "arch must be 'gpt2', 'speedrun' or 'speedrun20'"),
     (["--arch=speedrun", "--bias=True"], "set bias=False"),
+    (["--arch=speedrun20"], "not trained by train.py yet"),
     (["--val_tokens=-1"], "val_tokens must be >= 0"),
     (["--warmdown_iters=-1"], "warmdown_iters must be >= 0"),
 ]

@@ -1,0 +1,120 @@
+"""python -m pytest tests/test_speedrun20_model.py -q
+
+arch='speedrun20' (modded-nanogpt's record 20) on its own: the masks its attention takes, KV-cache
+generation against the full forward with documents and short windows, the soft-capped logits, and
+a bad config, one line. Against the torch reference: test_speedrun20_parity.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import rel_diff
+
+import attention
+import speedrun_model
+from generate import generate
+from model import GPTConfig
+from models import build
+from parity.check_generate import CACHE_LOGITS_TOL
+
+TINY20 = dict(
+    arch="speedrun20", bias=False, n_layer=4, n_head=2, n_embd=32, block_size=256, vocab_size=50257
+)
+
+
+def randomized(model, seed=0, scale=0.3):
+    """Every param drawn anew: the record's zero head and projections, and its lambdas' 0 and 1,
+    would hide a wrong mix, skip or mask."""
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    nnx.update(
+        model,
+        jax.tree.unflatten(
+            treedef, [scale * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
+        ),
+    )
+    return model
+
+
+def with_documents(shape, seed=0, every=37):
+    """Token ids with an <|endoftext|> every `every` tokens or so: documents that split blocks."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, 50000, shape)
+    idx[rng.random(shape) < 1 / every] = attention.EOT
+    return idx
+
+
+def test_window_mask_is_block_wise_document_causal():
+    """Query 200 (block 1) with a one-block window sees keys 128..200 of its document; with two
+    blocks, 0..200 of it; a document starting at 150 cuts both."""
+    pos = jnp.arange(256)
+    one_doc = jnp.zeros((1, 256), jnp.int32)
+    row = lambda docs, w: np.flatnonzero(attention.window_mask(pos, pos, docs, docs, w)[0, 200])  # noqa: E731
+    assert row(one_doc, 1).tolist() == list(range(128, 201))
+    assert row(one_doc, 0).tolist() == list(range(128, 201))  # the short window at step 0
+    assert row(one_doc, 2).tolist() == list(range(0, 201))
+    two_docs = (pos >= 150).astype(jnp.int32)[None]
+    assert row(two_docs, 2).tolist() == list(range(150, 201))
+    assert np.flatnonzero(
+        attention.window_mask(pos, pos, two_docs, two_docs, 2)[0, 140]
+    ).tolist() == list(range(0, 141))
+
+
+def test_documents_start_at_each_end_of_text():
+    idx = jnp.array([[5, attention.EOT, 7, 8, attention.EOT, attention.EOT, 9]])
+    assert attention.documents(idx).tolist() == [[0, 1, 1, 1, 2, 3, 3]]
+
+
+@pytest.mark.parametrize("final_window", [speedrun_model.FINAL_WINDOW, 128])
+def test_kv_cache_generation_is_the_full_forward(monkeypatch, final_window):
+    """Greedy tokens and each step's logits, cache or not, with documents in the prompt and past
+    128-token blocks; a 128-token final window (long 1 block, short 0) makes the windows cut."""
+    monkeypatch.setattr(speedrun_model, "FINAL_WINDOW", final_window)
+    model = randomized(build(GPTConfig(**TINY20), nnx.Rngs(0)))
+    prompt = with_documents((2, 120))
+    full, full_logits = generate(
+        model, prompt, 40, temperature=0, use_cache=False, return_logits=True
+    )
+    cached, logits = generate(model, prompt, 40, temperature=0, use_cache=True, return_logits=True)
+    np.testing.assert_array_equal(cached, full)
+    assert rel_diff(logits, full_logits) < CACHE_LOGITS_TOL
+    assert logits.shape[-1] == 50304  # the head's padded rows
+
+
+def test_a_window_changes_the_logits_only_past_it():
+    """Positions in the first block see the same keys at any window; later ones do not."""
+    model = randomized(build(GPTConfig(**TINY20), nnx.Rngs(0)))
+    idx = jnp.asarray(with_documents((1, 256), every=10_000))
+    wide, _ = model(idx, window_blocks=2)
+    narrow, _ = model(idx, window_blocks=1)
+    np.testing.assert_array_equal(wide[:, :128], narrow[:, :128])
+    assert np.abs(wide[:, 128:] - narrow[:, 128:]).max() > 1e-3
+
+
+def test_logits_are_soft_capped_and_the_loss_is_their_cross_entropy():
+    model = randomized(build(GPTConfig(**TINY20), nnx.Rngs(0)), scale=3.0)
+    idx = jnp.asarray(with_documents((2, 128)))
+    logits, loss = model(idx[:, :-1].repeat(1, axis=0), idx[:, 1:])
+    assert 0 < logits.min() and logits.max() < 30 and logits.max() > 25
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    expected = -jnp.take_along_axis(logp, idx[:, 1:, None], axis=-1).mean()
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (dict(n_layer=3), "even n_layer"),
+        (dict(block_size=200), "multiple of 128"),
+        (dict(bias=True), "bias=False"),
+        (dict(n_head=4, n_embd=24), "multiple of 4"),
+        (dict(scan_layers=True), "scan_layers=False"),
+        (dict(loss_chunk=64), "loss_chunk=0"),
+    ],
+)
+def test_a_config_the_record_cannot_take_is_one_line(change, says):
+    with pytest.raises(ValueError, match=says) as e:
+        build(GPTConfig(**{**TINY20, **change}), nnx.Rngs(0))
+    assert "\n" not in str(e.value) and "record 20" in str(e.value)
