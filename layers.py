@@ -262,10 +262,17 @@ def half_truncated_rotary_tables(n, hs):
     float32 numpy. hs/4 frequencies (1/1024)^(j/(hs/4-1)), then hs/4 zeros (half-truncated RoPE:
     those dimensions never turn); the angles position * frequency in float32, as the record's, and
     their cos and sin rounded once from float64."""
-    freq = (1 / 1024) ** np.linspace(0, 1, hs // 4, dtype=np.float64)
-    freq = np.concatenate([freq.astype(np.float32), np.zeros(hs // 4, np.float32)])
-    theta = np.arange(n, dtype=np.float32)[:, None] * freq  # (n, hs/2), float32
+    theta = np.arange(n, dtype=np.float32)[:, None] * half_truncated_frequencies(hs)  # float32
     return tuple(f(theta.astype(np.float64)).astype(np.float32) for f in (np.cos, np.sin))
+
+
+def half_truncated_frequencies(hs):
+    """Record 20's hs/2 rotary frequencies, float32, each rounded once from float64. The record's
+    torch.linspace(0, 1) on its host's CPU rounds some points the other way (how, depends on the
+    CPU's vector width), which moves a frequency by up to ln(1024) ≈ 7 of its ulps: at position p
+    the angle by up to p times that (tests/test_speedrun20_parity.py)."""
+    freq = (1 / 1024) ** np.linspace(0, 1, hs // 4, dtype=np.float64)
+    return np.concatenate([freq.astype(np.float32), np.zeros(hs // 4, np.float32)])
 
 
 # ------------------------------------------------------------------------------------------------

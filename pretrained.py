@@ -272,6 +272,66 @@ def save_modded(model, path, step=0):
 
 
 # ------------------------------------------------------------------------------------------------
+# record 20's GPT (2025-01-16_Sub3Min), our arch='speedrun20': its state dict's names are
+# weights.RECORD20_NAMES'
+
+RECORD20_N_HEAD = 6  # the record's GPT(num_heads=6): its state dict cannot tell
+RECORD20_SEQ_LEN = 64 * 1024  # the record's sequence: 64K tokens a device
+RECORD20_LINEAR = re.compile(r"\.(c_proj|c_fc)\.weight$")  # (out, in): transposed
+RECORD20_QKV = ".attn.qkv_w"  # (3, C, C) [q; k; v], each (out, in): c_attn's (C, 3C) kernel
+RECORD20_KEY = "blocks.0.attn.qkv_w"  # a state dict holding it is record 20's
+
+
+def from_record20_state(record_state):
+    """Record 20's state dict ({its name: tensor or array}, with or without torch.compile's
+    _orig_mod. prefix) -> {its name: array in our layout}, lazily."""
+    record = {k.removeprefix(COMPILED_PREFIX): v for k, v in record_state.items()}
+
+    def read(name):
+        value = _numpy(record[name])
+        if name.endswith(RECORD20_QKV):
+            return value.reshape(-1, value.shape[-1]).T  # (3C, C) -> (C, 3C): [q | k | v]
+        return value.T if RECORD20_LINEAR.search(name) else value
+
+    return LazyState(list(record), read)
+
+
+def to_record20_state(model):
+    """Our arch='speedrun20' GPT -> record 20's state dict {its name: float32 numpy}, its layouts:
+    what its GPT.load_state_dict takes."""
+    record = {}
+    for name, value in state_dict(model).items():
+        if name.endswith(RECORD20_QKV):
+            value = value.T.reshape(3, value.shape[0], value.shape[0])
+        elif RECORD20_LINEAR.search(name):
+            value = value.T
+        record[name] = np.array(value, order="C")  # writable: torch takes no read-only arrays
+    return record
+
+
+def record20_config(state, n_head=None):
+    """GPTConfig's arguments for from_record20_state's output: vocab and width from the embedding,
+    depth from the layer names; n_head as given (None: the record's 6)."""
+    vocab_size, n_embd = state["embed.weight"].shape
+    n_head = RECORD20_N_HEAD if n_head is None else n_head
+    if n_head < 1 or n_embd % n_head or (n_embd // n_head) % 4:
+        raise UsageError(
+            f"n_head={n_head} does not split n_embd={n_embd} into heads of a multiple of 4: set "
+            "n_head to the run's (record 20: 6)"
+        )
+    n_layer = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
+    return dict(
+        block_size=RECORD20_SEQ_LEN,
+        vocab_size=vocab_size,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_embd=n_embd,
+        bias=False,
+        arch="speedrun20",
+    )
+
+
+# ------------------------------------------------------------------------------------------------
 
 
 def read_pretrained(name_or_path, n_head=None):

@@ -129,6 +129,7 @@ SOFTCAP_SLOPE = 7.5
 FINAL_WINDOW = 1792  # the long window at the end of training, in tokens; the short one is half
 VALUE_EMBEDDINGS = 3  # tables, mixed into v by the first three layers and again by the last three
 HEAD_MULTIPLE = 128  # the head's rows: the vocabulary padded to a multiple of this
+NO_ATTENTION_LAYER = 7  # the record's layer without attention (@YouJiacheng)
 
 
 def record20_init(fan_in):
@@ -146,18 +147,22 @@ def padded_vocab(vocab_size):
 
 
 def record20_layout(n_layer):
-    """Each layer's role in record 20: (value embedding table or None, attends?, long window?).
-    The record's 12 layers: tables 0, 1, 2 in layers 0-2 and again in 9-11; no attention in layer
-    7; long windows in layers 0, 4, 7, 11, short in the rest (the encoder's [long, short, short,
-    short, long, short], mirrored by the decoder). Another even depth keeps that shape: the tables
-    in the first and last min(3, n_layer/2) layers, the attention left out of the decoder's second
-    layer, long windows in the encoder's layers 0 and 4 and their mirrors."""
-    half = n_layer // 2
-    k = min(VALUE_EMBEDDINGS, half)
-    tables = list(range(k)) + [None] * (n_layer - 2 * k) + list(range(k))
-    encoder_long = [i in (0, 4) for i in range(half)]
-    longs = encoder_long + encoder_long[::-1]
-    return [(tables[i], i != half + 1, longs[i]) for i in range(n_layer)]
+    """Each layer's role in record 20: (value embedding table or None, attends?, long window?), as
+    the record's code indexes its lists. Its 12 layers: tables 0, 1, 2 in layers 0-2 and again in
+    9-11; no attention in layer 7; the encoder's windows [long, short, short, short, long, short]
+    and the decoder's that list reversed: long in layers 0, 4, 7 and 11. Another even depth: the
+    tables in the encoder's first three layers and the last three (the encoder's win where they
+    overlap: 4 layers take 0 1 1 2), attention everywhere below 8 layers, the window lists read
+    the same way (6-periodic past 12 layers)."""
+    half, encoder = n_layer // 2, [True, False, False, False, True, False]
+    tables = [
+        (i if i < VALUE_EMBEDDINGS else None)
+        if i < half
+        else (i - (n_layer - VALUE_EMBEDDINGS) if i >= n_layer - VALUE_EMBEDDINGS else None)
+        for i in range(n_layer)
+    ]
+    longs = [encoder[i % 6] if i < half else encoder[::-1][(i - half) % 6] for i in range(n_layer)]
+    return [(tables[i], i != NO_ATTENTION_LAYER, longs[i]) for i in range(n_layer)]
 
 
 def softcap(logits):

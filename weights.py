@@ -15,11 +15,13 @@ too), in HF's (in, out) layout.
 
 import json
 import os
+import re
 from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import sharding
 from configurator import InputNotFound, UsageError
@@ -64,6 +66,42 @@ SPEEDRUN_PARAMS = (
 )
 
 
+# arch='speedrun20' (record 20): its state dict's names for each of our params, (our path, its
+# name, nn.Linear weight?). Its layers differ (layer 7 has no attention), so the rows come from the
+# model's own params (rows_of). Its qkv_w (3, C, C) is c_attn's (C, 3C) kernel: pretrained.py
+# reshapes it.
+RECORD20_NAMES = [
+    (r"wte\.embedding", "embed.weight", False),
+    (r"ve\.(\d+)\.embedding", r"value_embeds.embed.\1.weight", False),
+    (r"h\.(\d+)\.attn\.c_attn\.kernel", r"blocks.\1.attn.qkv_w", True),
+    (r"h\.(\d+)\.attn\.lambdas", r"blocks.\1.attn.lambdas", False),
+    (r"h\.(\d+)\.attn\.c_proj\.kernel", r"blocks.\1.attn.c_proj.weight", True),
+    (r"h\.(\d+)\.mlp\.c_fc\.kernel", r"blocks.\1.mlp.c_fc.weight", True),
+    (r"h\.(\d+)\.mlp\.c_proj\.kernel", r"blocks.\1.mlp.c_proj.weight", True),
+    (r"h\.(\d+)\.lambdas", r"blocks.\1.lambdas", False),
+    (r"skip_weights", "skip_weights", False),
+    (r"lm_head", "lm_head.weight", False),
+]
+
+
+def rows_of(model):
+    """weight_map's rows for `model`: GPT-2's and record 5's from the table, record 20's from its
+    params."""
+    c = model.config
+    if c.arch != "speedrun20":
+        return weight_map(c.n_layer, c.bias, c.arch)
+    rows = []
+    for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        ours = ".".join(map(str, path))
+        for pattern, name, linear in RECORD20_NAMES:
+            if m := re.fullmatch(pattern, ours):
+                rows.append((m.expand(name), ours, linear))
+                break
+        else:
+            raise AssertionError(f"{ours} has no row in weights.RECORD20_NAMES")
+    return rows
+
+
 def weight_map(n_layer, bias=True, arch="gpt2"):
     """[(HF name, our path, nn.Linear weight?)] for a model with n_layer blocks."""
     rows = []
@@ -101,8 +139,7 @@ def state_dict(model, zero_biases=False):
         var, layer = _slot(model, ours)
         return np.asarray(var[...] if layer is None else var[layer])
 
-    c = model.config
-    state = {hf: read(ours) for hf, ours, _ in weight_map(c.n_layer, c.bias, c.arch)}
+    state = {hf: read(ours) for hf, ours, _ in rows_of(model)}
     if zero_biases and not model.config.bias:
         for hf, _, _ in weight_map(model.config.n_layer):
             if hf not in state:  # a bias is as long as its weight's last axis (HF's layout: out)
@@ -116,7 +153,7 @@ def load_state_dict(model, state, mesh=None):
     once. With a mesh, each is split by its spec as it is placed (each device receives only its
     shard)."""
     c = model.config
-    rows = weight_map(c.n_layer, c.bias, c.arch)
+    rows = rows_of(model)
     expected = {hf for hf, _, _ in rows}
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:

@@ -1,0 +1,130 @@
+"""python -m pytest tests/test_speedrun20_parity.py -q
+
+arch='speedrun20' against the torch reference written from modded-nanogpt's record 20
+(parity/speedrun20_reference.py), all-fp32: the masks its attention takes (the record's
+BlockMask, by the reference's dense reading of it), the rotary tables, and a whole model's logits,
+loss and gradients at several windows, with its weights carried across by pretrained.py's mapping
+both ways."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from helpers import rel_diff
+
+import attention
+from layers import half_truncated_frequencies, half_truncated_rotary_tables
+from model import GPTConfig
+from models import model_from
+from parity import speedrun20_reference as record
+from parity.check_logits import FP32_MAX_REL_TOL
+from pretrained import from_record20_state, record20_config, to_record20_state
+from weights import state_dict
+
+# 8 layers: the record's layer 7 without attention is among them
+SHAPE = dict(vocab_size=50257, num_layers=8, num_heads=2, model_dim=32)
+T = 512  # 4 of the record's 128-token blocks
+
+
+@pytest.fixture(autouse=True)
+def highest_precision():
+    torch.set_float32_matmul_precision("highest")
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def tokens(seed=0, length=T, every=90):
+    """Token ids with documents that start mid-block."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, 50000, length)
+    idx[rng.random(length) < 1 / every] = attention.EOT
+    return idx
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """The reference with every param random (its zero head, projections and lambdas would hide a
+    wrong mapping), all-fp32, and our model holding its weights."""
+    torch.manual_seed(0)
+    ref = record.GPT(**SHAPE, embed_dtype=torch.float32)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.5 if p.ndim < 2 else p.shape[-1] ** -0.5)
+    state = from_record20_state(ref.state_dict())
+    config = GPTConfig(**{**record20_config(state, SHAPE["num_heads"]), "block_size": T})
+    return ref, model_from(config, state)
+
+
+@pytest.mark.parametrize("window", [0, 1, 2, 3, 5])
+def test_window_mask_is_the_records_block_mask(window):
+    idx = tokens(every=150, length=1024)
+    long, short = record.block_masks(torch.as_tensor(idx), window)
+    docs, pos = attention.documents(jnp.asarray(idx)), jnp.arange(1024)
+    for w, expected in ((window, long), (window // 2, short)):
+        np.testing.assert_array_equal(attention.window_mask(pos, pos, docs, docs, w), expected)
+
+
+def test_rotary_tables_are_the_records():
+    """The frequencies as the record's formula in torch gives them, but for how its CPU linspace
+    rounds (an ulp of a point moves (1/1024)^x by ln 1024 of its ulps), the tables within what
+    that moves each angle, plus an ulp of the angle, which each side rounds to float32."""
+    ref_freq = ((1 / 1024) ** torch.linspace(0, 1, steps=16, dtype=torch.float32)).numpy()
+    freq = half_truncated_frequencies(64)
+    one_linspace_ulp = (np.log(1024) + 1) * 2.0**-23  # relative
+    assert np.all(np.abs(freq[:16] / ref_freq - 1) <= one_linspace_ulp) and not freq[16:].any()
+    rotary = record.Rotary(64, max_seq_len=4096)
+    cos, sin = half_truncated_rotary_tables(4096, 64)
+    positions = np.arange(4096, dtype=np.float32)[:, None]
+    # each side rounds its float32 angle once more: an ulp of the angle
+    moved = positions * np.abs(freq - np.pad(ref_freq, (0, 16))) + np.spacing(positions * freq)
+    moved += 2e-7
+    assert np.all(np.abs(cos - rotary.cos.numpy()) <= moved)
+    assert np.all(np.abs(sin - rotary.sin.numpy()) <= moved)
+
+
+@nnx.jit
+def loss_grads_logits(model, x, y, window):
+    """Our loss, its gradient and the logits of one sequence (T,) at a long window of `window`
+    blocks (traced: one compile for every window)."""
+
+    def loss(model):
+        logits, loss = model(x[None], y[None], window_blocks=window)
+        return loss, logits[0]
+
+    (value, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    return value, grads, logits
+
+
+@pytest.mark.parametrize("window", [2, 14])
+def test_logits_loss_and_gradients_are_the_records(pair, window):
+    """Long windows of 2 and 14 blocks (short 1 and 7): both masks cut, then neither does."""
+    ref, ours = pair
+    idx = tokens(seed=window)
+    x, y = torch.as_tensor(idx[:-1].tolist() + [0]), torch.as_tensor(idx[1:].tolist() + [1])
+    ref.zero_grad()
+    loss = ref(x, y, window)
+    loss.backward()
+    with torch.no_grad():
+        ref_logits = ref.logits(x, window).numpy()
+    value, grads, logits = loss_grads_logits(
+        ours, jnp.asarray(x.numpy()), jnp.asarray(y.numpy()), jnp.int32(window)
+    )
+    assert rel_diff(logits, ref_logits) < FP32_MAX_REL_TOL
+    assert abs(float(value) / loss.item() - 1) < 1e-6
+    our_grads = state_dict(nnx.merge(nnx.graphdef(ours), grads))
+    ref_grads = from_record20_state({n: p.grad for n, p in ref.named_parameters()})
+    for name, g in ref_grads.items():
+        assert rel_diff(our_grads[name], g) < 1e-4, name
+
+
+def test_our_weights_load_into_the_records_gpt_strictly(pair):
+    _, ours = pair
+    ref = record.GPT(**SHAPE, embed_dtype=torch.float32)
+    ref.load_state_dict({k: torch.from_numpy(v) for k, v in to_record20_state(ours).items()})
+    idx = torch.as_tensor(tokens(seed=7))
+    with torch.no_grad():
+        ref_logits = ref.logits(idx, 2).numpy()
+    logits, _ = ours(jnp.asarray(idx.numpy())[None], window_blocks=2)
+    assert rel_diff(logits[0], ref_logits) < FP32_MAX_REL_TOL
