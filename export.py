@@ -1,6 +1,6 @@
 """
 A checkpoint of ours out of the project: an HF GPT-2 directory, a nanoGPT ckpt.pt, or
-(arch='speedrun') a modded-nanogpt state_step*.pt.
+(arch='speedrun' or 'speedrun20') a modded-nanogpt state_step*.pt of record 5 or 20.
 
     # GPT2LMHeadModel.from_pretrained
     python export.py --out_dir=out-shakespeare-char --format=hf --to=hf-shakespeare
@@ -8,18 +8,19 @@ A checkpoint of ours out of the project: an HF GPT-2 directory, a nanoGPT ckpt.p
     python export.py --out_dir=out-shakespeare-char --format=nanogpt --to=nano-out
     # one step, to a file
     python export.py --out_dir=out --step=2000 --format=nanogpt --to=ckpt-2000.pt
-    # record 5's GPT.load_state_dict
+    # record 5's (or record 20's) GPT.load_state_dict
     python export.py --out_dir=out-speedrun --format=modded --to=state_step005100.pt
 
 A character-level run's vocabulary goes beside the weights twice: meta.json, which sample.py
 --init_from=DIR reads (no pickle), and nanoGPT's meta.pkl, for nanoGPT's own sample.py. --step: a
 saved step (default: the latest). --to: a directory for hf; for nanogpt a directory (ckpt.pt goes in
 it, nanoGPT's out_dir layout) or a file ending in .pt; for modded a file ending in .pt (its state
-dict's keys carry torch.compile's _orig_mod. prefix, as the record's files do). An arch='speedrun'
-model exports to modded only, a GPT-2 one to hf and nanogpt only. Bad input (no checkpoint, an
-unwritable target, a model the format cannot hold, a target holding an earlier export) fails with
-one line, exit code 2, and writes nothing. An export is whole or not at all: --overwrite=True
-replaces an earlier one at --to, every file of it removed first, never mixed with the new.
+dict's keys carry torch.compile's _orig_mod. prefix, as the record's files do). A speedrun model
+(arch='speedrun' or 'speedrun20') exports to modded only, a GPT-2 one to hf and nanogpt only. Bad
+input (no checkpoint, an unwritable target, a model the format cannot hold, a target holding an
+earlier export) fails with one line, exit code 2, and writes nothing. An export is whole or not at
+all: --overwrite=True replaces an earlier one at --to, every file of it removed first, never mixed
+with the new.
 """
 
 import os
@@ -35,7 +36,8 @@ FORMATS = ("hf", "nanogpt", "modded")
 defaults = dict(
     out_dir="out",  # our training run's out_dir
     step=-1,  # the saved step to export; -1: the latest
-    format="hf",  # 'hf' | 'nanogpt' | 'modded' (modded-nanogpt's state_step*.pt, arch='speedrun')
+    # 'hf' | 'nanogpt' | 'modded' (modded-nanogpt's state_step*.pt: arch='speedrun', 'speedrun20')
+    format="hf",
     to="",  # where to write: a folder (hf), a ckpt.pt (nanogpt), a state_step*.pt (modded)
     # replace an earlier export at --to, whole (its weights and vocabulary files first removed)
     overwrite=False,

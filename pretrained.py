@@ -209,14 +209,16 @@ def read_modded(path, n_head=None, ckpt=None):
     file's dict, when already loaded."""
     ckpt = torch_load(path) if ckpt is None else ckpt
     state = ckpt.get("model") if isinstance(ckpt, dict) else None
+    if isinstance(state, Mapping) and any(str(k).endswith(RECORD20_KEY) for k in state):
+        return read_record20(path, state, str(ckpt.get("code") or ""), n_head)
     if not isinstance(state, Mapping) or not any(
         str(k).endswith(".attn.c_q.weight") for k in state
     ):
         held = sorted(map(str, ckpt))[:6] if isinstance(ckpt, dict) else type(ckpt).__name__
         raise UsageError(
             f"{path} is neither a nanoGPT ckpt.pt (a dict with model and model_args) nor a "
-            "modded-nanogpt state_step*.pt (a dict whose model has "
-            f"transformer.h.*.attn.c_q.weight): it holds {held}"
+            "state_step*.pt of modded-nanogpt's record 5 or 20 (a dict whose model has "
+            f"transformer.h.*.attn.c_q.weight or blocks.*.attn.qkv_w): it holds {held}"
         )
     coded = re.search(r"GPTConfig\([^)]*\bn_head\s*=\s*(\d+)", str(ckpt.get("code") or ""))
     if coded and n_head not in (None, int(coded[1])):
@@ -234,8 +236,9 @@ def to_modded_state(model):
     takes."""
     if model.config.arch != "speedrun":
         raise UsageError(
-            f"--format=modded holds modded-nanogpt's record 5 (arch='speedrun'); this model is "
-            f"arch={model.config.arch!r}: export it with --format=hf or --format=nanogpt"
+            f"--format=modded holds modded-nanogpt's records 5 and 20 (arch='speedrun' and "
+            f"'speedrun20'); this model is arch={model.config.arch!r}: export it with --format=hf "
+            "or --format=nanogpt"
         )
     record = {}
     for name, value in state_dict(model).items():
@@ -252,21 +255,33 @@ def to_modded_state(model):
 
 
 def save_modded(model, path, step=0):
-    """A state_step*.pt as record 5 writes it: {step, code, model, optimizers}, the state dict's
-    keys under torch.compile's _orig_mod. prefix, lm_head.weight and the embedding one tensor;
-    `code` the line of the record's script that builds its GPT (read_modded takes n_head from it);
-    no optimizer state: an export holds weights."""
+    """A state_step*.pt as records 5 and 20 write it: {step, code, model, optimizers}, the state
+    dict's keys under torch.compile's _orig_mod. prefix (record 5's lm_head.weight and embedding
+    one tensor); `code` the line of the record's script that builds its GPT (read_modded takes
+    n_head from it); no optimizer state: an export holds weights."""
     import torch
 
-    record = {COMPILED_PREFIX + k: torch.from_numpy(v) for k, v in to_modded_state(model).items()}
-    # tied: one tensor, as the record's
-    record[COMPILED_PREFIX + TIED_KEY] = record[COMPILED_PREFIX + WTE]
     c = model.config
-    code = (
-        "# nanogpt-jax export.py: record 5's GPT (2024-10-14_ModernArch)\nmodel = "
-        f"GPT(GPTConfig(vocab_size={c.vocab_size}, n_layer={c.n_layer}, n_head={c.n_head}, "
-        f"n_embd={c.n_embd}))\n"
-    )
+    if c.arch == "speedrun20":  # its own names and layouts; its head is untied
+        record = {
+            COMPILED_PREFIX + k: torch.from_numpy(v) for k, v in to_record20_state(model).items()
+        }
+        code = (
+            "# nanogpt-jax export.py: record 20's GPT (2025-01-16_Sub3Min)\nmodel = "
+            f"GPT(vocab_size={c.vocab_size}, num_layers={c.n_layer}, num_heads={c.n_head}, "
+            f"model_dim={c.n_embd})\n"
+        )
+    else:
+        record = {
+            COMPILED_PREFIX + k: torch.from_numpy(v) for k, v in to_modded_state(model).items()
+        }
+        # tied: one tensor, as the record's
+        record[COMPILED_PREFIX + TIED_KEY] = record[COMPILED_PREFIX + WTE]
+        code = (
+            "# nanogpt-jax export.py: record 5's GPT (2024-10-14_ModernArch)\nmodel = "
+            f"GPT(GPTConfig(vocab_size={c.vocab_size}, n_layer={c.n_layer}, n_head={c.n_head}, "
+            f"n_embd={c.n_embd}))\n"
+        )
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     torch.save({"step": step, "code": code, "model": record, "optimizers": []}, path)
 
@@ -299,6 +314,10 @@ def from_record20_state(record_state):
 def to_record20_state(model):
     """Our arch='speedrun20' GPT -> record 20's state dict {its name: float32 numpy}, its layouts:
     what its GPT.load_state_dict takes."""
+    if model.config.arch != "speedrun20":
+        raise UsageError(
+            f"record 20's state dict holds arch='speedrun20', not {model.config.arch!r}"
+        )
     record = {}
     for name, value in state_dict(model).items():
         if name.endswith(RECORD20_QKV):
@@ -307,6 +326,20 @@ def to_record20_state(model):
             value = value.T
         record[name] = np.array(value, order="C")  # writable: torch takes no read-only arrays
     return record
+
+
+def read_record20(path, state, code, n_head=None):
+    """Record 20's state dict, read from `path` -> (GPTConfig's arguments, {its name: array}, None).
+    The heads: n_head, else those its `code` builds its GPT with (num_heads=6 in the record), else
+    the record's 6; an n_head the code contradicts is one line."""
+    coded = re.search(r"\bnum_heads\s*=\s*(\d+)", code)
+    if coded and n_head not in (None, int(coded[1])):
+        raise UsageError(
+            f"{path} was trained with num_heads={coded[1]} (its code says so), not {n_head}: set "
+            f"n_head={coded[1]}"
+        )
+    state = from_record20_state(state)
+    return record20_config(state, int(coded[1]) if coded else n_head), state, None
 
 
 def record20_config(state, n_head=None):

@@ -364,12 +364,13 @@ def hf_config_for(config):
 
 
 def check_gpt2(model, fmt):
-    """`fmt` (GPT-2's formats: hf, nanogpt) can hold the model: a one-line UsageError for
-    arch='speedrun'."""
+    """`fmt` (GPT-2's formats: hf, nanogpt) can hold the model: a one-line UsageError for the
+    speedrun's records."""
     if model.config.arch != "gpt2":
+        record = {"speedrun": 5, "speedrun20": 20}[model.config.arch]
         raise UsageError(
-            f"this model is arch={model.config.arch!r} (modded-nanogpt's record 5), which {fmt}'s "
-            "GPT-2 cannot compute: export it with --format=modded"
+            f"this model is arch={model.config.arch!r} (modded-nanogpt's record {record}), which "
+            f"{fmt}'s GPT-2 cannot compute: export it with --format=modded"
         )
 
 

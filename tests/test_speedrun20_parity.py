@@ -3,8 +3,8 @@
 arch='speedrun20' against the torch reference written from modded-nanogpt's record 20
 (parity/speedrun20_reference.py), all-fp32: the masks its attention takes (the record's
 BlockMask, by the reference's dense reading of it), the rotary tables, and a whole model's logits,
-loss and gradients at several windows, with its weights carried across by pretrained.py's mapping
-both ways."""
+loss and gradients at two windows, with its weights carried across by pretrained.py's mapping; and
+its state_step*.pt both ways (export.py --format=modded, --init_from=)."""
 
 import jax
 import jax.numpy as jnp
@@ -15,12 +15,13 @@ from flax import nnx
 from helpers import rel_diff
 
 import attention
+from configurator import UsageError
 from layers import half_truncated_frequencies, half_truncated_rotary_tables
 from model import GPTConfig
-from models import model_from
+from models import load_pretrained, model_from
 from parity import speedrun20_reference as record
 from parity.check_logits import FP32_MAX_REL_TOL
-from pretrained import from_record20_state, record20_config, to_record20_state
+from pretrained import from_record20_state, read_pretrained, record20_config, save_modded
 from weights import state_dict
 
 # 8 layers: the record's layer 7 without attention is among them
@@ -119,12 +120,23 @@ def test_logits_loss_and_gradients_are_the_records(pair, window):
         assert rel_diff(our_grads[name], g) < 1e-4, name
 
 
-def test_our_weights_load_into_the_records_gpt_strictly(pair):
+def test_a_state_step_file_both_ways(pair, tmp_path):
+    """Our model saved as the record saves its state_step*.pt loads strictly into the record's GPT
+    (its keys under _orig_mod.), which computes our logits; read back, it is our model again, its
+    heads from the file's code."""
     _, ours = pair
+    save_modded(ours, tmp_path / "state_step000003.pt", step=3)
+    saved = torch.load(tmp_path / "state_step000003.pt", weights_only=True)
     ref = record.GPT(**SHAPE, embed_dtype=torch.float32)
-    ref.load_state_dict({k: torch.from_numpy(v) for k, v in to_record20_state(ours).items()})
+    ref.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in saved["model"].items()})
     idx = torch.as_tensor(tokens(seed=7))
     with torch.no_grad():
         ref_logits = ref.logits(idx, 2).numpy()
     logits, _ = ours(jnp.asarray(idx.numpy())[None], window_blocks=2)
     assert rel_diff(logits[0], ref_logits) < FP32_MAX_REL_TOL
+    back, _ = load_pretrained(str(tmp_path / "state_step000003.pt"))
+    assert back.config.arch == "speedrun20" and back.config.n_head == SHAPE["num_heads"]
+    for name, value in state_dict(ours).items():
+        np.testing.assert_array_equal(state_dict(back)[name], value, err_msg=name)
+    with pytest.raises(UsageError, match="trained with num_heads=2 .*, not 4: set n_head=2$"):
+        read_pretrained(str(tmp_path / "state_step000003.pt"), n_head=4)

@@ -172,8 +172,8 @@ def test_bad_files_and_exports_are_one_line_exit_2_and_write_nothing(tmp_path, c
     runs = [
         (
             lambda: sample.main([f"--init_from={tmp_path / 'neither.pt'}"]),
-            "is neither a nanoGPT ckpt.pt (a dict with model and model_args) nor a modded-nanogpt "
-            "state_step*.pt",
+            "is neither a nanoGPT ckpt.pt (a dict with model and model_args) nor a state_step*.pt "
+            "of modded-nanogpt's record 5 or 20",
         ),
         (
             lambda: sample.main([f"--init_from={tmp_path / 'garbage.pt'}"]),
