@@ -290,6 +290,46 @@ def tied_head(x, embedding, dtype, logits_dtype=jnp.float32):
     return jnp.einsum("...c,vc->...v", x.astype(dtype), head, preferred_element_type=logits_dtype)
 
 
+# record 20's FP8 head (by @YouJiacheng): x and the head's weight in e4m3 at scales 2 and 32, the
+# logits' gradient in e5m2 at 2^29, each product rescaled by the inverse scales
+FP8_SCALES = (2.0, 32.0, 2.0**29)
+
+
+def _dequantized(a, dtype, scale):
+    """a * scale rounded to an FP8 `dtype`, as float32 divided back by the scale (exactly: powers
+    of two): the values the FP8 matmul multiplies."""
+    return (a * jnp.asarray(scale, a.dtype)).astype(dtype).astype(jnp.float32) * (1.0 / scale)
+
+
+def fp8_head(x, w):
+    """x (N, C) @ w (V, C)^T through FP8, record 20's lm_head_fp8: x and w rounded to e4m3 (x*2,
+    w*32), products summed in float32, the logits in bfloat16; the backward rounds their gradient to
+    e5m2 (*2^29), grad x in bfloat16 (then x's dtype, as torch's autograd casts it), grad w in
+    float32. Every platform rounds the same (e4m3 and e5m2 values are exact in float32); XLA:GPU may
+    multiply in FP8 where the GPU does."""
+    return _fp8_matmul(jnp.dtype(x.dtype))(x, w)
+
+
+@functools.cache
+def _fp8_matmul(x_dtype):
+    def forward(x, w):
+        xs, ws, _ = FP8_SCALES
+        x8, w8 = _dequantized(x, jnp.float8_e4m3fn, xs), _dequantized(w, jnp.float8_e4m3fn, ws)
+        out = jnp.einsum("nc,vc->nv", x8, w8, precision=jax.lax.Precision.HIGHEST)
+        return out.astype(jnp.bfloat16), (x8, w8)
+
+    def backward(residuals, g):
+        x8, w8 = residuals
+        g8 = _dequantized(g, jnp.float8_e5m2, FP8_SCALES[2])
+        highest = jax.lax.Precision.HIGHEST
+        grad_x = jnp.einsum("nv,vc->nc", g8, w8, precision=highest).astype(jnp.bfloat16)
+        return grad_x.astype(x_dtype), jnp.einsum("nc,nv->vc", x8, g8, precision=highest)
+
+    matmul = jax.custom_vjp(lambda x, w: forward(x, w)[0])
+    matmul.defvjp(forward, backward)
+    return matmul
+
+
 def cross_entropy_terms(logits, targets):
     """(sum of the cross-entropies, their number) in float32 over the targets that are not -1
     (nanoGPT's ignore_index). Logits in a lower dtype are upcast, as torch's cross_entropy does

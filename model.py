@@ -63,6 +63,8 @@ class GPTConfig:
     loss_chunk: int = 0
     # the blocks' params stacked on a leading n_layer axis, run by one lax.scan
     scan_layers: bool = False
+    # record 20's head in training through FP8 (layers.fp8_head; arch='speedrun20' only)
+    fp8_head: bool = False
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -91,6 +93,12 @@ class GPTConfig:
             )
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"scan_layers must be True or False, got {self.scan_layers!r}")
+        if self.fp8_head not in (False, True):
+            raise ValueError(f"fp8_head must be True or False, got {self.fp8_head!r}")
+        if self.fp8_head and self.arch != "speedrun20":
+            raise ValueError(
+                f"fp8_head is record 20's FP8 head: it needs arch='speedrun20', not {self.arch!r}"
+            )
 
     @property
     def compute_dtype(self):

@@ -29,6 +29,7 @@ from layers import (
     cross_entropy,
     cross_entropy_terms,
     embedding,
+    fp8_head,
     half_truncated_rotary_tables,
     linear,
     mean_of,
@@ -338,12 +339,17 @@ class Record20GPT(GPT):
         cdt = self.config.compute_dtype
         return softcap(tied_head(x, self.lm_head[...], cdt, cdt))
 
-    def loss_terms(self, x, targets):
+    def loss_terms(self, x, targets, training=False):
+        """As GPT's; training with fp8_head: the head through FP8, as the record's in training."""
+        if training and self.config.fp8_head:
+            logits = fp8_head(x.reshape(-1, x.shape[-1]), self.lm_head[...])
+            return cross_entropy_terms(softcap(logits).reshape(*x.shape[:-1], -1), targets)
         return cross_entropy_terms(self.logits(x), targets)
 
     def loss(self, idx, targets, *, key=None, window_blocks=None):
+        """As GPT's; a key means training (the record's model.train(): the FP8 head, fp8_head)."""
         _, x = self.hidden_states(idx, key, window_blocks)
-        return mean_of(*self.loss_terms(x, targets))
+        return mean_of(*self.loss_terms(x, targets, training=key is not None))
 
     def __call__(self, idx, targets=None, *, key=None, window_blocks=None):
         _, x = self.hidden_states(idx, key, window_blocks)

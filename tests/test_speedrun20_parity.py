@@ -6,6 +6,8 @@ BlockMask, by the reference's dense reading of it), the rotary tables, and a who
 loss and gradients at two windows, with its weights carried across by pretrained.py's mapping; and
 its state_step*.pt both ways (export.py --format=modded, --init_from=)."""
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ from helpers import rel_diff
 
 import attention
 from configurator import UsageError
-from layers import half_truncated_frequencies, half_truncated_rotary_tables
+from layers import fp8_head, half_truncated_frequencies, half_truncated_rotary_tables
 from model import GPTConfig
 from models import load_pretrained, model_from
 from parity import speedrun20_reference as record
@@ -140,3 +142,52 @@ def test_a_state_step_file_both_ways(pair, tmp_path):
         np.testing.assert_array_equal(state_dict(back)[name], value, err_msg=name)
     with pytest.raises(UsageError, match="trained with num_heads=2 .*, not 4: set n_head=2$"):
         read_pretrained(str(tmp_path / "state_step000003.pt"), n_head=4)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_the_fp8_head_rounds_as_the_records(x_dtype):
+    """layers.fp8_head against the record's lm_head_fp8 (torch._scaled_mm on a CPU): the logits and
+    both gradients bit for bit, from bf16 activations (the record's) and float32 ones; the scales
+    swapped would not pass."""
+    rng = np.random.default_rng(0)
+    x = torch.tensor(rng.normal(size=(64, 32)), dtype=x_dtype, requires_grad=True)
+    w = torch.tensor(rng.normal(size=(256, 32)) * 0.05, dtype=torch.float32, requires_grad=True)
+    g = torch.tensor(rng.normal(size=(64, 256)) * 1e-5, dtype=torch.bfloat16)
+    out = record.lm_head_fp8(x, w)
+    out.backward(g)
+    ours, vjp = jax.vjp(
+        fp8_head,
+        jnp.asarray(x.detach().float().numpy(), x_dtype_of(x)),
+        jnp.asarray(w.detach().numpy()),
+    )
+    grad_x, grad_w = vjp(jnp.asarray(g.float().numpy(), jnp.bfloat16))
+    for a, b in ((ours, out), (grad_x, x.grad), (grad_w, w.grad)):
+        assert a.dtype == x_dtype_of(b)
+        np.testing.assert_array_equal(np.asarray(a, np.float32), b.detach().float().numpy())
+    swapped = record.lm_head_fp8(x, w, x_s=32.0, w_s=2.0)
+    assert not np.array_equal(np.asarray(ours, np.float32), swapped.detach().float().numpy())
+
+
+def x_dtype_of(t):
+    return {torch.bfloat16: jnp.bfloat16, torch.float32: jnp.float32}[t.dtype]
+
+
+def test_training_takes_the_fp8_head_and_evaluation_does_not(pair):
+    """fp8_head=True: the loss with a key (training) is the record's GPT in train() with
+    fp8_head; without one (eval), the plain head's."""
+    ref, ours = pair
+    fp8 = model_from(replace(ours.config, fp8_head=True), state_dict(ours))
+    idx = tokens(seed=3)
+    x, y = torch.as_tensor(idx[:-1].tolist() + [0]), torch.as_tensor(idx[1:].tolist() + [1])
+    xj, yj = jnp.asarray(x.numpy())[None], jnp.asarray(y.numpy())[None]
+    ref.fp8_head = True
+    try:
+        with torch.no_grad():
+            trained = ref.train()(x, y, 2).item()
+            evaluated = ref.eval()(x, y, 2).item()
+    finally:
+        ref.fp8_head = False
+    ours_trained = float(fp8.loss(xj, yj, key=jax.random.key(0), window_blocks=2))
+    ours_evaluated = float(fp8.loss(xj, yj, window_blocks=2))
+    assert abs(ours_trained / trained - 1) < 1e-6 and abs(ours_evaluated / evaluated - 1) < 1e-6
+    assert abs(trained / evaluated - 1) > 1e-4  # FP8 moved it
