@@ -288,13 +288,13 @@ class BinShardLoader:
     def state_dict(self):
         return dict(zip(("shard", "offset"), map(int, self.position)))
 
+    def _holds(self, shard, offset):
+        """Whether a saved position can be this loader's: a batch fits there."""
+        return offset + self.rows * self.block_size + 1 <= self.counts[shard]
+
     def load_state_dict(self, state):
         shard, offset = int(state["shard"]), int(state["offset"])
-        if not (
-            0 <= shard < len(self.paths)
-            and 0 <= offset
-            and offset + self.rows * self.block_size + 1 <= self.counts[shard]
-        ):
+        if not (0 <= shard < len(self.paths) and 0 <= offset and self._holds(shard, offset)):
             raise UsageError(
                 f"the checkpoint's data position (shard {shard}, offset {offset}) is past the end "
                 f"of the {len(self.paths)} shards in {storage.dirname(self.paths[0])} at "
@@ -302,6 +302,26 @@ class BinShardLoader:
                 "saved with"
             )
         self.position = (shard, offset)
+
+
+class Record20ShardLoader(BinShardLoader):
+    """Record 20's distributed_data_generator over the same shards: a step's accum micro-batches
+    are one contiguous span of accum * rows * T tokens, the record's batch_size (its ranks' shares
+    side by side, each cut into sequences: our rows), so its shard moves a whole step at a time and
+    before the step, when the span and its one extra token would reach the shard's end (>=: a tail
+    that would just fit is dropped too, where record 5's loader reads it)."""
+
+    def next(self, accum):
+        shard, offset = self.position
+        span = accum * self.rows * self.block_size
+        if offset + span + 1 >= self.counts[shard]:
+            shard, offset = (shard + 1) % len(self.paths), 0
+        x, y, _ = self._batches((shard, offset), accum)  # the span fits: no move inside it
+        self.position = (shard, offset + span)
+        return x, y
+
+    def _holds(self, shard, offset):
+        return offset <= self.counts[shard]  # the shard moves at the next step, not after this one
 
 
 def val_batches_for(val_tokens, rows, block_size):
@@ -329,11 +349,20 @@ def shards_in(data_dir, pattern):
 
 
 def make_loader(
-    data_dir, split, block_size, rows, seed, row_slice=None, shuffle_shards=False, vocab_size=None
+    data_dir,
+    split,
+    block_size,
+    rows,
+    seed,
+    row_slice=None,
+    shuffle_shards=False,
+    vocab_size=None,
+    record20=False,
 ):
     """The loader for what `data_dir` (a folder, or a URL: gs://bucket/folder) holds: `{split}.bin`
-    (nanoGPT), llm.c `*_{split}_*.bin` shards (modded-nanogpt) or `*{split}*.npy` shards
-    (build-nanogpt). vocab_size: the model's, which no token id may reach."""
+    (nanoGPT), llm.c `*_{split}_*.bin` shards (modded-nanogpt; record20: its record 20's steps) or
+    `*{split}*.npy` shards (build-nanogpt). vocab_size: the model's, which no token id may
+    reach."""
     bin_path = storage.join(data_dir, f"{split}.bin")
     if storage.exists(bin_path):
         return BinLoader(bin_path, block_size, rows, seed, row_slice, vocab_size)
@@ -344,7 +373,8 @@ def make_loader(
                 f"shuffle_shards is for .npy shards: the .bin shards in {data_dir} are read in "
                 "order, as modded-nanogpt reads them; drop --shuffle_shards"
             )
-        return BinShardLoader(bin_shards, block_size, rows, row_slice, vocab_size)
+        loader = Record20ShardLoader if record20 else BinShardLoader
+        return loader(bin_shards, block_size, rows, row_slice, vocab_size)
     shards = shards_in(data_dir, f"*{split}*.npy")
     if shards:
         return ShardLoader(
