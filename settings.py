@@ -60,28 +60,46 @@ DEFAULTS = dict(
     gelu="tanh",
     # adamw optimizer
     # 'adamw' | 'muon': Muon on the blocks' matrices, AdamW on the rest (record 5; arch='speedrun')
+    # | 'muon20': Muon on the blocks' matrices, Adam on the head, embeddings and scalars (record 20;
+    # arch='speedrun20', lr_schedule='cooldown')
     optimizer="adamw",
-    learning_rate=6e-4,  # max learning rate (AdamW's; with optimizer='muon', the embedding's)
+    # max learning rate (AdamW's; with optimizer='muon', the embedding's; 'muon20', the head's)
+    learning_rate=6e-4,
     max_iters=600000,  # total number of training iterations
     weight_decay=1e-1,  # AdamW's, on the >= 2-D params only (nanoGPT's groups)
     beta1=0.9,
     beta2=0.95,
     grad_clip=1.0,  # clip gradients at this value, or disable if == 0.0
-    # muon optimizer (optimizer='muon')
-    # Muon's max learning rate, > 0 with optimizer='muon' (record 5: 0.1 x learning_rate)
+    # muon optimizer (optimizer='muon' or 'muon20')
+    # Muon's max learning rate, > 0 with optimizer='muon' (record 5: 0.1 x learning_rate) or
+    # 'muon20' (record 20: 0.05)
     muon_learning_rate=0.0,
-    muon_momentum=0.95,  # Muon's SGD momentum, Nesterov
+    muon_momentum=0.95,  # Muon's SGD momentum, Nesterov (with 'muon20': once warmed up)
+    # optimizer='muon20': Muon's momentum at iteration 0, linearly to muon_momentum over
+    # muon_momentum_warmup iterations (record 20: 0.85)
+    muon_momentum_start=0.85,
+    muon_momentum_warmup=300,  # optimizer='muon20': that warmup's iterations (0: none)
     # Newton-Schulz's dtype: 'bfloat16' (the record's) | 'float32' (parity checks)
     muon_ns_dtype="bfloat16",
+    # optimizer='muon20': Adam's max rate on the embeddings, wte and the value embeddings (record
+    # 20: 0.6; learning_rate is the head's, 0.008)
+    embed_learning_rate=0.6,
+    # optimizer='muon20': Adam's max rate on the params of fewer than 2 dims, the lambdas and skip
+    # weights (record 20: 0.04)
+    scalar_learning_rate=0.04,
     # learning rate decay settings
     decay_lr=True,  # whether to decay the learning rate
-    # 'cosine': nanoGPT's, to min_lr at lr_decay_iters | 'trapezoid': modded-nanogpt's (below)
+    # 'cosine': nanoGPT's, to min_lr at lr_decay_iters | 'trapezoid': modded-nanogpt's record 5's
+    # (below) | 'cooldown': its record 20's (below)
     lr_schedule="cosine",
     warmup_iters=2000,  # how many steps to warm up for
     lr_decay_iters=600000,  # should be ~= max_iters per Chinchilla
     min_lr=6e-5,  # minimum learning rate, should be ~= learning_rate/10 per Chinchilla
     # trapezoid: warmup, constant, then linearly to 0 over the last warmdown_iters iterations
     warmdown_iters=0,
+    # cooldown: constant, then linearly to 0.1x over the last cooldown_frac of max_iters (record 20:
+    # 0.4)
+    cooldown_frac=0.4,
     # parallelism: the mesh is (data, fsdp, tensor), data = devices / (fsdp * tensor_parallel)
     fsdp=1,  # split params, grads and optimizer state over this many devices (the batch too)
     tensor_parallel=1,  # split each layer's heads and MLP units over this many devices (same rows)
@@ -127,11 +145,14 @@ NOT_NEGATIVE = (
     "weight_decay",
     "grad_clip",
     "muon_learning_rate",
+    "muon_momentum_warmup",
+    "embed_learning_rate",
+    "scalar_learning_rate",
     "warmdown_iters",
     "val_tokens",
 )
-OPTIMIZERS = ("adamw", "muon")
-LR_SCHEDULES = ("cosine", "trapezoid")
+OPTIMIZERS = ("adamw", "muon", "muon20")
+LR_SCHEDULES = ("cosine", "trapezoid", "cooldown")
 
 
 def validate(c):
@@ -147,7 +168,7 @@ def validate(c):
             )
     if not 0.0 <= c["dropout"] < 1.0:
         raise UsageError(f"dropout must be in [0, 1), got {c['dropout']}")
-    for key in ("beta1", "beta2", "muon_momentum"):
+    for key in ("beta1", "beta2", "muon_momentum", "muon_momentum_start"):
         if not 0.0 <= c[key] < 1.0:
             raise UsageError(f"{key} must be in [0, 1), got {c[key]}")
     resolve_dtype(c["dtype"], "cpu")
@@ -206,13 +227,26 @@ def check_memory_settings(remat, loss_chunk):
 def check_optimizer(c):
     """The optimizer's and the schedule's settings."""
     if c["optimizer"] not in OPTIMIZERS:
-        raise UsageError(f"optimizer must be 'adamw' or 'muon', got {c['optimizer']!r}")
+        raise UsageError(
+            f"optimizer must be 'adamw' or 'muon' (record 5) or 'muon20' (record 20), got "
+            f"{c['optimizer']!r}"
+        )
     if c["lr_schedule"] not in LR_SCHEDULES:
-        raise UsageError(f"lr_schedule must be 'cosine' or 'trapezoid', got {c['lr_schedule']!r}")
+        raise UsageError(
+            "lr_schedule must be 'cosine' or 'trapezoid' (record 5) or 'cooldown' (record 20), got "
+            f"{c['lr_schedule']!r}"
+        )
+    if not 0 < c["cooldown_frac"] <= 1:
+        raise UsageError(
+            f"cooldown_frac must be in (0, 1], the fraction of max_iters the cooldown takes, got "
+            f"{c['cooldown_frac']}"
+        )
     if c["muon_ns_dtype"] not in ("bfloat16", "float32"):
         raise UsageError(
             f"muon_ns_dtype must be 'bfloat16' or 'float32', got {c['muon_ns_dtype']!r}"
         )
+    if c["optimizer"] == "muon20":
+        check_muon20(c)
     if c["lr_schedule"] == "trapezoid" and c["decay_lr"]:
         if c["warmdown_iters"] > c["max_iters"]:
             raise UsageError(
@@ -240,6 +274,27 @@ def check_optimizer(c):
         raise UsageError(
             "optimizer='muon' with lr_schedule='cosine' scales Muon's rate as learning_rate's "
             "(muon_learning_rate x get_lr / learning_rate): learning_rate must be > 0"
+        )
+
+
+def check_muon20(c):
+    """optimizer='muon20' (record 20's optimizers): its model, its schedule, its rates."""
+    if c["arch"] != "speedrun20":
+        raise UsageError(
+            "optimizer='muon20' is record 20's (its head, embeddings, scalars and blocks' "
+            "matrices): use it with --arch=speedrun20"
+        )
+    if c["lr_schedule"] != "cooldown":
+        raise UsageError(
+            f"optimizer='muon20' takes record 20's schedule: set --lr_schedule=cooldown (got "
+            f"{c['lr_schedule']!r})"
+        )
+    if c["muon_learning_rate"] <= 0:
+        raise UsageError("optimizer='muon20' needs --muon_learning_rate > 0 (record 20: 0.05)")
+    if c["weight_decay"]:
+        raise UsageError(
+            "optimizer='muon20' is record 20's Adam, which has no weight decay: set "
+            "--weight_decay=0"
         )
 
 

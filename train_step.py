@@ -1,37 +1,36 @@
 """
 The training step, shared by train.py, parity/check_train.py and the benchmarks: the optimizers
-(nanoGPT's AdamW with its weight-decay grouping; modded-nanogpt's Muon on the blocks' matrices
-beside Adam on the embedding) and schedules (nanoGPT's cosine, modded-nanogpt's trapezoid), the
-jitted step (micro-batches scanned, gradients averaged, clipped by global norm), the eval step, and
+(nanoGPT's AdamW with its weight-decay grouping; modded-nanogpt's Muon, muon.py) and schedules
+(nanoGPT's cosine, modded-nanogpt's trapezoid of record 5 and cooldown of record 20), the jitted
+step (micro-batches scanned, gradients averaged, clipped by global norm), the eval step, and
 init_state: the params and optimizer state, each array created or read straight into its shards,
 from scratch, a checkpoint or pretrained weights.
 """
 
 import math
-import re
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 import checkpoint
 import sharding
 from layers import mean_of
 from models import build, model_from
+from muon import muon, muon20
 
 
 def get_lr(it, c):
-    """AdamW's learning rate at iteration `it` (0-based: step `it` uses get_lr(it)), with
-    optimizer='muon' Adam's. Works on ints and tracers. lr_schedule 'cosine': nanoGPT's linear
-    warmup, cosine decay to min_lr, then min_lr; 'trapezoid': learning_rate times modded-nanogpt's
-    multiplier (trapezoid)."""
+    """AdamW's learning rate at iteration `it` (0-based: step `it` uses get_lr(it)); with
+    optimizer='muon' Adam's, with 'muon20' the head's. Works on ints and tracers. lr_schedule
+    'cosine': nanoGPT's linear warmup, cosine decay to min_lr, then min_lr; 'trapezoid' and
+    'cooldown': learning_rate times a modded-nanogpt record's multiplier (MULTIPLIERS)."""
     if not c["decay_lr"]:
         return jnp.asarray(c["learning_rate"], jnp.float32)
-    if c["lr_schedule"] == "trapezoid":
-        return c["learning_rate"] * trapezoid(it, c)
+    if c["lr_schedule"] in MULTIPLIERS:
+        return c["learning_rate"] * MULTIPLIERS[c["lr_schedule"]](it, c)
     it = jnp.asarray(it, jnp.float32)
     warmup = c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
     ratio = jnp.clip(
@@ -45,9 +44,9 @@ def get_lr(it, c):
 
 
 def trapezoid(it, c):
-    """modded-nanogpt's get_lr, a multiplier of each optimizer's max rate: (it + 1) / warmup_iters
-    during the warmup, 1, then (max_iters - it) / warmdown_iters over the last warmdown_iters
-    iterations (0 at max_iters)."""
+    """modded-nanogpt's get_lr (record 5), a multiplier of each optimizer's max rate: (it + 1) /
+    warmup_iters during the warmup, 1, then (max_iters - it) / warmdown_iters over the last
+    warmdown_iters iterations (0 at max_iters)."""
     it = jnp.asarray(it, jnp.float32)
     warmdown_start = c["max_iters"] - c["warmdown_iters"]
     warmup = (it + 1) / max(c["warmup_iters"], 1)
@@ -56,13 +55,35 @@ def trapezoid(it, c):
     return jnp.where(it < c["warmup_iters"], warmup, jnp.where(it < warmdown_start, 1.0, warmdown))
 
 
+COOLDOWN_FLOOR = 0.1  # record 20's multiplier at the end of its cooldown
+
+
+def cooldown(it, c):
+    """Record 20's get_lr, a multiplier of every group's max rate: 1, then linearly to
+    COOLDOWN_FLOOR over the last cooldown_frac of max_iters (reached at max_iters, kept after)."""
+    # the run's fraction still to go; its difference exact in float32 (the record's, in float64)
+    left = (c["max_iters"] - jnp.asarray(it, jnp.float32)) / max(c["max_iters"], 1)
+    w = jnp.clip(left / c["cooldown_frac"], 0.0, 1.0)  # 1 -> 0
+    return w * 1.0 + (1 - w) * COOLDOWN_FLOOR
+
+
+MULTIPLIERS = {"trapezoid": trapezoid, "cooldown": cooldown}
+
+
+def scheduled(it, c, rate):
+    """A group's learning rate at iteration `it`, whose max is `rate`: on the schedule that takes
+    Adam's from learning_rate (the records: one LambdaLR multiplier for every group; under
+    'cosine', min_lr scaled alike)."""
+    if not c["decay_lr"]:
+        return jnp.asarray(rate, jnp.float32)
+    if c["lr_schedule"] in MULTIPLIERS:
+        return rate * MULTIPLIERS[c["lr_schedule"]](it, c)
+    return get_lr(it, c) * (rate / c["learning_rate"])
+
+
 def get_muon_lr(it, c):
-    """Muon's learning rate at iteration `it`: muon_learning_rate on the schedule that takes Adam's
-    from learning_rate (the record: one LambdaLR multiplier for both optimizers; under 'cosine',
-    min_lr scaled alike)."""
-    if c["decay_lr"] and c["lr_schedule"] == "trapezoid":
-        return c["muon_learning_rate"] * trapezoid(it, c)
-    return get_lr(it, c) * (c["muon_learning_rate"] / c["learning_rate"])
+    """Muon's learning rate at iteration `it`: muon_learning_rate, scheduled."""
+    return scheduled(it, c, c["muon_learning_rate"])
 
 
 def decay_mask(params):
@@ -81,7 +102,9 @@ def decay_mask(params):
 
 def make_optimizer(c):
     """The optimizer of c["optimizer"]: 'adamw', nanoGPT's; 'muon', modded-nanogpt's record 5
-    (muon)."""
+    (muon.muon); 'muon20', its record 20 (muon.muon20), each group's rate scheduled."""
+    if c["optimizer"] == "muon20":
+        return muon20(c, lambda rate: partial(scheduled, c=c, rate=rate))
     adamw = optax.adamw(
         learning_rate=partial(get_lr, c=c),
         b1=c["beta1"],
@@ -92,132 +115,7 @@ def make_optimizer(c):
     )
     if c["optimizer"] == "adamw":
         return adamw
-    return muon(c, adamw)
-
-
-# --- Muon (modded-nanogpt's record 5)
-# ----------------------------------------------------------------
-#
-# The record steps its blocks' matrices with Muon and everything else (the embedding, tied to the
-# head) with torch's AdamW (betas 0.9/0.95, eps 1e-8, its weight decay 0). Built here from optax's
-# pieces: optax.partition for the two groups, optax.adamw for the second (the same AdamW as
-# optimizer='adamw': weight_decay applies, as the record's AdamW(weight_decay=args.weight_decay)),
-# optax.trace for Muon's momentum, optax.scale_by_learning_rate for its rate; and one transform of
-# our own, orthogonalize, for the record's Newton-Schulz and scale. optax.contrib.muon computes a
-# different update, where:
-# - momentum: optax keeps an EMA, mu = b*mu + (1-b)*g, bias-corrected, and mixes Nesterov from the
-#   corrected terms; the record keeps buf = m*buf + g and steps along g + m*buf (optax.trace(m,
-#   nesterov=True) is exactly that);
-# - scale: optax multiplies by sqrt(max(1, fan_out/fan_in)) (Keller Jordan's later Muon); the record
-#   by sqrt(max(rows, cols)), and a fused QKV matrix is three (C, C) matrices, each orthogonalised
-#   on its own;
-# - Newton-Schulz: optax's iteration is c0 X + (c1 A + c2 A A) X with the coefficients cast to X's
-#   dtype; the record's a X + b (A X) + c A (A X), its coefficients applied in float32 (in bfloat16
-#   they round to other values, and optax's bf16 result lands further from the float32 one than the
-#   record's). Both divide by the Frobenius norm + eps (the record's eps 1e-7, optax's default 1e-8)
-#   and iterate on the wide orientation; ours also starts from torch's (out, in) layout, so that a
-#   square matrix takes the record's orientation;
-# - the auxiliary Adam: optax's is NAdam (nesterov=True) with b2 0.999 and Muon's eps; the record's
-#   plain Adam(W);
-# - grouping: optax's Muon takes every 2-D param (the embedding too, unless told); the record's, the
-#   blocks' matrices. Under a mesh, each device orthogonalises every whole matrix, as each of the
-#   record's ranks does (on_every_device). the record's quintic, its slope at zero maximised (Keller
-#   Jordan)
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-FUSED_QKV = re.compile(r"attn\.c_attn\.kernel")  # (C, 3C) = [q | k | v]: the record's c_q, c_k, c_v
-BLOCKS = re.compile(r"(^|\.)h\.")  # the blocks' params, per layer (h.3.) or stacked (h.)
-
-
-def newton_schulz(G, dtype, steps=5, eps=1e-7):
-    """The record's zeropower_via_newtonschulz5 on G in torch's (out, in) layout: ~U V^T of G = U S
-    V^T, by `steps` quintic iterations in `dtype` on the wide orientation (rows <= cols). The
-    elementwise sums are float32, rounded to `dtype` once, as torch.compile fuses them in the
-    record; the matmuls take `dtype` in and out."""
-    a, b, c = NS_COEFFICIENTS
-    f32, matmul = jnp.float32, partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
-    X = G.astype(dtype)
-    norm = jnp.sqrt(jnp.sum(jnp.square(X.astype(f32)))).astype(dtype)  # torch's X.norm() in dtype
-    X = (X.astype(f32) / (norm.astype(f32) + eps)).astype(dtype)  # the top singular value <= 1
-    tall = X.shape[0] > X.shape[1]
-    if tall:
-        X = X.T
-    for _ in range(steps):
-        A = matmul(X, X.T)
-        B = matmul(A, X)
-        AB = matmul((c * A.astype(f32)).astype(dtype), B)
-        X = (a * X.astype(f32) + b * B.astype(f32) + AB.astype(f32)).astype(dtype)
-    return X.T if tall else X
-
-
-def orthogonalize_kernel(g, fused_qkv, dtype):
-    """One (in, out) kernel's update: newton_schulz in torch's layout, back to ours, scaled so that
-    its mean square is ~1 (sqrt(max(rows, cols))); a fused QKV kernel as its three (C, C) column
-    blocks, each scaled by sqrt(C), as the record's separate c_q, c_k, c_v."""
-    parts = jnp.split(g, 3, axis=1) if fused_qkv else [g]  # (C, C) x 3, or the whole (in, out)
-    out = [
-        newton_schulz(part.T, dtype).T.astype(jnp.float32) * math.sqrt(max(part.shape))
-        for part in parts
-    ]
-    return jnp.concatenate(out, axis=1) if fused_qkv else out[0]
-
-
-def on_every_device(f):
-    """f run whole on each device of the mesh in context (its arguments gathered), unpartitioned:
-    the numbers one device computes. XLA would otherwise split f's matmuls, which changes their
-    sums, or at least their blocking."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-        return f
-    return jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-
-
-def orthogonalize(ns_dtype):
-    """Muon's update direction (stateless): each of the blocks' kernels orthogonalised
-    (orthogonalize_kernel), the stacked ones (scan_layers: (n_layer, in, out)) layer by layer.
-    Newton-Schulz needs the whole matrix: under a mesh every device gathers it and computes it as
-    one device would (the record: every rank all of them); the momentum stays split like its param,
-    and so does the update once it meets the param."""
-    dtype = NS_DTYPES[ns_dtype]
-
-    def update_fn(updates, state, params=None):
-        def one(path, g):
-            path = jax.tree_util.keystr(path, simple=True, separator=".")
-            f = partial(orthogonalize_kernel, fused_qkv=bool(FUSED_QKV.search(path)), dtype=dtype)
-            return on_every_device(jax.vmap(f) if sharding.STACKED.search(path) else f)(g)
-
-        return jax.tree_util.tree_map_with_path(one, updates), state
-
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
-
-
-def muon_labels(params):
-    """'muon' for each matrix of the blocks (the stacked ones counted without their layer axis),
-    else 'adam'."""
-
-    def label(path, p):
-        path = jax.tree_util.keystr(path, simple=True, separator=".")
-        is_matrix = p.ndim - bool(sharding.STACKED.search(path)) == 2
-        return "muon" if BLOCKS.search(path) and is_matrix else "adam"
-
-    return jax.tree_util.tree_map_with_path(label, params)
-
-
-def muon(c, adam):
-    """The record's pair: Muon (momentum muon_momentum, Nesterov, Newton-Schulz in muon_ns_dtype) at
-    get_muon_lr on the blocks' matrices, `adam` on the rest. No weight decay in Muon (the record's
-    has none)."""
-    return optax.partition(
-        {
-            "adam": adam,
-            "muon": optax.chain(
-                optax.trace(decay=c["muon_momentum"], nesterov=True),
-                orthogonalize(c["muon_ns_dtype"]),
-                optax.scale_by_learning_rate(partial(get_muon_lr, c=c)),
-            ),
-        },
-        muon_labels,
-    )
+    return muon(c, adamw, partial(get_muon_lr, c=c))
 
 
 def batch_loss(model, x, y, key=None):
@@ -276,7 +174,8 @@ def make_train_step(graphdef, tx, grad_clip, lr_schedule=None):
 
 def schedule_count(opt_state):
     """The number of updates the learning-rate schedule has counted (the step's iteration number):
-    AdamW's, or with optimizer='muon' Adam's (Muon's counts the same)."""
+    AdamW's, or with optimizer='muon' or 'muon20' the first group's (every group counts the
+    same)."""
     is_schedule = lambda s: isinstance(s, optax.ScaleByScheduleState)  # noqa: E731
     return next(s.count for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s))
 

@@ -13,7 +13,7 @@ import jax
 import pytest
 from helpers import one_torch_thread
 
-import train_step
+import muon
 from parity import check_speedrun, check_train, train_report, train_sides
 
 # as test_check_train: held to check_train's tolerances at XLA's defaults
@@ -78,7 +78,7 @@ def test_8_fake_devices_sharded(capfd):
 def test_qkv_orthogonalised_whole_fails(tiny, monkeypatch, capsys):
     """A public JAX port's kind of slip: the fused (C, 3C) QKV update orthogonalised as one matrix,
     not as the record's three (C, C) ones. NOT OK, by far more than a tolerance's noise."""
-    monkeypatch.setattr(train_step, "FUSED_QKV", re.compile(r"matches no param$"))
+    monkeypatch.setattr(muon, "FUSED_QKV", re.compile(r"matches no param$"))
     ok, f = ours_against_reference(tiny)
     assert not ok and "NOT OK" in capsys.readouterr().out
     assert (

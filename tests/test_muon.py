@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from helpers import REPO, assert_close, fake_devices
 
+import muon
 import train_step
 from settings import DEFAULTS
 
@@ -181,7 +182,7 @@ def test_qkv_orthogonalised_whole_is_caught(run, monkeypatch):
     """The comparison catches the classic slip: the fused (C, 3C) QKV orthogonalised as one matrix,
     scaled by sqrt(3C), where the record has three (C, C) matrices."""
     params, grads, start, reference = run
-    monkeypatch.setattr(train_step, "FUSED_QKV", train_step.re.compile("no such param"))
+    monkeypatch.setattr(muon, "FUSED_QKV", muon.re.compile("no such param"))
     diffs = step_diffs(map(torch_layout, train_ours(SETTINGS, params, grads)), reference, start)
     assert min(diffs[0][k] for k in ("attn.c_q", "attn.c_k", "attn.c_v")) > 0.1, diffs[0]
     assert diffs[-1]["mlp.c_fc"] < 1e-5
@@ -331,7 +332,7 @@ def test_muon_steps_the_blocks_matrices_adam_the_rest():
     params, _ = params_and_grads()
     labels = {
         jax.tree_util.keystr(k, simple=True, separator="."): v
-        for k, v in jax.tree_util.tree_leaves_with_path(train_step.muon_labels(params))
+        for k, v in jax.tree_util.tree_leaves_with_path(muon.muon_labels(params))
     }
     assert labels == {**{f"h.0.{name}.kernel": "muon" for name in KERNELS}, "wte.embedding": "adam"}
 
@@ -342,9 +343,7 @@ def test_bfloat16_newton_schulz_rounds_where_the_record_does():
     drop the float32 accumulation the record's torch matmuls keep); every elementwise sum, product
     and the norm's reduction in float32; the result bf16. The accuracy test above is one-sided (no
     further from float32 than the record): this pins where ours rounds."""
-    jaxpr = jax.make_jaxpr(lambda g: train_step.newton_schulz(g, jnp.bfloat16))(
-        jnp.ones((32, 16))
-    ).jaxpr
+    jaxpr = jax.make_jaxpr(lambda g: muon.newton_schulz(g, jnp.bfloat16))(jnp.ones((32, 16))).jaxpr
     eqns, bf16 = jaxpr.eqns, jnp.dtype(jnp.bfloat16)
     names = [e.primitive.name for e in eqns]
     assert names[0] == "convert_element_type" and eqns[0].params["new_dtype"] == bf16
@@ -360,7 +359,7 @@ def test_bfloat16_newton_schulz_rounds_where_the_record_does():
     assert jaxpr.outvars[0].aval.dtype == bf16 and jaxpr.outvars[0].aval.shape == (32, 16)
     # and Muon's update (muon_ns_dtype='bfloat16') asks for it in bf16, then scales it in float32
     params = {"h": {"0": {"mlp": {"c_fc": {"kernel": jnp.ones((16, 32))}}}}}
-    tx = train_step.orthogonalize("bfloat16")
+    tx = muon.orthogonalize("bfloat16")
     update = jax.make_jaxpr(lambda g: tx.update(g, tx.init(params), params)[0])(params).jaxpr
     assert {e.invars[0].aval.dtype for e in update.eqns if e.primitive.name == "dot_general"} == {
         bf16
