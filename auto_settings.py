@@ -153,11 +153,14 @@ def compile_train_step(
     settings,
     grad_clip,
     lr_schedule=None,
+    **record20,
 ):
     """train.py's step (train_step.make_train_step) through compile_fitting, for the remat and
     loss_chunk of `settings` (train.py's) -> (Fit, line: what each 'auto' of `settings` became, or
-    None)."""
-    make_step = partial(make_train_step, tx=tx, grad_clip=grad_clip, lr_schedule=lr_schedule)
+    None). record20: make_train_step's windows and grad_scale (train_step.record20_step)."""
+    make_step = partial(
+        make_train_step, tx=tx, grad_clip=grad_clip, lr_schedule=lr_schedule, **record20
+    )
     fit = compile_fitting(
         make_step,
         graphdef,

@@ -112,7 +112,15 @@ ARCHS = ("gpt2", "speedrun", "speedrun20")  # models.MODELS builds each
 # GPTConfig's fields that are choices of the run, not the architecture: a restored checkpoint takes
 # them from the current settings (checkpoint.model_config_from_meta), so a run saved on a GPU
 # resumes on a CPU
-RUNTIME_FIELDS = ("dtype", "dropout", "attention", "remat", "loss_chunk", "scan_layers")
+RUNTIME_FIELDS = (
+    "dtype",
+    "dropout",
+    "attention",
+    "remat",
+    "loss_chunk",
+    "scan_layers",
+    "fp8_head",
+)
 
 
 def normal(std):

@@ -48,6 +48,10 @@ def startup_lines(c, mesh, accum_rows, auto_line, n_params, model_config, memory
         f"Muon (lr {c['muon_learning_rate']:g}) on the blocks' matrices, Adam (lr "
         f"{c['learning_rate']:g}) on the rest"
         if c["optimizer"] == "muon"
+        else f"Muon (lr {c['muon_learning_rate']:g}) on the blocks' matrices, Adam on the head "
+        f"(lr {c['learning_rate']:g}), embeddings ({c['embed_learning_rate']:g}) and scalars "
+        f"({c['scalar_learning_rate']:g})"
+        if c["optimizer"] == "muon20"
         else f"AdamW (lr {c['learning_rate']:g})"
     )
     lines.append(

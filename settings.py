@@ -48,7 +48,7 @@ DEFAULTS = dict(
     block_size=1024,  # tokens of context: each training window's length
     # model
     # 'gpt2' | 'speedrun': modded-nanogpt's record 5 (rotary, QK-norm, RMSNorm, ReLU^2; needs
-    # bias=False) | 'speedrun20': its record 20 (the model only, for now: docs/speedrun.md)
+    # bias=False) | 'speedrun20': its record 20 (windows, value embeddings, U-net; docs/speedrun.md)
     arch="gpt2",
     n_layer=12,  # transformer blocks
     n_head=12,  # attention heads per block
@@ -115,6 +115,9 @@ DEFAULTS = dict(
     loss_chunk="auto",
     # True: the blocks under one lax.scan (one compiled block) | False | 'auto' (on TPU)
     scan_layers="auto",
+    # arch='speedrun20': its head in FP8 in training, as record 20's (e4m3 x and weight, e5m2
+    # gradient; the same rounding on every device, docs/speedrun.md)
+    fp8_head=False,
     profile="",  # 'START:STOP': a jax.profiler trace of iterations START..STOP-1 to out_dir/profile
     seed=1337,  # the init's, the data order's and dropout's
 )
@@ -199,15 +202,11 @@ def check_model(c):
     loss_chunk; then the optimizer's, which depend on the arch."""
     try:
         check_memory_settings(c["remat"], c["loss_chunk"])
-        config = {k: c[k] for k in ("arch", "bias", "n_head", "n_embd", "gelu", "attention")}
+        shape = ("arch", "bias", "n_layer", "n_head", "n_embd", "block_size", "gelu", "attention")
+        config = {k: c[k] for k in (*shape, "fp8_head")}
         check_config(GPTConfig(**config))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if c["arch"] == "speedrun20":
-        raise UsageError(
-            "arch='speedrun20' (modded-nanogpt's record 20) is not trained by train.py yet: its "
-            "optimizers, window schedule and loader are still to come; use --arch=speedrun"
-        )
     check_optimizer(c)
 
 

@@ -128,9 +128,20 @@ ATTN_SCALE = 0.12  # the record's attention scale (@leloykun), in place of 1/sqr
 SOFTCAP = 30.0  # logits = 30 * sigmoid(logits / 7.5): tanh soft-capping at 15, shifted by 15
 SOFTCAP_SLOPE = 7.5
 FINAL_WINDOW = 1792  # the long window at the end of training, in tokens; the short one is half
+WINDOW_GROWTH = 1728  # the window grows linearly to this many tokens, rounded up to whole blocks
 VALUE_EMBEDDINGS = 3  # tables, mixed into v by the first three layers and again by the last three
 HEAD_MULTIPLE = 128  # the head's rows: the vocabulary padded to a multiple of this
 NO_ATTENTION_LAYER = 7  # the record's layer without attention (@YouJiacheng)
+
+
+def window_schedule(it, max_iters):
+    """Record 20's long window at iteration `it` of max_iters, in 128-token blocks: 1728 * it /
+    max_iters tokens rounded up to whole blocks, at least one (@fernbear.bsky.social; block-wise by
+    @YouJiacheng): 1 block at the start, 14 (FINAL_WINDOW) at the end. Ints or tracers; integer
+    arithmetic, which rounds as the record's float division does (no ratio of these sizes falls
+    within a rounding of a multiple)."""
+    blocks = -(-WINDOW_GROWTH * it // (attention.WINDOW_BLOCK * max_iters))
+    return jnp.maximum(blocks, 1) if isinstance(blocks, jax.Array) else max(blocks, 1)
 
 
 def record20_init(fan_in):
@@ -287,6 +298,11 @@ class Record20GPT(GPT):
             if config.scan_layers
             else "computes its loss whole: set loss_chunk=0"
             if config.loss_chunk
+            else "has no dropout: set dropout=0.0"
+            if config.dropout
+            else "attends through its document and window masks in XLA: set attention='auto' or "
+            f"'xla', not {config.attention!r}"
+            if config.attention not in ("auto", "xla")
             else None
         )
         if problem:

@@ -35,11 +35,7 @@ import hellaswag_data
 import runlog
 import sharding
 import train_setup
-from configurator import (
-    command_line_keys,
-    configure,
-    exit_on_bad_input,
-)
+from configurator import command_line_keys, configure, exit_on_bad_input
 from dataloader import data_dir_for, data_meta, val_batches_for
 from model import RUNTIME_FIELDS
 from prefetch import Prefetcher
@@ -53,11 +49,13 @@ from settings import (
 )
 from train_step import (
     all_finite,
+    eval_window,
     first_nonfinite,
     get_lr,
     init_state,
     make_eval_step,
     make_optimizer,
+    record20_step,
 )
 
 # steps the loop dispatches ahead of the one the device runs: one keeps the device busy while the
@@ -209,6 +207,7 @@ class Trainer:
             self.settings,
             c["grad_clip"],
             lr_schedule=partial(get_lr, c=c),
+            **record20_step(c, self.accum * c["batch_size"]),
         )
         self.state_bytes, self.step_peak_bytes = fit.state_bytes, fit.peak
         fit.check()
@@ -231,7 +230,8 @@ class Trainer:
             with jax.set_mesh(self.mesh):
                 for x, y in loader.eval_batches(self.eval_batches[split], self.iter_num):
                     x, y = self._put(x, rows), self._put(y, rows)
-                    losses.append(self.eval_step(self._param_leaves, x, y))
+                    window = eval_window(self.iter_num, self.c)  # record 20's, else None
+                    losses.append(self.eval_step(self._param_leaves, x, y, window))
                     self.out.eval_ran(losses, batches, began)
                     # as the steps: one batch ahead of the device, so that a stop ends the eval
                     if len(losses) > STEPS_AHEAD:

@@ -91,6 +91,7 @@ def make_loaders(c, data_dir, batch_sharding, accum, rows, vocab_size, data_voca
         row_slice=row_slice,
         shuffle_shards=c["shuffle_shards"],
         vocab_size=vocab_size,
+        record20=c["arch"] == "speedrun20",
     )
     # else the first batch's ids say it, after out_dir exists
     if data_vocab_size > vocab_size:

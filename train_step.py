@@ -20,6 +20,7 @@ import sharding
 from layers import mean_of
 from models import build, model_from
 from muon import muon, muon20
+from speedrun_model import window_schedule
 
 
 def get_lr(it, c):
@@ -118,12 +119,15 @@ def make_optimizer(c):
     return muon(c, adamw, partial(get_muon_lr, c=c))
 
 
-def batch_loss(model, x, y, key=None):
+def batch_loss(model, x, y, key=None, window=None):
     """The model's mean loss on a batch (B, T) (GPT.loss: the logits in chunks where loss_chunk says
     so). On a single CPU device the rows go through the model as two independent halves, which
     XLA:CPU's executor runs side by side on two cores: faster than one batch whose every op splits
     its work over the threads (docs/benchmarks.md). Same loss: one mean over both halves' targets;
-    dropout draws a key per half."""
+    dropout draws a key per half. window: record 20's long window in blocks (its model's loss
+    takes it whole)."""
+    if window is not None:
+        return model.loss(x, y, key=key, window_blocks=window)
     if sharding.target_platform() != "cpu" or sharding.target_size() > 1 or x.shape[0] % 2:
         return model.loss(x, y, key=key)
     keys = jax.random.split(key) if key is not None else (None, None)
@@ -134,28 +138,33 @@ def batch_loss(model, x, y, key=None):
     return mean_of(*(a + b for a, b in zip(*halves)))  # (total, count) of both halves
 
 
-def make_train_step(graphdef, tx, grad_clip, lr_schedule=None):
+def make_train_step(graphdef, tx, grad_clip, lr_schedule=None, windows=None, grad_scale=1.0):
     """The one step: scan over micro-batches (memory flat in their number), average the grads, clip
     by global norm as torch.nn.utils.clip_grad_norm_ does, apply tx. x, y: (accum, B, T). Jitted by
     on_leaves with the state's shardings pinned. With `lr_schedule` (tx's), the metrics hold the
-    step's learning rate, so that the loop never computes it on the host."""
+    step's learning rate, so that the loop never computes it on the host. windows, grad_scale:
+    record 20's (record20_step)."""
 
-    def loss_fn(params, x, y, key):
-        return batch_loss(nnx.merge(graphdef, params), x, y, key)
+    def loss_fn(params, x, y, key, window):
+        model = nnx.merge(graphdef, params)
+        return (
+            batch_loss(model, x, y, key) if window is None else batch_loss(model, x, y, key, window)
+        )
 
     def train_step(params, opt_state, x, y, key):
         accum = x.shape[0]
+        window = None if windows is None else windows(schedule_count(opt_state))
 
         def micro_step(grad_sum, batch):
             x, y, key = batch
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, y, key)
+            loss, grads = jax.value_and_grad(loss_fn)(params, x, y, key, window)
             return jax.tree.map(jnp.add, grad_sum, grads), loss
 
         zeros = jax.tree.map(jnp.zeros_like, params)  # the gradient sum takes the params' shardings
         grads, losses = jax.lax.scan(micro_step, zeros, (x, y, jax.random.split(key, accum)))
         # the loss is a mean over each micro-batch; the sum over micro-batches must become a mean
-        # too
-        grads = jax.tree.map(lambda g: g / accum, grads)
+        # too (record 20: times grad_scale)
+        grads = jax.tree.map(lambda g: g * (grad_scale / accum), grads)
         grad_norm = optax.tree.norm(grads)
         if grad_clip > 0.0:
             scale = jnp.minimum(1.0, grad_clip / (grad_norm + 1e-6))
@@ -263,14 +272,32 @@ def all_finite(tree):
 
 
 def make_eval_step(graphdef, params):
-    """Mean loss of one batch; takes the param leaves, as the train step does (see on_leaves)."""
+    """Mean loss of one batch; takes the param leaves, as the train step does (see on_leaves), and
+    record 20's window at the step evaluated (eval_window; None for the others)."""
     param_def = jax.tree.structure(params)
 
     @jax.jit
-    def eval_step(param_leaves, x, y):
-        return nnx.merge(graphdef, param_def.unflatten(param_leaves)).loss(x, y)
+    def eval_step(param_leaves, x, y, window=None):
+        return batch_loss(
+            nnx.merge(graphdef, param_def.unflatten(param_leaves)), x, y, None, window
+        )
 
     return eval_step
+
+
+def record20_step(c, sequences):
+    """make_train_step's record-20 arguments for a run of `c` ({} for the other archs): the long
+    window at each step's count, and the gradient as the record forms it, each sequence's mean loss
+    summed over a device's `sequences` a step (our mean over them, times that)."""
+    if c["arch"] != "speedrun20":
+        return {}
+    return dict(windows=partial(window_schedule, max_iters=c["max_iters"]), grad_scale=sequences)
+
+
+def eval_window(it, c):
+    """The eval step's window argument at iteration `it`: record 20's long window then (the record
+    evaluates with the window it trains with), None for the other archs."""
+    return jnp.int32(window_schedule(it, c["max_iters"])) if c["arch"] == "speedrun20" else None
 
 
 def sharded_model(make_model, mesh):

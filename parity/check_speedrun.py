@@ -1,5 +1,6 @@
 """
-Training parity for the speedrun recipe: modded-nanogpt's record 5 in PyTorch
+Training parity for the speedrun recipes (--record 20: parity/speedrun20_check.py): modded-nanogpt's
+record 5 in PyTorch
 (parity/speedrun_reference.py: its GPT, Muon on the blocks and Adam on the tied head, the trapezoid
 schedule, its sequential shard loader) against train.py's own jitted step with arch='speedrun',
 optimizer='muon', lr_schedule='trapezoid' (train_step's make_optimizer, init_state and
@@ -16,6 +17,9 @@ The run crosses the zero-initialised projections' first steps and a warmdown to 
     # ours bf16 (NS bf16) and torch autocast-bf16, vs fp32
     python -m parity.check_speedrun --dtype bfloat16
     python -m parity.check_speedrun --scan_layers --remat qkv_proj --attention splash --seq-len 128
+    # record 20 (parity/speedrun20_check.py), on one device and on a mesh
+    python -m parity.check_speedrun --record 20
+    python -m parity.check_speedrun --record 20 --fsdp 4 --tensor_parallel 2
 
 Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input. The tolerances are
 check_train's (parity/train_report.py).
@@ -29,8 +33,10 @@ import tempfile
 import numpy as np
 
 from configurator import UsageError, exit_on_bad_input, require_extras
+from parity import speedrun20_check
 from parity.check_train import rerun_with_fake_devices
 from parity.common import add_step_args, pin_numerics, print_table
+from parity.speedrun20_check import RUN20
 from parity.train_report import report
 from parity.train_sides import JaxTrainer, Run, check_rows, train_side
 
@@ -234,6 +240,7 @@ def parse_args(argv=None):
         default=TINY_RUN["steps"],
         help="steps (max_iters: the warmdown ends there)",
     )
+    p.add_argument("--record", type=int, default=5, choices=[5, 20], help="modded-nanogpt's record")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="the reference's init and the shards")
@@ -254,7 +261,10 @@ def parse_args(argv=None):
             f"--fsdp {args.fsdp} x --tensor_parallel {args.tensor_parallel} must divide --devices "
             f"{args.devices}"
         )
-    check_rows(TINY_RUN["rows"], args.accum, args.devices, args.tensor_parallel)
+    if args.record == 20 and args.dtype != "float32":
+        raise UsageError("--record 20 runs in float32 only (the FP8 head off on both sides)")
+    rows = RUN20["rows"] if args.record == 20 else TINY_RUN["rows"]
+    check_rows(rows, args.accum, args.devices, args.tensor_parallel)
     return args
 
 
@@ -273,7 +283,10 @@ def main(argv=None):
         )
     pin_numerics()
     with tempfile.TemporaryDirectory() as tmp:
-        ok, _ = check(*make_run(args, tmp), args.dtype)
+        if args.record == 20:
+            ok, _ = speedrun20_check.check(speedrun20_check.make_run(args, tmp))
+        else:
+            ok, _ = check(*make_run(args, tmp), args.dtype)
     return 0 if ok else 1
 
 

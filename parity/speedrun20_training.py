@@ -122,11 +122,13 @@ def train_step(
     cooldown_frac=0.4,
     span=1728,
     warmup_steps=300,
+    grad_norms=None,
 ):
     """The record's loop body at `step`: each seq_len sequence of inputs (1-D, the step's tokens)
     backpropagated, the gradients summed; divided by world_size (the all-reduce AVG: inputs as the
     concatenation of world_size ranks' batches); Muon's momentum warmed up; both optimizers stepped
-    at lr = initial_lr * get_lr(step), as LambdaLR would set it; grads set to None.
+    at lr = initial_lr * get_lr(step), as LambdaLR would set it; grads set to None. grad_norms: a
+    list to append the gradient's global norm to, as the optimizers take it.
     -> (sequences,) the per-sequence losses."""
     sw = window_size(step, num_iterations, span, model.block_size) // model.block_size
     losses = []
@@ -137,6 +139,9 @@ def train_step(
     if world_size > 1:
         for p in model.parameters():
             p.grad /= world_size
+    if grad_norms is not None:  # in float64: torch's float32 norm of a 1.6M-entry table is 2e-5 off
+        grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
+        grad_norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
     for group in optimizers[1].param_groups:
         group["momentum"] = muon_momentum(step, warmup_steps)
     for opt in optimizers:

@@ -53,7 +53,11 @@ class JaxTrainer:
         tx = train_step.make_optimizer(c)
         self.graphdef, params, opt_state = train_step.init_state(config, mesh, tx, weights=state)
         self.batch_sharding = sharding.batch_sharding(mesh)
-        step = train_step.make_train_step(self.graphdef, tx, c["grad_clip"])
+        # record 20's windows and gradient, its sequences a step on each batch shard
+        sequences = run.rows // (run.devices // run.tensor_parallel)
+        step = train_step.make_train_step(
+            self.graphdef, tx, c["grad_clip"], **train_step.record20_step(c, sequences)
+        )
         batch_shape = (run.accum, run.rows // run.accum, run.seq_len)  # (accum, B, T)
         self.train_step, _, _ = train_step.compile_step(
             step, params, opt_state, batch_shape, self.batch_sharding

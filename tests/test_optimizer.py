@@ -81,7 +81,9 @@ BAD = [
     ([*MUON, "--learning_rate=0.0"], "learning_rate must be > 0"),
     (["--arch=llama"], "arch must be 'gpt2', 'speedrun' or 'speedrun20'"),
     (["--arch=speedrun", "--bias=True"], "set bias=False"),
-    (["--arch=speedrun20"], "not trained by train.py yet"),
+    (["--arch=speedrun20", "--block_size=200"], "block_size must be a multiple of 128, got 200"),
+    (["--arch=speedrun20", "--fp8_head=1"], "fp8_head must be bool"),
+    (["--fp8_head=True"], "fp8_head is record 20's FP8 head: it needs arch='speedrun20'"),
     (["--val_tokens=-1"], "val_tokens must be >= 0"),
     (["--warmdown_iters=-1"], "warmdown_iters must be >= 0"),
 ]

@@ -112,6 +112,8 @@ def test_logits_are_soft_capped_and_the_loss_is_their_cross_entropy():
         (dict(n_head=4, n_embd=24), "multiple of 4"),
         (dict(scan_layers=True), "scan_layers=False"),
         (dict(loss_chunk=64), "loss_chunk=0"),
+        (dict(dropout=0.1), "dropout=0.0"),
+        (dict(attention="splash"), "set attention='auto' or 'xla', not 'splash'"),
     ],
 )
 def test_a_config_the_record_cannot_take_is_one_line(change, says):

@@ -131,12 +131,31 @@ SPEEDRUN_RECIPE = [
 ]
 
 
-@pytest.mark.parametrize("recipe", [[], SPEEDRUN_RECIPE], ids=["gpt2", "speedrun"])
+# record 20's: its cooldown starts after the runs' steps, its windows cover their one block
+SPEEDRUN20_RECIPE = [
+    "--arch=speedrun20",
+    "--bias=False",
+    "--optimizer=muon20",
+    "--muon_learning_rate=0.02",
+    "--lr_schedule=cooldown",
+    "--cooldown_frac=0.01",
+    "--muon_momentum_warmup=4",
+    "--beta1=0.8",
+    "--weight_decay=0.0",
+    "--grad_clip=0.0",
+    "--dropout=0.0",
+    "--block_size=128",
+]
+
+
+@pytest.mark.parametrize(
+    "recipe", [[], SPEEDRUN_RECIPE, SPEEDRUN20_RECIPE], ids=["gpt2", "speedrun", "speedrun20"]
+)
 def test_exact_resume_bit_for_bit(recipe, dataset, tmp_path):
     """The prefetching loader has read two batches past the stop; the checkpoint holds the position
     after the last batch a step took, so the resumed run sees the same batches as the uninterrupted
-    one. The speedrun recipe's too: Muon's momentum and the trapezoid's step count come back with
-    the checkpoint."""
+    one. The speedrun recipes' too: Muon's momentum (record 20's warmup count) and the schedule's
+    step count come back with the checkpoint."""
     extra = ["--dropout=0.1", "--eval_interval=3", "--always_save_checkpoint=True", *recipe]
     straight = run(dataset, tmp_path / "a", "--max_iters=6", *extra)
     run(dataset, tmp_path / "b", "--max_iters=3", *extra)
