@@ -28,16 +28,20 @@ TINY20 = dict(vocab_size=50257, num_layers=8, num_heads=2, model_dim=32)
 RUN20 = dict(rows=4, seq_len=512, steps=12, warmup=6, cooldown_frac=0.4)
 SHARD_TOKENS = 16_000  # a dozen steps of 4 x 512 cross a shard end
 EOT = 50256
+# the token ids the shards hold, besides <|endoftext|>: each embedding row a step sees takes many
+# tokens' gradients. Where a row saw one token, an entry whose gradient cancels to ~1e-11 is
+# rounding noise that Adam (eps 1e-10, lr 0.6) turns into a step of either sign on each side.
+VOCAB_USED = 1000
 
 
 def write_shards(data_dir, n_shards=2, seed=0):
-    """llm.c .bin shards with something to learn (each token the previous one plus 1, 2 or 3) and
-    a document boundary every ~300 tokens."""
+    """llm.c .bin shards with something to learn (each token the previous one plus 1, 2 or 3, below
+    VOCAB_USED) and a document boundary every ~300 tokens."""
     from parity.check_speedrun import write_datafile
 
     rng = np.random.default_rng(seed)
     for i in range(n_shards):
-        tokens = np.cumsum(rng.integers(1, 4, SHARD_TOKENS)) % 50000
+        tokens = np.cumsum(rng.integers(1, 4, SHARD_TOKENS)) % VOCAB_USED
         tokens[rng.random(SHARD_TOKENS) < 1 / 300] = EOT
         write_datafile(os.path.join(data_dir, f"tiny_train_{i:06d}.bin"), tokens)
 

@@ -1,0 +1,70 @@
+"""python -m pytest tests/test_check_speedrun20.py -q
+
+parity.check_speedrun --record 20, the proof of record 20's recipe: train.py's step with
+arch='speedrun20', optimizer='muon20' and the cooldown equals the record in PyTorch
+(parity/speedrun20_reference.py, parity/speedrun20_training.py) for 12 steps on the same shards,
+across the windows' growth, the momentum's warmup and the cooldown, in fp32 (the check's own
+command also on fsdp 4 x tensor 2: docs/speedrun.md); the long and short windows swapped fails;
+bad input is one line."""
+
+import argparse
+
+import pytest
+from helpers import one_torch_thread
+
+import speedrun_model
+from configurator import UsageError
+from parity import check_speedrun, speedrun20_check, train_report, train_sides
+from parity.common import pin_numerics
+
+pytestmark = pytest.mark.xla_defaults  # held to check_train's tolerances at XLA's defaults
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The run (2 blocks a sequence: the windows still change), its steps (our loader's, checked
+    equal to the record's) and the reference's results, once."""
+    with one_torch_thread():
+        pin_numerics()
+        args = argparse.Namespace(
+            seed=0, steps=12, seq_len=256, accum=1, devices=1, fsdp=1, tensor_parallel=1
+        )
+        run = speedrun20_check.make_run(args, str(tmp_path_factory.mktemp("speedrun20")))
+        batches = speedrun20_check.make_batches(run)
+        reference = train_sides.train_side(
+            speedrun20_check.TorchSide(run.model_dir, run, 1), batches
+        )
+    return run, batches, reference
+
+
+def ours_against_reference(tiny):
+    run, batches, reference = tiny
+    ours = train_sides.train_side(speedrun20_check.jax_side(run), batches)
+    return train_report.report(run, {"torch": reference, "jax": ours})
+
+
+# slow (make test-slow; CI runs it): ~50 s, the 50304-row head of 12 steps on each side; make test
+# holds each piece against the record (test_speedrun20_*.py, test_muon20.py)
+@pytest.mark.slow
+def test_tiny_fp32_matches_the_record(tiny):
+    ok, f = ours_against_reference(tiny)
+    assert ok and f["ref_losses"][-1] < f["ref_losses"][0] - 1.0  # it trained
+    lrs = [r["lr"] for r in tiny[2]["records"]]
+    assert lrs[0] == lrs[7] > lrs[8] > lrs[-1] > 0  # constant, then the last 40% down
+
+
+@pytest.mark.slow
+def test_the_long_and_short_windows_swapped_fail(tiny, monkeypatch):
+    layout = speedrun_model.record20_layout
+    monkeypatch.setattr(
+        speedrun_model,
+        "record20_layout",
+        lambda n: [(table, attends, not long) for table, attends, long in layout(n)],
+    )
+    ok, f = ours_against_reference(tiny)
+    assert not ok and f["loss_rel"] > 1e-4
+
+
+def test_bad_input_is_one_line():
+    with pytest.raises(UsageError, match="^--record 20 runs in float32 only"):
+        check_speedrun.parse_args(["--record", "20", "--dtype", "bfloat16"])
