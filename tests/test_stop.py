@@ -72,7 +72,7 @@ def test_sigterm_during_a_long_eval_ends_it(dataset, tmp_path, capsys):
     slowed, runs, signalled = napping(signal_at=3)
     t = train.Trainer(settings(dataset, tmp_path, "--max_iters=60", "--eval_iters=20"))
     eval_step = t.eval_step
-    t.eval_step = lambda params, x, y: eval_step(params, slowed(x), y)
+    t.eval_step = lambda params, x, y, window: eval_step(params, slowed(x), y, window)
     t.run()
     saved_line(capsys, t, tmp_path)
     assert t.iter_num == 1
