@@ -10,6 +10,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 from helpers import REPO, tiny_config
 
@@ -86,6 +87,8 @@ def test_the_experiments_put_back_float32_logits_and_autodiffs_gradient(monkeypa
     assert jnp.allclose(layers.token_nll(logits, targets), before)
 
 
+# slow (make test-slow; CI runs it): an experiment's equivalence; the tool itself is the test below
+@pytest.mark.slow
 def test_the_three_projections_experiment_computes_the_same(monkeypatch):
     """--qkv three: q, k and v as three matmuls on the same kernel, for GPT-2 and the speedrun's
     rotary: the same loss and gradients as the one (B, T, 3C) projection split apart, and no (B, T,

@@ -176,6 +176,8 @@ def test_one_muon_update_in_the_momentum_warmup_equals_the_records(start, at):
     assert_within(figures, f"Muon at step {at}")
 
 
+# slow (make test-slow; CI runs it): a measurement of bf16, the fp32 updates are make test's
+@pytest.mark.slow
 def test_bfloat16_newton_schulz_is_as_close_to_float32_as_the_records(start):
     """Record 20's bf16 Newton-Schulz (ours rounds where torch.compile's fused kernels would, the
     reference where eager torch does): ours no further from the float32 update than the

@@ -1,9 +1,10 @@
 """python -m pytest tests/test_sharding.py -q
 
 Sharded training on the (data, fsdp, tensor) mesh: the same run on 1 device and on 8 fake CPU
-devices as data 8, fsdp 8, fsdp 4 x tensor 2 and data 2 x fsdp 2 x tensor 2 (losses, grad norms,
-final params); memory that really divides under fsdp; resume across meshes; two processes with fsdp
-spanning both, preempted (SIGTERM to one) and resumed."""
+devices as data 8, fsdp 8, fsdp 4 x tensor 2 and (slow) data 2 x fsdp 2 x tensor 2 (losses, grad
+norms, final params); memory that really divides under fsdp; resume across meshes; two processes
+with fsdp spanning both, preempted (SIGTERM to one) and resumed. (make test holds attention's
+forward and gradients under data 2 x fsdp 2 x tensor 2: test_attention.py.)"""
 
 import json
 import signal
@@ -37,7 +38,9 @@ from model import GPT
 
 WIDE = ["--n_embd=64", "--max_iters=4", "--eval_interval=4", "--always_save_checkpoint=True"]
 ROWS = 8  # global micro-batch: every mesh below splits it differently
-MESHES = {"data8": (1, 1), "fsdp8": (8, 1), "fsdp4_tp2": (4, 2), "data2_fsdp2_tp2": (2, 2)}
+MESHES = {"data8": (1, 1), "fsdp8": (8, 1), "fsdp4_tp2": (4, 2)}
+# all three axes at once: make test-slow (CI runs it), 6 s of compiling
+SLOW_MESHES = {"data2_fsdp2_tp2": (2, 2)}
 
 
 def mesh_args(fsdp, tp, devices=8):
@@ -128,24 +131,43 @@ def mesh_runs(dataset, tmp_path_factory):
 
 def test_every_mesh_trains_as_one_device(mesh_runs):
     tmp, _, template = mesh_runs
-    ref_params = jax.tree.leaves(checkpoint.restore(tmp / "one", params=template)["params"])
     for name in MESHES:
-        for key in ("loss", "grad_norm"):
-            assert_close(
-                [v for _, v in read_log(tmp / name, key)],
-                [v for _, v in read_log(tmp / "one", key)],
-                rtol=1e-5,
-                atol=0,
-                what=f"{key} {name} vs 1 device",
-            )
-        params = jax.tree.leaves(checkpoint.restore(tmp / name, params=template)["params"])
-        diff = np.sqrt(
-            sum(np.sum((np.asarray(a) - np.asarray(b)) ** 2) for a, b in zip(params, ref_params))
+        assert_trains_as_one_device(tmp, name, template)
+
+
+@pytest.mark.slow
+def test_a_mesh_over_all_three_axes_trains_as_one_device(mesh_runs, dataset):
+    tmp, _, template = mesh_runs
+    common = TINY + WIDE + [f"--dataset={dataset}"]
+    run_8_devices(
+        [
+            (n, common + mesh_args(*m) + [f"--out_dir={tmp / n}"], [])
+            for n, m in SLOW_MESHES.items()
+        ],
+        tmp,
+    )
+    for name in SLOW_MESHES:
+        assert_trains_as_one_device(tmp, name, template)
+
+
+def assert_trains_as_one_device(tmp, name, template):
+    """The run in tmp/name logged the 1-device run's losses and grad norms and ended at its
+    params."""
+    ref_params = jax.tree.leaves(checkpoint.restore(tmp / "one", params=template)["params"])
+    for key in ("loss", "grad_norm"):
+        assert_close(
+            [v for _, v in read_log(tmp / name, key)],
+            [v for _, v in read_log(tmp / "one", key)],
+            rtol=1e-5,
+            atol=0,
+            what=f"{key} {name} vs 1 device",
         )
-        norm = np.sqrt(sum(np.sum(np.asarray(b) ** 2) for b in ref_params))
-        assert diff / norm < 1e-5, (
-            f"final params {name} vs 1 device: relative norm {diff / norm:.2e}"
-        )
+    params = jax.tree.leaves(checkpoint.restore(tmp / name, params=template)["params"])
+    diff = np.sqrt(
+        sum(np.sum((np.asarray(a) - np.asarray(b)) ** 2) for a, b in zip(params, ref_params))
+    )
+    norm = np.sqrt(sum(np.sum(np.asarray(b) ** 2) for b in ref_params))
+    assert diff / norm < 1e-5, f"final params {name} vs 1 device: relative norm {diff / norm:.2e}"
 
 
 def test_fsdp_divides_the_state(mesh_runs):
