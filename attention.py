@@ -307,3 +307,48 @@ def masked_attention(q, k, v, mask, scale):
     att = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
     att = jax.nn.softmax(jnp.where(mask[:, None], att, -jnp.inf), axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", att, v)
+
+
+def record20_attention(q, k, v, docs, window_blocks, band, scale):
+    """Record 20's attention, q, k, v (B, T, nh, hs), docs (B, T), over window_mask's keys: masked
+    XLA attention where the sequence is no longer than `band` blocks (the most its window ever
+    spans), banded_window_attention beyond, which skips the blocks the window leaves out."""
+    T = q.shape[1]
+    if T > band * WINDOW_BLOCK and T % WINDOW_BLOCK == 0:
+        return banded_window_attention(q, k, v, docs, window_blocks, band, scale)
+    pos = jnp.arange(T)
+    mask = window_mask(pos, pos, docs, docs, window_blocks)
+    return masked_attention(q, k, v, mask, scale)
+
+
+def banded_window_attention(q, k, v, docs, window_blocks, band, scale):
+    """Record 20's attention without (T, T) scores: each 128-token query block against the `band`
+    kv blocks that end at its own, window_mask's keys among them (window_blocks <= band, may be
+    traced), so memory and work grow as T x band blocks, not T^2: the record's 64K-token sequences.
+    q, k, v (B, T, nh, hs) with T whole blocks, docs (B, T) -> (B, T, nh, hs) in v's dtype; scores
+    and softmax in float32. Equal to masked_attention over window_mask (tests/test_attention.py)."""
+    B, T, nh, hs = q.shape
+    bs, nb = WINDOW_BLOCK, T // WINDOW_BLOCK
+    band = min(band, nb)
+    # (nb, band): query block i's kv blocks i-band+1 .. i, as indices into band-1 blocks of padding
+    # and then the sequence's blocks
+    take = jnp.arange(nb)[:, None] + jnp.arange(band)[None, :]
+
+    def banded(a, fill=0):  # (b, T, ...) -> (b, nb, band * bs, ...)
+        a = a.reshape(a.shape[0], nb, bs, *a.shape[2:])
+        pad = [(0, 0), (band - 1, 0)] + [(0, 0)] * (a.ndim - 2)
+        kept = jnp.pad(a, pad, constant_values=fill)[:, take]  # (b, nb, band, bs, ...)
+        return kept.reshape(a.shape[0], nb, band * bs, *a.shape[3:])
+
+    pos = jnp.arange(T)
+    q_pos = pos.reshape(nb, bs)
+    k_pos = banded(pos[None], fill=-1)[0]  # (nb, band * bs); -1: the padding before position 0
+    near = q_pos[:, :, None] // bs - k_pos[:, None, :] // bs < jnp.maximum(window_blocks, 1)
+    allowed = (k_pos[:, None, :] >= 0) & (q_pos[:, :, None] >= k_pos[:, None, :]) & near
+    same_doc = docs.reshape(B, nb, bs)[..., None] == banded(docs, fill=-1)[:, :, None, :]
+    mask = allowed[None] & same_doc  # (B, nb, bs, band * bs)
+    qb = q.reshape(B, nb, bs, nh, hs)
+    att = jnp.einsum("bnqhd,bnkhd->bnhqk", qb, banded(k), preferred_element_type=jnp.float32)
+    att = jnp.where(mask[:, :, None], att * scale, -jnp.inf)
+    att = jax.nn.softmax(att, axis=-1).astype(v.dtype)
+    return jnp.einsum("bnhqk,bnkhd->bnqhd", att, banded(v)).reshape(B, T, nh, hs)

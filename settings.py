@@ -323,13 +323,13 @@ def resolve_dtype(dtype, platform):
     return dtype
 
 
-def resolve_scan_layers(scan_layers, platform):
+def resolve_scan_layers(scan_layers, platform, arch="gpt2"):
     """'auto': the blocks under one scan on a TPU, where it compiles one block instead of n_layer
     (gpt2-xl's step for a TPU: docs/benchmarks.md); a Python loop on a GPU, where the 124M step ran
     faster and no larger without the scan (docs/benchmarks.md#on-an-nvidia-h200), and on CPU, whose
-    results it keeps bit for bit."""
+    results it keeps bit for bit; and for record 20, whose layers differ."""
     if scan_layers == "auto":
-        return platform == "tpu"
+        return platform == "tpu" and arch != "speedrun20"
     if not isinstance(scan_layers, bool):
         raise UsageError(f"scan_layers must be True, False or 'auto', got {scan_layers!r}")
     return scan_layers

@@ -183,9 +183,10 @@ def softcap(logits):
 
 
 class Record20Attention(nnx.Module):
-    def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
+    def __init__(self, config: GPTConfig, rngs: nnx.Rngs, band):
         C = config.n_embd
         self.n_head = config.n_head
+        self.band = band  # the most blocks its window ever spans (attention.record20_attention)
         # the record's qkv_w (3, C, C): one (C, 3C) kernel here, [q | k | v]
         self.c_attn = linear(C, 3 * C, config, rngs, record20_init(C))
         self.lambdas = nnx.Param(jnp.array([0.5, 0.5]))  # v's and the value embedding's weights
@@ -208,10 +209,10 @@ class Record20Attention(nnx.Module):
         q, k = (rotary(rms_norm(a).astype(jnp.float32), cos, sin).astype(a.dtype) for a in (q, k))
         return q, k, v
 
-    def __call__(self, x, ve, mask):
-        """x (B, T, C) -> (B, T, C): attention over the keys `mask` (B, T, T) allows."""
+    def __call__(self, x, ve, docs, window_blocks):
+        """x (B, T, C), its document numbers (B, T) -> (B, T, C): attention over window_blocks."""
         q, k, v = self.qkv(x, ve)
-        y = attention.masked_attention(q, k, v, mask, ATTN_SCALE)
+        y = attention.record20_attention(q, k, v, docs, window_blocks, self.band, ATTN_SCALE)
         return self.c_proj(y.reshape(x.shape))
 
     def decode(self, x, ve, kv, docs, pos, window_blocks):
@@ -238,20 +239,27 @@ class Record20MLP(Record5MLP):
 
 
 class Record20Block(nnx.Module):
-    def __init__(self, config: GPTConfig, rngs: nnx.Rngs, attends=True):
+    def __init__(self, config: GPTConfig, rngs: nnx.Rngs, attends=True, long=True):
         self.lambdas = nnx.Param(jnp.array([1.0, 0.0]))  # the stream's and x0's weights
-        self.attn = Record20Attention(config, rngs) if attends else None
+        self.long = long  # the long window, or the short one (half of it)
+        band = -(-FINAL_WINDOW // attention.WINDOW_BLOCK) // (1 if long else 2)
+        self.attn = Record20Attention(config, rngs, band) if attends else None
         self.mlp = Record20MLP(config, rngs)
 
     def mix(self, x, x0):
         lambdas = self.lambdas[...].astype(x.dtype)
         return lambdas[0] * x + lambdas[1] * x0
 
-    def __call__(self, x, key, x0, ve, mask):
-        """x, x0 (B, T, C) -> (B, T, C), the attention over what `mask` (B, T, T) allows."""
+    def window(self, window_blocks):
+        return window_blocks if self.long else window_blocks // 2
+
+    def __call__(self, x, key, x0, ve, docs, window_blocks):
+        """x, x0 (B, T, C) -> (B, T, C); the attention over this block's window of window_blocks
+        (the long one) within each document of docs (B, T)."""
         x = self.mix(x, x0)
         if self.attn is not None:
-            x = x + self.attn(rms_norm(x), ve, mask).astype(x.dtype)
+            y = self.attn(rms_norm(x), ve, docs, self.window(window_blocks))
+            x = x + y.astype(x.dtype)
         return x + self.mlp(rms_norm(x)).astype(x.dtype)
 
     def decode(self, x, x0, ve, kv, docs, pos, window_blocks):
@@ -259,7 +267,7 @@ class Record20Block(nnx.Module):
         attention)."""
         x = self.mix(x, x0)
         if self.attn is not None:
-            y, kv = self.attn.decode(rms_norm(x), ve, kv, docs, pos, window_blocks)
+            y, kv = self.attn.decode(rms_norm(x), ve, kv, docs, pos, self.window(window_blocks))
             x = x + y.astype(x.dtype)
         return x + self.mlp(rms_norm(x)).astype(x.dtype), kv
 
@@ -276,7 +284,7 @@ class Record20GPT(GPT):
         self.ve = nnx.List(
             [embedding(V, C, rngs, nnx.initializers.normal(1.0)) for _ in range(VALUE_EMBEDDINGS)]
         )
-        self.h = nnx.List([Record20Block(config, rngs, a) for _, a, _ in self.layout])
+        self.h = nnx.List([Record20Block(config, rngs, a, long) for _, a, long in self.layout])
         # the decoder's weights on the encoder's outputs (U-net, @brendanh0gan)
         self.skip_weights = nnx.Param(jnp.ones(config.n_layer - config.n_layer // 2))
         self.lm_head = nnx.Param(jnp.zeros((padded_vocab(V), C)))  # untied, zero (@Grad62304977)
@@ -320,15 +328,15 @@ class Record20GPT(GPT):
     def run_layers(self, idx, layer):
         """The record's U-net from x0 = the normed embedding of idx (B, T): the encoder's outputs
         saved, each added back into its mirror in the decoder by a skip weight. layer(block, x, x0,
-        ve, long?) runs one block -> (each layer's output, the normed last one)."""
+        ve) runs one block -> (each layer's output, the normed last one)."""
         x = x0 = self.embed(idx, None)
         half, states = self.config.n_layer // 2, []
         ves = [table(idx) for table in self.ve]
         skip_weights = self.skip_weights[...].astype(x.dtype)
-        for i, (block, (table, _, long)) in enumerate(zip(self.h, self.layout)):
+        for i, (block, (table, _, _)) in enumerate(zip(self.h, self.layout)):
             if i >= half:
                 x = x + skip_weights[i - half] * states[self.config.n_layer - 1 - i]
-            x = layer(block, x, x0, None if table is None else ves[table], long)
+            x = layer(block, x, x0, None if table is None else ves[table])
             states.append(x)
         return states, rms_norm(x)
 
@@ -336,16 +344,11 @@ class Record20GPT(GPT):
         """As GPT's, over the record's masks: documents split at <|endoftext|>, the long window
         window_blocks blocks (default final_window; may be traced), the short one half of it."""
         check_tokens(idx, self.config)
-        w = self.final_window() if window_blocks is None else window_blocks
-        docs, pos = attention.documents(idx), jnp.arange(idx.shape[1])
-        masks = {
-            long: attention.window_mask(pos, pos, docs, docs, w if long else w // 2)
-            for long in (True, False)
-        }
-        remat = REMAT[self.config.remat]
+        w = jnp.int32(self.final_window() if window_blocks is None else window_blocks)
+        docs, remat = attention.documents(idx), REMAT[self.config.remat]
 
-        def layer(block, x, x0, ve, long):
-            return apply_block(block, x, key, remat, x0, ve, masks[long])
+        def layer(block, x, x0, ve):
+            return apply_block(block, x, key, remat, x0, ve, docs, w)
 
         return self.run_layers(idx, layer)
 
@@ -394,9 +397,9 @@ class Record20GPT(GPT):
         )
         kvs, new_kvs, w = iter(cache["kv"]), [], self.final_window()
 
-        def layer(block, x, x0, ve, long):
+        def layer(block, x, x0, ve):
             kv = next(kvs) if block.attn is not None else None
-            x, kv = block.decode(x, x0, ve, kv, docs, pos, w if long else w // 2)
+            x, kv = block.decode(x, x0, ve, kv, docs, pos, w)
             if kv is not None:
                 new_kvs.append(kv)
             return x

@@ -79,7 +79,7 @@ class Trainer:
             runlog.check_shared(c["out_dir"], self.master)
         platform = sharding.platform_of(self.mesh)  # the program's, not the host's
         c["dtype"] = resolve_dtype(c["dtype"], platform)
-        c["scan_layers"] = resolve_scan_layers(c["scan_layers"], platform)
+        c["scan_layers"] = resolve_scan_layers(c["scan_layers"], platform, c["arch"])
         # the model's shape (and on resume the block_size), from the settings, the checkpoint's
         # meta (read once) or the weights' files; then the batches and the data (a missing or bad
         # dataset fails before anything is written)

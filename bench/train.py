@@ -80,6 +80,23 @@ PRESETS = {
         warmdown_iters=1450,
         max_iters=5100,
     ),
+    # record 20 (config/speedrun20_gpt2.py): one 64K-token sequence per device
+    "speedrun20": dict(
+        block_size=65536,
+        batch_size=1,
+        n_layer=12,
+        n_head=6,
+        n_embd=768,
+        vocab_size=50257,
+        arch="speedrun20",
+        fp8_head=True,
+        optimizer="muon20",
+        muon_learning_rate=0.05,
+        lr_schedule="cooldown",
+        max_iters=1393,
+        beta1=0.8,
+        weight_decay=0.0,
+    ),
 }
 # remat, loss_chunk and scan_layers unless given: the run each preset stands for
 PRESET_CONFIGS = {
@@ -88,6 +105,7 @@ PRESET_CONFIGS = {
     "gpt2-xl": "config/finetune_shakespeare.py",
     "tiny": "config/train_shakespeare_char.py",
     "speedrun": "config/speedrun_gpt2.py",
+    "speedrun20": "config/speedrun20_gpt2.py",
 }
 SCAN_LAYERS = {"on": True, "off": False, "auto": "auto"}  # --scan_layers: train.py's scan_layers
 

@@ -18,7 +18,15 @@ from dataloader import data_meta
 # must be torch's own
 
 # a preset's settings that choose its optimizer (PRESETS' speedrun: Muon + Adam)
-OPTIMIZER_KEYS = ("optimizer", "muon_learning_rate", "lr_schedule", "warmdown_iters", "max_iters")
+OPTIMIZER_KEYS = (
+    "optimizer",
+    "muon_learning_rate",
+    "lr_schedule",
+    "warmdown_iters",
+    "max_iters",
+    "beta1",
+    "weight_decay",
+)
 
 
 def bench_jax(s):
@@ -91,8 +99,9 @@ def model_config(s, platform):
     from settings import resolve_scan_layers
 
     fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dtype", "attention")
-    scan_layers = resolve_scan_layers(s["scan_layers"], platform)
+    fields += ("fp8_head",) * ("fp8_head" in s)
     arch = s.get("arch", "gpt2")
+    scan_layers = resolve_scan_layers(s["scan_layers"], platform, arch)
     return GPTConfig(
         **{k: s[k] for k in fields},
         arch=arch,

@@ -129,3 +129,32 @@ def test_a_config_the_record_cannot_take_is_one_line(change, says):
     with pytest.raises(ValueError, match=says) as e:
         build(GPTConfig(**{**TINY20, **change}), nnx.Rngs(0))
     assert "\n" not in str(e.value) and "record 20" in str(e.value)
+
+
+@pytest.mark.parametrize("window", [0, 1, 2, 3])
+def test_the_banded_kernel_is_the_masked_one(window):
+    """attention.banded_window_attention (the record's long sequences: a band of kv blocks per query
+    block) against masked attention over window_mask, documents splitting blocks."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 1024, 2, 8)), jnp.float32) for _ in range(3))
+    docs = attention.documents(jnp.asarray(with_documents((2, 1024), every=150)))
+    pos = jnp.arange(1024)
+    with jax.default_matmul_precision("highest"):
+        dense = attention.masked_attention(
+            q, k, v, attention.window_mask(pos, pos, docs, docs, window), 0.12
+        )
+        banded = attention.banded_window_attention(q, k, v, docs, jnp.int32(window), 3, 0.12)
+    np.testing.assert_allclose(banded, dense, rtol=0, atol=1e-6)
+
+
+def test_a_sequence_longer_than_the_band_takes_the_banded_kernel(monkeypatch):
+    """With a final window of 2 blocks (short: 1) a 4-block sequence runs banded: the logits of the
+    masked kernel's run, at the same window."""
+    idx = jnp.asarray(with_documents((1, 512), every=150))
+    config = GPTConfig(**{**TINY20, "block_size": 512})
+    with jax.default_matmul_precision("highest"):
+        masked = randomized(build(config, nnx.Rngs(0)))(idx, window_blocks=2)[0]
+        monkeypatch.setattr(speedrun_model, "FINAL_WINDOW", 256)
+        monkeypatch.setattr(attention, "masked_attention", None)  # only the banded kernel can run
+        banded = randomized(build(config, nnx.Rngs(0)))(idx, window_blocks=2)[0]
+    np.testing.assert_allclose(banded, masked, rtol=0, atol=1e-5)
