@@ -23,6 +23,7 @@ import accelerators
 import attention
 import sharding
 from configurator import UsageError
+from speedrun_model import FINAL_WINDOW
 from train_step import compiler_options, lower_step, make_train_step, step_peak
 
 # the loss's positions at a time when chunked: (B, 128, vocab) logits, 0.8 GiB at B=64 in bf16
@@ -244,9 +245,11 @@ def line(settings, fit, device):
 
 def kernel(config, device):
     """The attention kernel the training step runs at block_size on `device` (dropout: the explicit
-    one, 'xla')."""
+    one, 'xla'; record 20: its own, attention.record20_attention's)."""
     if config.dropout > 0:
         return "xla"
+    if config.arch == "speedrun20":  # longer than its long window: banded
+        return "windows-banded" if config.block_size > FINAL_WINDOW else "windows-masked"
     return attention.choose(
         config.attention,
         platform=device.platform,

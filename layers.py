@@ -368,6 +368,29 @@ def token_nll_backward(residuals, g):
 token_nll.defvjp(token_nll_forward, token_nll_backward)
 
 
+def chunked_terms(x, targets, n, weight, logits_of):
+    """cross_entropy_terms of logits_of(weight, x) for x (B, T, C), targets (B, T); with n > 0 the
+    logits exist n positions at a time, (B, n, vocab), each chunk's recomputed in the backward pass:
+    memory O(B x n x vocab), not (B, T, vocab) logits and their gradient. Chunks cut the time axis
+    only, every row in each, so the batch axis keeps its sharding. `weight` (the head's, float32)
+    goes in whole and is cast inside: its gradient sums over the chunks in float32."""
+    B, T, C = x.shape
+    if n == 0 or n >= T:
+        return cross_entropy_terms(logits_of(weight, x), targets)
+    pad = -T % n  # the last chunk's padding has target -1: ignored
+    xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(B, -1, n, C).swapaxes(0, 1)
+    ys = jnp.pad(targets, ((0, 0), (0, pad)), constant_values=-1).reshape(B, -1, n).swapaxes(0, 1)
+
+    @jax.checkpoint  # saves the chunk's inputs only: the backward pass recomputes its logits
+    def chunk_nll(weight, x, y):
+        return cross_entropy_terms(logits_of(weight, x), y)[0]
+
+    total, _ = jax.lax.scan(
+        lambda total, xy: (total + chunk_nll(weight, *xy), None), jnp.float32(0), (xs, ys)
+    )
+    return total, jnp.sum(targets != -1)
+
+
 def mean_of(total, count):
     """cross_entropy_terms -> their mean (0 when every target is ignored)."""
     return total / jnp.maximum(count, 1)

@@ -27,8 +27,8 @@ from layers import (
     REMAT,
     apply_block,
     block_fn,
+    chunked_terms,
     cross_entropy,
-    cross_entropy_terms,
     dropout,
     embedding,
     linear,
@@ -283,38 +283,16 @@ class GPT(nnx.Module):
 
     def loss_terms(self, x, targets):
         """ln_f's output x (B, T, C), targets (B, T) -> cross_entropy_terms of their logits. With
-        loss_chunk > 0 the logits exist loss_chunk positions at a time, (B, loss_chunk, vocab), and
-        each chunk's are recomputed in the backward pass: memory O(B x loss_chunk x vocab), not (B,
-        T, vocab) logits and their gradient. Chunks cut the time axis only, every row in each, so
-        the batch axis keeps its sharding."""
-        B, T, C = x.shape
-        n, cdt, embedding = (
+        loss_chunk > 0 the logits exist loss_chunk positions at a time (layers.chunked_terms):
+        memory O(B x loss_chunk x vocab), not (B, T, vocab) logits and their gradient."""
+        cdt = self.config.compute_dtype
+        return chunked_terms(
+            x,
+            targets,
             self.config.loss_chunk,
-            self.config.compute_dtype,
             self.wte.embedding[...],
+            lambda embedding, x: tied_head(x, embedding, cdt, cdt),
         )
-        if n == 0 or n >= T:
-            return cross_entropy_terms(tied_head(x, embedding, cdt, cdt), targets)
-        pad = -T % n  # the last chunk's padding has target -1: ignored
-        # (chunks, B, n, C)
-        xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(B, -1, n, C).swapaxes(0, 1)
-        # (chunks, B, n)
-        ys = (
-            jnp.pad(targets, ((0, 0), (0, pad)), constant_values=-1)
-            .reshape(B, -1, n)
-            .swapaxes(0, 1)
-        )
-
-        # the float32 embedding goes in, cast inside: its gradient then sums over the chunks in
-        # float32
-        @jax.checkpoint  # saves the chunk's inputs only: the backward pass recomputes its logits
-        def chunk_nll(embedding, x, y):
-            return cross_entropy_terms(tied_head(x, embedding, cdt, cdt), y)[0]
-
-        total, _ = jax.lax.scan(
-            lambda total, xy: (total + chunk_nll(embedding, *xy), None), jnp.float32(0), (xs, ys)
-        )
-        return total, jnp.sum(targets != -1)
 
     def loss(self, idx, targets, *, key=None):
         """The mean cross-entropy of idx (B, T) against targets (B, T) (-1 ignored), without

@@ -207,6 +207,15 @@ def check_model(c):
         check_config(GPTConfig(**config))
     except ValueError as e:
         raise UsageError(str(e)) from None
+    # a logit's gradient is at most 1 / the tokens of the loss's mean; times the record's 2^29 it
+    # must stay below e5m2's largest, 57344, or the FP8 backward's overflows to inf
+    tokens = c["batch_size"] * c["block_size"]
+    if c["fp8_head"] and tokens * 57344 < 2**29:
+        raise UsageError(
+            f"fp8_head scales the logits' gradient by 2^29 (the record's, for its 65,536-token "
+            f"micro-batches): a micro-batch of {tokens} tokens would overflow FP8; it needs "
+            "batch_size x block_size >= 9363, or fp8_head=False"
+        )
     check_optimizer(c)
 
 

@@ -26,8 +26,8 @@ from layers import (
     REMAT,
     RMSNorm,
     apply_block,
+    chunked_terms,
     cross_entropy,
-    cross_entropy_terms,
     embedding,
     fp8_head,
     half_truncated_rotary_tables,
@@ -304,8 +304,6 @@ class Record20GPT(GPT):
             if config.block_size % attention.WINDOW_BLOCK
             else "runs its layers one by one (they differ): set scan_layers=False"
             if config.scan_layers
-            else "computes its loss whole: set loss_chunk=0"
-            if config.loss_chunk
             else "has no dropout: set dropout=0.0"
             if config.dropout
             else "attends through its document and window masks in XLA: set attention='auto' or "
@@ -359,11 +357,17 @@ class Record20GPT(GPT):
         return softcap(tied_head(x, self.lm_head[...], cdt, cdt))
 
     def loss_terms(self, x, targets, training=False):
-        """As GPT's; training with fp8_head: the head through FP8, as the record's in training."""
-        if training and self.config.fp8_head:
-            logits = fp8_head(x.reshape(-1, x.shape[-1]), self.lm_head[...])
-            return cross_entropy_terms(softcap(logits).reshape(*x.shape[:-1], -1), targets)
-        return cross_entropy_terms(self.logits(x), targets)
+        """As GPT's (loss_chunk: layers.chunked_terms); training with fp8_head: the head through
+        FP8, as the record's in training."""
+        cdt = self.config.compute_dtype
+
+        def logits_of(head, x):  # (B, n, C) -> (B, n, padded vocab), soft-capped
+            if training and self.config.fp8_head:
+                logits = fp8_head(x.reshape(-1, x.shape[-1]), head).reshape(*x.shape[:-1], -1)
+                return softcap(logits)
+            return softcap(tied_head(x, head, cdt, cdt))
+
+        return chunked_terms(x, targets, self.config.loss_chunk, self.lm_head[...], logits_of)
 
     def loss(self, idx, targets, *, key=None, window_blocks=None):
         """As GPT's; a key means training (the record's model.train(): the FP8 head, fp8_head)."""

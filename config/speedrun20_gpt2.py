@@ -40,9 +40,8 @@ lr_schedule = "cooldown"
 cooldown_frac = 0.4
 max_iters = 1393
 dtype = "bfloat16"
-# memory: remat 'auto' (the least recompute that fits the device, said at start-up); the loss is
-# computed whole
-loss_chunk = 0
+# memory: remat and loss_chunk 'auto' (the defaults): the least recompute that fits the device,
+# said at start-up (docs/speedrun.md)
 
 eval_interval = 125
 eval_iters = 20  # the train split's eval batches (the record evaluates val only)

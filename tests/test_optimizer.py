@@ -84,6 +84,10 @@ BAD = [
     (["--arch=speedrun20", "--block_size=200"], "block_size must be a multiple of 128, got 200"),
     (["--arch=speedrun20", "--fp8_head=1"], "fp8_head must be bool"),
     (["--fp8_head=True"], "fp8_head is record 20's FP8 head: it needs arch='speedrun20'"),
+    (
+        ["--arch=speedrun20", "--fp8_head=True", "--block_size=256"],
+        "a micro-batch of 3072 tokens would overflow FP8; it needs batch_size x block_size >= 9363",
+    ),
     (["--val_tokens=-1"], "val_tokens must be >= 0"),
     (["--warmdown_iters=-1"], "warmdown_iters must be >= 0"),
 ]

@@ -102,6 +102,25 @@ def test_a_window_changes_the_logits_only_past_it():
     assert np.abs(wide[:, 128:] - narrow[:, 128:]).max() > 1e-3
 
 
+def test_the_loss_in_chunks_is_the_whole_loss_and_gradient():
+    """loss_chunk=48 (the last chunk padded): the whole loss and its gradient. (The FP8 head takes
+    each chunk's logits the same way: its rounding is tested whole, test_speedrun20_parity.py.)"""
+    idx = jnp.asarray(with_documents((2, 257)))
+    x, y = idx[:, :-1], idx[:, 1:]
+
+    def loss_and_grads(loss_chunk):
+        config = GPTConfig(**TINY20, loss_chunk=loss_chunk)
+        model = randomized(build(config, nnx.Rngs(0)))
+        loss, grads = nnx.value_and_grad(lambda m: m.loss(x, y, key=jax.random.key(0)))(model)
+        return loss, jax.tree.leaves(nnx.state(grads))
+
+    with jax.default_matmul_precision("highest"):
+        whole, chunked = loss_and_grads(0), loss_and_grads(48)
+    np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-6)
+    for a, b in zip(chunked[1], whole[1]):  # sums in another order
+        assert rel_diff(a, b) < 1e-4
+
+
 def test_logits_are_soft_capped_and_the_loss_is_their_cross_entropy():
     model = randomized(build(GPTConfig(**TINY20), nnx.Rngs(0)), scale=3.0)
     idx = jnp.asarray(with_documents((2, 128)))
@@ -120,7 +139,6 @@ def test_logits_are_soft_capped_and_the_loss_is_their_cross_entropy():
         (dict(bias=True), "bias=False"),
         (dict(n_head=4, n_embd=24), "multiple of 4"),
         (dict(scan_layers=True), "scan_layers=False"),
-        (dict(loss_chunk=64), "loss_chunk=0"),
         (dict(dropout=0.1), "dropout=0.0"),
         (dict(attention="splash"), "set attention='auto' or 'xla', not 'splash'"),
     ],
