@@ -35,7 +35,7 @@ import numpy as np
 from configurator import UsageError, exit_on_bad_input, require_extras
 from parity import speedrun20_check
 from parity.check_train import rerun_with_fake_devices
-from parity.common import add_step_args, pin_numerics, print_table
+from parity.common import add_step_args, pin_numerics, print_table, write_datafile
 from parity.speedrun20_check import RUN20
 from parity.train_report import report
 from parity.train_sides import JaxTrainer, Run, check_rows, train_side
@@ -47,22 +47,6 @@ TINY_RUN = dict(
 )
 # per train shard: a dozen steps of 16 x 32 cross a shard end (its tail dropped)
 SHARD_TOKENS = 12_000
-
-
-def write_datafile(path, tokens, magic=None, version=None, count=None):
-    """As llm.c's write_datafile: a header of 256 int32 (magic 20240520, version 1, the token count,
-    zeros), then the tokens as uint16. magic, version, count: other values, for tests of bad
-    shards."""
-    from dataloader import LLMC_HEADER, LLMC_MAGIC, LLMC_VERSION
-
-    header = np.zeros(LLMC_HEADER // 4, "<i4")
-    header[:3] = (
-        LLMC_MAGIC if magic is None else magic,
-        LLMC_VERSION if version is None else version,
-        len(tokens) if count is None else count,
-    )
-    with open(path, "wb") as f:
-        f.write(header.tobytes() + np.asarray(tokens, np.uint16).tobytes())
 
 
 def write_shards(data_dir, vocab_size, n_shards=2, seed=0):

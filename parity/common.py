@@ -1,5 +1,5 @@
-"""What every parity check shares: pinned numerics, random HF GPT-2 checkpoints, and the diff
-report."""
+"""What every parity check shares: pinned numerics, random HF GPT-2 checkpoints, the diff report,
+and llm.c's token-shard writer (the speedrun checks' data)."""
 
 import numpy as np
 
@@ -123,3 +123,19 @@ def add_step_args(parser):
     parser.add_argument(
         "--scan_layers", action="store_true", help="the blocks under one lax.scan (train.py's)"
     )
+
+
+def write_datafile(path, tokens, magic=None, version=None, count=None):
+    """As llm.c's write_datafile: a header of 256 int32 (magic 20240520, version 1, the token count,
+    zeros), then the tokens as uint16. magic, version, count: other values, for tests of bad
+    shards."""
+    from dataloader import LLMC_HEADER, LLMC_MAGIC, LLMC_VERSION
+
+    header = np.zeros(LLMC_HEADER // 4, "<i4")
+    header[:3] = (
+        LLMC_MAGIC if magic is None else magic,
+        LLMC_VERSION if version is None else version,
+        len(tokens) if count is None else count,
+    )
+    with open(path, "wb") as f:
+        f.write(header.tobytes() + np.asarray(tokens, np.uint16).tobytes())

@@ -37,7 +37,7 @@ VOCAB_USED = 1000
 def write_shards(data_dir, n_shards=2, seed=0):
     """llm.c .bin shards with something to learn (each token the previous one plus 1, 2 or 3, below
     VOCAB_USED) and a document boundary every ~300 tokens."""
-    from parity.check_speedrun import write_datafile
+    from parity.common import write_datafile
 
     rng = np.random.default_rng(seed)
     for i in range(n_shards):
