@@ -20,6 +20,7 @@ The run crosses the zero-initialised projections' first steps and a warmdown to 
     # record 20 (parity/speedrun20_check.py), on one device and on a mesh
     python -m parity.check_speedrun --record 20
     python -m parity.check_speedrun --record 20 --fsdp 4 --tensor_parallel 2
+    python -m parity.check_speedrun --record 20 --dtype bfloat16   # and the record's bf16
 
 Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input. The tolerances are
 check_train's (parity/train_report.py).
@@ -245,8 +246,6 @@ def parse_args(argv=None):
             f"--fsdp {args.fsdp} x --tensor_parallel {args.tensor_parallel} must divide --devices "
             f"{args.devices}"
         )
-    if args.record == 20 and args.dtype != "float32":
-        raise UsageError("--record 20 runs in float32 only (the FP8 head off on both sides)")
     rows = RUN20["rows"] if args.record == 20 else TINY_RUN["rows"]
     check_rows(rows, args.accum, args.devices, args.tensor_parallel)
     return args
@@ -268,7 +267,7 @@ def main(argv=None):
     pin_numerics()
     with tempfile.TemporaryDirectory() as tmp:
         if args.record == 20:
-            ok, _ = speedrun20_check.check(speedrun20_check.make_run(args, tmp))
+            ok, _ = speedrun20_check.check(speedrun20_check.make_run(args, tmp), args.dtype)
         else:
             ok, _ = check(*make_run(args, tmp), args.dtype)
     return 0 if ok else 1

@@ -72,19 +72,23 @@ def make_batches(run):
 
 
 class TorchSide:
-    """The record's GPT and loop body (parity/speedrun20_training.train_step), fp32, from the
-    state_step.pt; one process standing for the record's `world` ranks."""
+    """The record's GPT and loop body (parity/speedrun20_training.train_step) from the
+    state_step.pt, fp32 (or with bf16: the record's own dtypes, its embedding tables and with them
+    every activation in bf16, Newton-Schulz in bf16); one process standing for the record's `world`
+    ranks."""
 
-    def __init__(self, path, run, world):
+    def __init__(self, path, run, world, bf16=False):
         import torch
 
         from parity.speedrun20_reference import GPT
         from parity.speedrun20_training import make_optimizers
 
-        self.model = GPT(**TINY20, embed_dtype=torch.float32)
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        self.model = GPT(**TINY20, embed_dtype=dtype)
         state = torch.load(path, map_location="cpu", weights_only=True)["model"]
-        self.model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in state.items()})
-        self.optimizers = make_optimizers(self.model, ns_dtype=torch.float32)
+        state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+        self.model.load_state_dict(state)  # the tables' values cast to their dtype
+        self.optimizers = make_optimizers(self.model, ns_dtype=dtype)
         self.run, self.world, self.it = run, world, 0
 
     def step(self, x, y):
@@ -115,9 +119,9 @@ class TorchSide:
         return {k: v.detach().float().numpy().copy() for k, v in self.model.state_dict().items()}
 
 
-def jax_side(run):
-    """train.py's step (parity.train_sides.JaxTrainer) in fp32, its params named as the record's
-    state dict."""
+def jax_side(run, dtype="float32"):
+    """train.py's step (parity.train_sides.JaxTrainer) in `dtype` (bf16: Newton-Schulz in bf16
+    too), its params named as the record's state dict."""
     from flax import nnx
 
     from parity.train_sides import JaxTrainer
@@ -128,7 +132,8 @@ def jax_side(run):
             model = nnx.merge(self.graphdef, self.defs[0].unflatten(self.state[0]))
             return {k: np.asarray(v, np.float32) for k, v in to_record20_state(model).items()}
 
-    return JaxSide(run, "float32")
+    ns = "bfloat16" if dtype == "bfloat16" else "float32"
+    return JaxSide(run._replace(c=dict(run.c, muon_ns_dtype=ns)), dtype)
 
 
 def settings(steps, seq_len, seed):
@@ -206,8 +211,9 @@ def make_run(args, tmp):
     )
 
 
-def check(run):
-    """Train both sides on the same steps; print the report; return (ok, figures)."""
+def check(run, dtype="float32"):
+    """Train both sides on the same steps; print the report; return (ok, figures). bf16: ours and
+    the record's own bf16 (TorchSide(bf16=True)), each against torch fp32."""
     import jax
 
     from parity.common import pin_numerics
@@ -219,15 +225,21 @@ def check(run):
     world = run.devices // run.tensor_parallel  # the record's ranks: our batch shards
     print(
         f"record 20: {run.steps} steps of {run.rows} x {run.seq_len} tokens ({run.accum} "
-        f"micro-batch(es)), float32, the FP8 head off; torch on cpu as {world} rank(s), ours on "
+        f"micro-batch(es)), {dtype}, the FP8 head off; torch on cpu as {world} rank(s), ours on "
         f"{run.devices} {jax.devices()[0].platform} device(s) (fsdp {run.fsdp}, tensor "
         f"{run.tensor_parallel}); the two loaders' steps equal"
     )
     print(
         "Adam (head 0.008, embeddings 0.6, scalars 0.04; betas 0.8, 0.95, eps 1e-10), Muon 0.05 "
-        f"(momentum 0.85 -> 0.95 over {RUN20['warmup']} steps, Newton-Schulz in float32), cooldown "
+        f"(momentum 0.85 -> 0.95 over {RUN20['warmup']} steps, Newton-Schulz in {dtype} but the "
+        "fp32 reference's), cooldown "
         f"over the last {RUN20['cooldown_frac']:.0%}, windows growing 1728 * step / {run.steps}"
     )
-    sides = {"torch": lambda: TorchSide(run.model_dir, run, world), "jax": lambda: jax_side(run)}
+    sides = {
+        "torch": lambda: TorchSide(run.model_dir, run, world),
+        "jax": lambda: jax_side(run, dtype),
+    }
+    if dtype == "bfloat16":
+        sides["torch_bf16"] = lambda: TorchSide(run.model_dir, run, world, bf16=True)
     results = {side: train_side(make(), batches) for side, make in sides.items()}
-    return report(run, results, "float32")
+    return report(run, results, dtype)

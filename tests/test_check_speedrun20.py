@@ -66,5 +66,6 @@ def test_the_long_and_short_windows_swapped_fail(tiny, monkeypatch):
 
 
 def test_bad_input_is_one_line():
-    with pytest.raises(UsageError, match="^--record 20 runs in float32 only"):
-        check_speedrun.parse_args(["--record", "20", "--dtype", "bfloat16"])
+    """Record 20's 4 sequences a step do not split into 3 micro-batches."""
+    with pytest.raises(UsageError, match="^4 rows per step do not split into --accum 3"):
+        check_speedrun.parse_args(["--record", "20", "--accum", "3"])
