@@ -3,9 +3,9 @@
 parity.check_speedrun --record 20, the proof of record 20's recipe: train.py's step with
 arch='speedrun20', optimizer='muon20' and the cooldown equals the record in PyTorch
 (parity/speedrun20_reference.py, parity/speedrun20_training.py) for 12 steps on the same shards,
-across the windows' growth, the momentum's warmup and the cooldown, in fp32 (the check's own
-command also on fsdp 4 x tensor 2: docs/speedrun.md); the long and short windows swapped fails;
-bad input is one line."""
+across the windows' growth, the momentum's warmup and the cooldown, in fp32, on one device and on
+8 fake CPU devices as fsdp 4 x tensor 2; the long and short windows swapped fails; bad input is one
+line."""
 
 import argparse
 
@@ -63,6 +63,19 @@ def test_the_long_and_short_windows_swapped_fail(tiny, monkeypatch):
     )
     ok, f = ours_against_reference(tiny)
     assert not ok and f["loss_rel"] > 1e-4
+
+
+@pytest.mark.slow
+def test_8_fake_devices_sharded(capfd):
+    """main() with one device runs the check again on 8 fake CPU devices as fsdp 4 x tensor 2,
+    torch standing for the record's 4 ranks (our batch shards)."""
+    import jax
+
+    assert jax.device_count() < 8
+    code = check_speedrun.main(["--record", "20", "--fsdp", "4", "--tensor_parallel", "2"])
+    out = capfd.readouterr().out
+    assert "torch on cpu as 4 rank(s), ours on 8 cpu device(s) (fsdp 4, tensor 2)" in out
+    assert code == 0 and "fp32 training parity" in out and ": OK" in out, out[-3000:]
 
 
 def test_bad_input_is_one_line():
