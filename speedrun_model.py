@@ -134,6 +134,11 @@ HEAD_MULTIPLE = 128  # the head's rows: the vocabulary padded to a multiple of t
 NO_ATTENTION_LAYER = 7  # the record's layer without attention (@YouJiacheng)
 
 
+def final_blocks():
+    """FINAL_WINDOW in blocks: 14."""
+    return FINAL_WINDOW // attention.WINDOW_BLOCK
+
+
 def window_schedule(it, max_iters):
     """Record 20's long window at iteration `it` of max_iters, in 128-token blocks: 1728 * it /
     max_iters tokens rounded up to whole blocks, at least one (@fernbear.bsky.social; block-wise by
@@ -242,7 +247,7 @@ class Record20Block(nnx.Module):
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs, attends=True, long=True):
         self.lambdas = nnx.Param(jnp.array([1.0, 0.0]))  # the stream's and x0's weights
         self.long = long  # the long window, or the short one (half of it)
-        band = -(-FINAL_WINDOW // attention.WINDOW_BLOCK) // (1 if long else 2)
+        band = final_blocks() // (1 if long else 2)
         self.attn = Record20Attention(config, rngs, band) if attends else None
         self.mlp = Record20MLP(config, rngs)
 
@@ -317,7 +322,7 @@ class Record20GPT(GPT):
     def final_window(self):
         """The long window the record ends training with, in blocks (14); the default of every
         call."""
-        return FINAL_WINDOW // attention.WINDOW_BLOCK
+        return final_blocks()
 
     def embed(self, idx, positions):
         x = rms_norm(self.wte(idx))  # normed (@Grad62304977); no position embedding

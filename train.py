@@ -224,13 +224,13 @@ class Trainer:
         batch split over all devices; None when a stop came meanwhile."""
         rows = sharding.batch_sharding(self.mesh, ndim=2)
         out, began, batches = {}, time.time(), sum(self.eval_batches.values())
+        window = eval_window(self.iter_num, self.c)  # record 20's, else None
         for split, loader in self.loaders.items():
             losses = []
             # the model's sharding constraints apply when the eval step is traced
             with jax.set_mesh(self.mesh):
                 for x, y in loader.eval_batches(self.eval_batches[split], self.iter_num):
                     x, y = self._put(x, rows), self._put(y, rows)
-                    window = eval_window(self.iter_num, self.c)  # record 20's, else None
                     losses.append(self.eval_step(self._param_leaves, x, y, window))
                     self.out.eval_ran(losses, batches, began)
                     # as the steps: one batch ahead of the device, so that a stop ends the eval
