@@ -22,12 +22,19 @@ name and the packages' versions.
     --speedrun_steps iterations, timed by its own step_avg (its first 10 steps untimed, as it does).
 (c) Sampling: bench/sample.py's greedy generate, 500 tokens at batch 1 and 8, ours against
     transformers' generate, both on the GPU (float32, random gpt2-shaped weights).
+(d) Record 20: `python train.py config/speedrun20_gpt2.py` (8 sequences of 64K tokens a step,
+    accumulated on one GPU, FP8 head) on the same kind of shards; with --record, the checkout's
+    record 20 (the code that opens records/track_1_short/2025-01-16_Sub3Min/'s log) run as (b)
+    runs record 5, on one GPU, so its own loop takes the 8 sequences one after another. Both time
+    the same steps (from the 11th; the window grows with the step), each stopped after its last
+    step (the record's final val would compile its eval graph, which times no step).
 """
 
 import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,6 +48,13 @@ from configurator import UsageError, exit_on_bad_input
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 RECORD_5 = os.path.join("records", "track_1_short", "2024-10-14_ModernArch", "train_gpt2.py")
+# record 20's code is the part of its log before the first '====' line
+RECORD_20 = os.path.join(
+    "records", "track_1_short", "2025-01-16_Sub3Min", "1d3bd93b-a69e-4118-aeb8-8184239d7566.txt"
+)
+RECORDS = {5: RECORD_5, 20: RECORD_20}
+CONFIGS = {5: "config/speedrun_gpt2.py", 20: "config/speedrun20_gpt2.py"}
+TIMED_FROM = 10  # the records time their steps from the 11th (index 10)
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "torch", "transformers")
 # the two sizes of each row: the real ones on a GPU, tiny ones anywhere (the suite runs them on the
 # CPU)
@@ -58,6 +72,18 @@ SPEEDRUN = {
         "--batch_size=2",
         "--total_batch_size=0",
         "--gradient_accumulation_steps=2",
+    ],
+}
+SPEEDRUN20 = {
+    "real": [],
+    "tiny": [
+        "--n_layer=2",
+        "--n_head=2",
+        "--n_embd=64",
+        "--block_size=128",
+        "--total_batch_size=0",
+        "--gradient_accumulation_steps=2",
+        "--fp8_head=False",  # too few tokens for its gradient's scale
     ],
 }
 SAMPLE = {
@@ -100,74 +126,141 @@ def write_shards(folder, train_tokens, val_tokens, vocab_size=50257, seed=0):
         )
 
 
-def speedrun_ours(data_dir, steps, size):
-    """(b), ours: train.py config/speedrun_gpt2.py for `steps` iterations -> {ms: median ms a step
-    after the first 3, wall_s: the whole command, auto: its auto settings line}."""
+def speedrun_ours(data_dir, steps, size, record=5):
+    """(b) and (d), ours: train.py on the record's config for `steps` iterations -> {ms: median ms
+    a step (record 5: after the first 3; record 20: from the 11th, as the record times its own),
+    wall_s: the whole command, auto: its auto settings line}."""
     with tempfile.TemporaryDirectory() as out_dir:
         cmd = [
             sys.executable,
             "train.py",
-            "config/speedrun_gpt2.py",
+            CONFIGS[record],
             f"--dataset={data_dir}",
             f"--out_dir={out_dir}",
             f"--max_iters={steps}",
             f"--eval_interval={steps}",
             "--eval_iters=1",
             "--val_tokens=0",
-            f"--warmdown_iters={steps // 2}",
             "--checkpoint_interval=0",
             "--log_interval=1",
-            *SPEEDRUN[size],
         ]
+        if record == 5:
+            cmd += [f"--warmdown_iters={steps // 2}", *SPEEDRUN[size]]
+        else:  # its cooldown and windows are fractions of max_iters, as the record's
+            cmd += SPEEDRUN20[size]
         t0 = time.time()
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         wall = time.time() - t0
         if p.returncode:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
         with open(os.path.join(out_dir, "log.jsonl")) as f:
-            ms = [r["ms"] for r in map(json.loads, f) if "ms" in r]
+            ms = [(r["iter"], r["ms"]) for r in map(json.loads, f) if "ms" in r]
+    first = 3 if record == 5 else min(TIMED_FROM, len(ms) - 1)
+    timed = [m for it, m in ms if it >= first] or [m for _, m in ms]
     auto = next((line for line in p.stdout.splitlines() if line.startswith("auto settings:")), None)
-    return {"ms": float(np.median(ms[3:] or ms)), "wall_s": wall, "auto": auto, "log": p.stdout}
+    return {"ms": float(np.median(timed)), "wall_s": wall, "auto": auto, "log": p.stdout}
 
 
-def speedrun_record(checkout, data_dir, steps):
-    """(b), record 5's own train_gpt2.py under torchrun on the shards -> {ms: its last step_avg,
-    wall_s}."""
-    source = os.path.join(checkout, RECORD_5)
+def record_code(checkout, record, data_dir, steps):
+    """The record's code, its Hyperparameters' defaults (one a line: record 5's `name : type =
+    value`, record 20's `name = value`) pointed at the shards (record 20 globs them under its
+    folder: data/, a link to them) and `steps`, with no val before the end."""
+    source = os.path.join(checkout, RECORDS[record])
     with open(source) as f:
         code = f.read()
-    settings = {
-        "input_bin": f"'{data_dir}/fineweb_train_*.bin'",
-        "input_val_bin": f"'{data_dir}/fineweb_val_*.bin'",
-        "num_iterations": str(steps),
-        "val_loss_every": "0",
-    }
-    for name, value in settings.items():  # the Hyperparameters dataclass's defaults, one a line
+    if record == 5:
+        form = "{} : ... = ..."
+        settings = {
+            "input_bin": f"'{data_dir}/fineweb_train_*.bin'",
+            "input_val_bin": f"'{data_dir}/fineweb_val_*.bin'",
+            "num_iterations": str(steps),
+            "val_loss_every": "0",
+        }
+    else:
+        code = code.split("\n====")[0]
+        # torch >= 2.9 checks a custom op's strides against its fake: the record's fake of the
+        # FP8 head's backward states the weight's gradient row-major where its kernel returns the
+        # transpose of a row-major product. The fake is made to say what the kernel returns.
+        fake, stated = "w_f8.to(torch.float32)", "w_f8.T.contiguous().T.to(torch.float32)"
+        if code.count(fake) != 1:
+            raise UsageError(f"{source}: no '{fake}' in its FP8 head's fake backward")
+        code = code.replace(fake, stated)
+        form = "{} = ..."
+        settings = {
+            "train_files": '"data/fineweb_train_*.bin"',
+            "val_files": '"data/fineweb_val_*.bin"',
+            "num_iterations": str(steps),
+            "val_loss_every": "0",
+        }
+    for name, value in settings.items():
         code, n = re.subn(
-            rf"^(\s+{name}\s*:\s*\w+\s*=\s*)[^#\n]+", lambda m: m[1] + value + " ", code, flags=re.M
+            rf"^(\s+{name}\s*(?::\s*\w+\s*)?=\s*)[^#\n]+",
+            lambda m: m[1] + value + " ",
+            code,
+            flags=re.M,
         )
         if n != 1:
             raise UsageError(
-                f"{source}: no Hyperparameters line '{name} : ... = ...' to point at the shards"
+                f"{source}: no Hyperparameters line '{form.format(name)}' to point at the shards"
             )
+    return code
+
+
+def speedrun_record(checkout, data_dir, steps, record=5, log_path=None):
+    """(b) and (d), the record's own code under torchrun on the shards, run until its last step's
+    line (its output into log_path as it comes) -> {ms: its last step_avg, wall_s}."""
+    code = record_code(checkout, record, data_dir, steps)
     with tempfile.TemporaryDirectory() as run_dir:  # the record writes logs/ beside itself
-        with open(os.path.join(run_dir, "train_gpt2.py"), "w") as f:
+        with open(os.path.join(run_dir, "train_gpt.py"), "w") as f:
             f.write(code)
+        os.symlink(data_dir, os.path.join(run_dir, "data"))
         cmd = [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--standalone",
             "--nproc_per_node=1",
-            "train_gpt2.py",
+            "train_gpt.py",
         ]
         t0 = time.time()
-        p = subprocess.run(cmd, cwd=run_dir, capture_output=True, text=True)
+        returncode, log = run_until(cmd, run_dir, rf"step:{steps}/{steps} .*step_avg:", log_path)
         wall = time.time() - t0
-    if p.returncode:
-        raise SystemExit(f"record 5 failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
-    avgs = re.findall(r"step_avg:([\d.]+)ms", p.stdout)
-    return {"ms": float(avgs[-1]), "wall_s": wall, "log": p.stdout}
+    avgs = re.findall(rf"step:{steps}/{steps} .*step_avg:([\d.]+)ms", log)
+    if returncode or not avgs:
+        raise SystemExit(f"record {record} failed:\n{log[-5000:]}")
+    return {"ms": float(avgs[-1]), "wall_s": wall, "log": log}
+
+
+def run_until(cmd, cwd, last_line, log_path=None):
+    """Runs cmd (stderr into stdout; each line into log_path too) until it ends or prints a line
+    that matches `last_line`, then stops its process group -> (its return code, 0 if stopped; its
+    output)."""
+    p = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines, stopped = [], False
+    log = open(log_path, "w") if log_path else None
+    for line in p.stdout:
+        lines.append(line)
+        if log:
+            log.write(line)
+            log.flush()
+        if re.match(last_line, line):
+            stopped = True
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:  # it had ended
+                pass
+            break
+    p.wait()
+    if log:
+        log.close()
+    return (0 if stopped else p.returncode), "".join(lines)
 
 
 def sample_row(size):
@@ -208,22 +301,29 @@ def main(argv=None):
     )
     p.add_argument(
         "--record",
-        help="a checkout of KellerJordan/modded-nanogpt: (b) runs its record 5 too (a GPU)",
+        help="a checkout of KellerJordan/modded-nanogpt: (b) and (d) run its records 5 and 20 too "
+        "(a GPU)",
     )
     p.add_argument("--tiny", action="store_true", help="tiny sizes, for any machine (the tests)")
+    p.add_argument("--rows", default="abcd", help="the rows to run, e.g. bd (default: all four)")
     p.add_argument(
-        "--speedrun_steps", type=int, default=16, help="(b): iterations of each speedrun run"
+        "--speedrun_steps", type=int, default=16, help="(b), (d): iterations of each speedrun run"
     )
     p.add_argument(
         "--logs", help="a folder for the speedrun runs' own output (train.py's, the record's)"
     )
     args = p.parse_args(argv)
     size = "tiny" if args.tiny else "real"
-    if args.record and not os.path.isfile(os.path.join(args.record, RECORD_5)):
-        raise UsageError(
-            f"--record={args.record}: no {RECORD_5} there; give a checkout of "
-            "KellerJordan/modded-nanogpt"
-        )
+    rows_asked = set(args.rows)
+    if not rows_asked or rows_asked - set("abcd"):
+        raise UsageError(f"--rows={args.rows}: give some of the letters abcd, e.g. --rows=bd")
+    for record, row in ((5, "b"), (20, "d")):
+        if args.record and row in rows_asked:
+            if not os.path.isfile(os.path.join(args.record, RECORDS[record])):
+                raise UsageError(
+                    f"--record={args.record}: no {RECORDS[record]} there; give a checkout of "
+                    "KellerJordan/modded-nanogpt"
+                )
     if args.speedrun_steps < 13 and args.record:
         raise UsageError(
             "--speedrun_steps must be >= 13 with --record: the record times its steps from the 11th"
@@ -232,81 +332,91 @@ def main(argv=None):
         raise UsageError(f"--speedrun_steps must be >= 2, got {args.speedrun_steps}")
     t_start = time.time()
     lines = [f"packages: {versions()}, python {sys.version.split()[0]}"]
+    rows = []
 
-    gpt2 = gpt2_row(size)
-    ours, theirs = gpt2["ours"], gpt2["nanogpt"]
-    lines.append(f"device: {ours['device']} (ours), {theirs['device']} (PyTorch)")
-    rows = [
-        (
-            "(a) GPT-2 124M step, config/train_gpt2.py's settings"
-            if size == "real"
-            else "(a) GPT-2 step (tiny)",
-            f"{ours['ms']:.2f} ms",
-            f"{theirs['ms']:.2f} ms (nanoGPT)",
-            ours["ms"] / theirs["ms"],
+    if "a" in rows_asked:
+        gpt2 = gpt2_row(size)
+        ours, theirs = gpt2["ours"], gpt2["nanogpt"]
+        lines.append(f"device: {ours['device']} (ours), {theirs['device']} (PyTorch)")
+        rows.append(
+            (
+                "(a) GPT-2 124M step, config/train_gpt2.py's settings"
+                if size == "real"
+                else "(a) GPT-2 step (tiny)",
+                f"{ours['ms']:.2f} ms",
+                f"{theirs['ms']:.2f} ms (nanoGPT)",
+                ours["ms"] / theirs["ms"],
+            )
         )
-    ]
-    lines.append(
-        f"(a) ours: {ours['auto'] or 'no auto settings'}; MFU ours {mfu(ours)}, nanoGPT "
-        f"{mfu(theirs)}"
-    )
-
-    with tempfile.TemporaryDirectory() as data_dir:
-        per_step = 524288 if size == "real" else 2 * 2 * 64
-        write_shards(data_dir, (args.speedrun_steps + 4) * per_step + 1, 2 * per_step + 1)
-        run = speedrun_ours(data_dir, args.speedrun_steps, size)
         lines.append(
-            f"(b) ours: {run['auto'] or 'no auto settings'}; the whole command {run['wall_s']:.0f} "
-            "s"
-        )
-        record = (
-            speedrun_record(args.record, data_dir, args.speedrun_steps) if args.record else None
-        )
-    for name, r in (("speedrun-ours.txt", run), ("speedrun-record5.txt", record)):
-        if args.logs and r:
-            os.makedirs(args.logs, exist_ok=True)
-            with open(os.path.join(args.logs, name), "w") as f:
-                f.write(r["log"])
-    if record:
-        lines.append(
-            f"(b) record 5: the whole command {record['wall_s']:.0f} s (torch.compile included)"
-        )
-        rows.append(
-            (
-                "(b) speedrun step, config/speedrun_gpt2.py",
-                f"{run['ms']:.1f} ms",
-                f"{record['ms']:.1f} ms (record 5)",
-                run["ms"] / record["ms"],
-            )
-        )
-    else:
-        rows.append(
-            (
-                "(b) speedrun step, config/speedrun_gpt2.py",
-                f"{run['ms']:.1f} ms",
-                "- (no --record)",
-                None,
-            )
+            f"(a) ours: {ours['auto'] or 'no auto settings'}; MFU ours {mfu(ours)}, nanoGPT "
+            f"{mfu(theirs)}"
         )
 
-    sampled = sample_row(size)
-    lines.append(f"(c) {sampled['header']}")
-    for r in sampled["rows"]:
-        rows.append(
-            (
-                f"(c) sampling, batch {r['batch']}",
-                f"{r['ours_tps']:,.0f} tok/s",
-                f"{r['hf_tps']:,.0f} tok/s (transformers)",
-                r["hf_tps"] / r["ours_tps"],
-            )
+    for record, row in ((5, "b"), (20, "d")):
+        if row not in rows_asked:
+            continue
+        with tempfile.TemporaryDirectory() as data_dir:
+            per_step = 524288 if size == "real" else 2 * 2 * (64 if record == 5 else 128)
+            write_shards(data_dir, (args.speedrun_steps + 4) * per_step + 1, 2 * per_step + 1)
+            run = speedrun_ours(data_dir, args.speedrun_steps, size, record)
+            print(f"({row}) ours: {run['ms']:.1f} ms a step", file=sys.stderr, flush=True)
+            keep(args.logs, f"speedrun{record}-ours.txt", run["log"])
+            theirs = None
+            if args.record:
+                log = os.path.join(args.logs, f"record{record}.txt") if args.logs else None
+                theirs = speedrun_record(args.record, data_dir, args.speedrun_steps, record, log)
+        if "a" not in rows_asked and not any(x.startswith("device:") for x in lines):
+            kind = re.search(r"device\(s\) \((.+?)\)", run["log"])
+            lines.append(f"device: {kind[1] if kind else '?'} (ours)")
+        lines.append(
+            f"({row}) ours: {run['auto'] or 'no auto settings'}; the whole command "
+            f"{run['wall_s']:.0f} s"
         )
+        what = f"({row}) {'speedrun' if record == 5 else 'record 20'} step, {CONFIGS[record]}"
+        if theirs:
+            lines.append(
+                f"({row}) record {record}: the whole command to its last step "
+                f"{theirs['wall_s']:.0f} s (torch.compile included)"
+            )
+            rows.append(
+                (
+                    what,
+                    f"{run['ms']:.1f} ms",
+                    f"{theirs['ms']:.1f} ms (record {record})",
+                    run["ms"] / theirs["ms"],
+                )
+            )
+        else:
+            rows.append((what, f"{run['ms']:.1f} ms", "- (no --record)", None))
+
+    if "c" in rows_asked:
+        sampled = sample_row(size)
+        lines.append(f"(c) {sampled['header']}")
+        for r in sampled["rows"]:
+            rows.append(
+                (
+                    f"(c) sampling, batch {r['batch']}",
+                    f"{r['ours_tps']:,.0f} tok/s",
+                    f"{r['hf_tps']:,.0f} tok/s (transformers)",
+                    r["hf_tps"] / r["ours_tps"],
+                )
+            )
 
     print("\n".join(lines))
     print(f"\n{'':<52} {'ours':>14} {'PyTorch original':>32} {'ours / theirs (time)':>21}")
-    for what, a, b, ratio in rows:
+    for what, a, b, ratio in sorted(rows, key=lambda row: row[0][:3]):  # (a) to (d)
         print(f"{what:<52} {a:>14} {b:>32} {f'{ratio:.2f}' if ratio is not None else '-':>21}")
     print(f"\n(bench/gpu.py took {time.time() - t_start:.0f} s)")
     return 0
+
+
+def keep(folder, name, text):
+    """A run's own output into --logs, as soon as it ends."""
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text)
 
 
 def mfu(r):
