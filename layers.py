@@ -296,17 +296,28 @@ FP8_SCALES = (2.0, 32.0, 2.0**29)
 
 
 def _dequantized(a, dtype, scale):
-    """a * scale rounded to an FP8 `dtype`, as float32 divided back by the scale (exactly: powers
-    of two): the values the FP8 matmul multiplies."""
-    return (a * jnp.asarray(scale, a.dtype)).astype(dtype).astype(jnp.float32) * (1.0 / scale)
+    """a * scale rounded to an FP8 `dtype`, divided back by the scale: the values the FP8 matmul
+    multiplies, held exactly in bfloat16 (an FP8 value times a power of two is a bfloat16 value)."""
+    scaled = (a * jnp.asarray(scale, a.dtype)).astype(dtype).astype(jnp.bfloat16)
+    return scaled * jnp.asarray(1.0 / scale, jnp.bfloat16)
+
+
+def _fp8_products(spec, a, b):
+    """The FP8 matmul on bfloat16 operands with float32 sums: each product of two FP8 values is
+    exact in float32, so this is float32's matmul of the same values (up to the order of the sums)
+    at bfloat16's speed on an MXU or a GPU's tensor cores (float32 at HIGHEST multiplies on a GPU's
+    CUDA cores and in six bfloat16 passes on a TPU's MXU)."""
+    # DEFAULT whatever jax_default_matmul_precision says: the operands are exact in one bf16 pass
+    return jnp.einsum(
+        spec, a, b, precision=jax.lax.Precision.DEFAULT, preferred_element_type=jnp.float32
+    )
 
 
 def fp8_head(x, w):
     """x (N, C) @ w (V, C)^T through FP8, record 20's lm_head_fp8: x and w rounded to e4m3 (x*2,
     w*32), products summed in float32, the logits in bfloat16; the backward rounds their gradient to
     e5m2 (*2^29), grad x in bfloat16 (then x's dtype, as torch's autograd casts it), grad w in
-    float32. Every platform rounds the same (e4m3 and e5m2 values are exact in float32); XLA:GPU may
-    multiply in FP8 where the GPU does."""
+    float32. Every platform rounds the same and multiplies in bfloat16 (_fp8_products)."""
     return _fp8_matmul(jnp.dtype(x.dtype))(x, w)
 
 
@@ -315,15 +326,13 @@ def _fp8_matmul(x_dtype):
     def forward(x, w):
         xs, ws, _ = FP8_SCALES
         x8, w8 = _dequantized(x, jnp.float8_e4m3fn, xs), _dequantized(w, jnp.float8_e4m3fn, ws)
-        out = jnp.einsum("nc,vc->nv", x8, w8, precision=jax.lax.Precision.HIGHEST)
-        return out.astype(jnp.bfloat16), (x8, w8)
+        return _fp8_products("nc,vc->nv", x8, w8).astype(jnp.bfloat16), (x8, w8)
 
     def backward(residuals, g):
         x8, w8 = residuals
         g8 = _dequantized(g, jnp.float8_e5m2, FP8_SCALES[2])
-        highest = jax.lax.Precision.HIGHEST
-        grad_x = jnp.einsum("nv,vc->nc", g8, w8, precision=highest).astype(jnp.bfloat16)
-        return grad_x.astype(x_dtype), jnp.einsum("nc,nv->vc", x8, g8, precision=highest)
+        grad_x = _fp8_products("nv,vc->nc", g8, w8).astype(jnp.bfloat16)
+        return grad_x.astype(x_dtype), _fp8_products("nc,nv->vc", x8, g8)
 
     matmul = jax.custom_vjp(lambda x, w: forward(x, w)[0])
     matmul.defvjp(forward, backward)

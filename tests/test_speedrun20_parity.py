@@ -6,6 +6,7 @@ BlockMask, by the reference's dense reading of it), the rotary tables, and a who
 loss and gradients at two windows, with its weights carried across by pretrained.py's mapping; and
 its state_step*.pt both ways (export.py --format=modded, --init_from=)."""
 
+import re
 from dataclasses import replace
 
 import jax
@@ -175,6 +176,22 @@ def test_the_fp8_head_rounds_as_the_records(x_dtype):
         np.testing.assert_array_equal(np.asarray(a, np.float32), b.detach().float().numpy())
     swapped = record.lm_head_fp8(x, w, x_s=32.0, w_s=2.0)
     assert not np.array_equal(np.asarray(ours, np.float32), swapped.detach().float().numpy())
+
+
+def test_the_fp8_heads_matmuls_take_bfloat16_operands():
+    """Its three matmuls (the logits and both gradients) multiply bfloat16 operands, which hold the
+    FP8 values exactly, with float32 sums: float32 operands at HIGHEST precision ran on an H200's
+    CUDA cores, three quarters of record 20's step there (docs/benchmarks.md)."""
+    x, w = jnp.ones((8, 16), jnp.bfloat16), jnp.ones((32, 16), jnp.float32)
+    loss = lambda x, w: jnp.sum(fp8_head(x, w).astype(jnp.float32))  # noqa: E731
+    program = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).as_text()
+    dots = re.findall(r"stablehlo\.dot_general.*", program)
+    assert len(dots) == 3, program
+    for dot in dots:
+        assert re.search(
+            r": \(tensor<\d+x\d+xbf16>, tensor<\d+x\d+xbf16>\) -> tensor<\d+x\d+xf32>$", dot
+        )
+        assert "HIGHEST" not in dot
 
 
 def x_dtype_of(t):
