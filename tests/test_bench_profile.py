@@ -30,6 +30,7 @@ def test_runs_apart_cuts_at_the_widest_gaps():
     assert bench_profile.runs_apart(starts, ends, 1) == [(0, 8)]
 
 
+@pytest.mark.slow  # a benchmark's whole tiny run: make test-slow (CI runs it)
 def test_a_tiny_steps_profile_names_its_ops_and_reads_back(tmp_path):
     """The step's time and its ops by kind and by name, with the JAX source of some; --read of the
     kept trace reports the same."""

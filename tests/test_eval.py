@@ -232,6 +232,8 @@ def test_eval_on_a_train_py_checkpoint_and_its_exports(bpe_run, tmp_path, capsys
     assert len(re.findall(r"^\|\s*Groups\s*\|", printed.out, re.M)) == 1, printed.out
 
 
+# make test-slow (CI runs it): make test evaluates our checkpoint (the test above)
+@pytest.mark.slow
 def test_parity_reads_our_checkpoint_by_its_own_path(bpe_run, monkeypatch, capsys):
     """check_eval on train.py's checkpoint: lm-eval's hf model gets the weights through
     parity/torch_side.py (orbax's own reader), so a matrix that our loader transposes (layer 0's

@@ -74,6 +74,9 @@ def log_of(out_dir):
     return {r["iter"]: r["loss"] for r in map(json.loads, text.splitlines()) if "loss" in r}
 
 
+# make test-slow (CI runs it): make test holds its parts, a run on gs://
+# (tests/test_gcs_data.py) and a killed run resumed bit for bit (tests/test_train_loop.py)
+@pytest.mark.slow
 def test_a_run_on_gs_killed_mid_run_resumes_bit_for_bit(killed_and_resumed, straight):
     out, resumed = killed_and_resumed
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -243,7 +243,8 @@ def resume_dir(model, tmp_path_factory):
     return str(out)
 
 
-@pytest.mark.parametrize("source", ["hf_dir", "resume"])
+# an HF folder's in make test-slow (CI runs it): tests/test_sample.py reads HF folders in make test
+@pytest.mark.parametrize("source", [pytest.param("hf_dir", marks=pytest.mark.slow), "resume"])
 def test_cli_and_parity_cli(source, hf_dir, resume_dir, jax_score, tmp_path, capsys):
     """hellaswag.py writes the scorer's predictions and prints its accuracies;
     parity.check_hellaswag finds the torch reference in agreement (with resume: the reference reads

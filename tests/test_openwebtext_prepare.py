@@ -199,6 +199,9 @@ def test_the_hub_route_loads_nanogpts_dataset_or_says_why_not(
     assert not out.exists()
 
 
+# make test-slow (CI runs it): the shards' format is checked above, and train.py trains on such
+# shards throughout make test
+@pytest.mark.slow
 def test_train_trains_on_what_it_wrote(prepared, tmp_path):
     r = train_cli([*TINY, "--max_iters=2", f"--dataset={prepared}", f"--out_dir={tmp_path}"])
     assert r.returncode == 0, r.stderr[-3000:]

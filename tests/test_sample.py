@@ -261,6 +261,7 @@ def test_a_small_vocabulary_is_never_decoded_as_bpe(tmp_path, char_run, monkeypa
         sample.main([f"--out_dir={char_run / 'out'}"])
 
 
+@pytest.mark.slow  # a second folder of the same run: make test-slow (CI runs it)
 def test_a_char_level_run_samples_from_any_directory(tmp_path, monkeypatch, capsys):
     """The checkpoint carries its characters: sample.py needs no meta.pkl, and export.py puts one
     beside the export."""

@@ -136,7 +136,8 @@ def test_hf_in_scanned_model_export_out_gives_back_the_same_tensors(tmp_path):
         np.testing.assert_array_equal(nano[k], original[k], err_msg=k)
 
 
-@pytest.mark.parametrize("saved_scanned", [True, False])
+# the other direction in make test-slow (CI runs it)
+@pytest.mark.parametrize("saved_scanned", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_checkpoint_restores_into_the_other_layout_bit_for_bit(tmp_path, saved_scanned):
     """Params and Adam's moments saved in one layout come back in the other, each layer's row
     exact."""

@@ -33,6 +33,9 @@ VARIANTS = {
     "xla_loop": dict(attention="xla", scan_layers=False),
     "auto_scan": dict(attention="auto", scan_layers=True),
 }
+# the plain loop in make test-slow (CI runs it): make test compiles the one with splash and a
+# scan
+SLOW_FIRST = [pytest.param("xla_loop", marks=pytest.mark.slow), "auto_scan"]
 
 
 @pytest.fixture(autouse=True)
@@ -119,7 +122,7 @@ def assert_tpu_program(compiled):
     assert " conditional(" not in compiled.as_text()
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", SLOW_FIRST)
 def test_train_step_compiles_for_a_tpu(variant):
     """The step compiled for fsdp 2 x tensor 2 on v5e:2x2: each chip's arguments are the shards the
     state's shardings give it (sharding.bytes_per_device) and the batch's, each padded to the TPU's
@@ -154,7 +157,7 @@ def test_train_step_compiles_for_a_tpu(variant):
     assert compiled.memory_analysis().argument_size_in_bytes == state + batch_bytes + padding
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", SLOW_FIRST)
 def test_generate_compiles_for_a_tpu(variant):
     """sample.py's generation (generate.generate_in_jit: the prompt prefilled into the KV cache,
     then sampled token by token, top_k) compiled for the same mesh, its weights split as the train
@@ -162,6 +165,7 @@ def test_generate_compiles_for_a_tpu(variant):
     assert_tpu_program(compile_generate(tiny_config(block_size=T, **VARIANTS[variant]), tpu_mesh()))
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): make test compiles GPT-2's step for TPUs
 def test_speedrun_step_compiles_for_a_tpu():
     """The speedrun recipe's step (arch='speedrun': rotary, QK-norm, RMSNorm, ReLU²; Muon on the
     blocks' matrices, its Newton-Schulz run whole on every chip) compiled for fsdp 2 x tensor 2 on

@@ -41,6 +41,9 @@ def run(*args, env=None):
     )
 
 
+# the benchmarks' TPU sizing: make test-slow (CI runs it); tests/test_tpu.py compiles for TPUs
+# in make test
+@pytest.mark.slow
 def test_bench_memory_for_a_topology(monkeypatch, capsys):
     """bench/train.py --memory --topology: the memory line, then the chip's HBM and whether the step
     fits; a step too big for the chip is the compiler's refusal, reported as a measurement, exit 0
@@ -125,6 +128,7 @@ def test_the_124m_recipe_takes_what_fits_each_tpu():
     assert chosen["v6e:2x2"] < chosen["v5e:2x2"], chosen
 
 
+@pytest.mark.slow  # as test_bench_memory_for_a_topology
 def test_bench_sample_sizes_generation_for_a_tpu_chip(capsys):
     """bench/sample.py --memory: sample.py's generation (KV cache, top-k) for one chip of a
     topology, from abstract weights; without a target, or with two, one line."""

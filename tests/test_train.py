@@ -154,7 +154,8 @@ def test_keep_freed_memory_serves_big_blocks_from_the_heap():
     assert before >= 64 and after < 64
 
 
-@pytest.mark.parametrize("loss_chunk", [0, 5])
+# in chunks in make test-slow (CI runs it): tests/test_compute_settings.py holds chunks in make test
+@pytest.mark.parametrize("loss_chunk", [0, pytest.param(5, marks=pytest.mark.slow)])
 def test_batch_loss_in_halves_is_the_models_loss(loss_chunk):
     """train_step.batch_loss forwards the rows as two halves on one CPU device: still one mean over
     every valid target, also when the halves hold different numbers of ignored (-1) targets, and

@@ -148,10 +148,15 @@ SPEEDRUN20_RECIPE = [
 ]
 
 
-# record 5's in make test-slow (CI runs it): the same claim as the others', a third optimizer state
+# the records' in make test-slow (CI runs them): the same claim as GPT-2's with other optimizer
+# states; record 20's loader resumes bit for bit in make test (tests/test_speedrun20_data.py)
 @pytest.mark.parametrize(
     "recipe",
-    [[], pytest.param(SPEEDRUN_RECIPE, marks=pytest.mark.slow), SPEEDRUN20_RECIPE],
+    [
+        [],
+        pytest.param(SPEEDRUN_RECIPE, marks=pytest.mark.slow),
+        pytest.param(SPEEDRUN20_RECIPE, marks=pytest.mark.slow),
+    ],
     ids=["gpt2", "speedrun", "speedrun20"],
 )
 def test_exact_resume_bit_for_bit(recipe, dataset, tmp_path):
