@@ -56,12 +56,19 @@ def startup_lines(c, mesh, accum_rows, auto_line, n_params, model_config, memory
     )
     lines.append(
         f"number of parameters: {n_params / 1e6:.2f}M (arch {model_config.arch}); dtype "
-        f"{c['dtype']}; {optimizer}, {c['lr_schedule']} schedule\nmesh: data "
+        f"{c['dtype']}; {optimizer}, {c['lr_schedule']} schedule{fp8_head(c)}\nmesh: data "
         f"{mesh.shape['data']} x fsdp {mesh.shape['fsdp']} x tensor {mesh.shape['tensor']}; "
         f"memory per device: state {memory[0] / 2**30:.2f} GiB, step peak "
         f"{memory[1] / 2**30:.2f} GiB"
     )
     return lines
+
+
+def fp8_head(c):
+    """How the start-up line names the FP8 head (layers.fp8_head), where it is on."""
+    if not c.get("fp8_head"):
+        return ""
+    return "; FP8 head in training (the record's e4m3/e5m2 rounding, multiplied in bf16)"
 
 
 class RunLog:

@@ -101,6 +101,19 @@ def test_bad_setting_is_one_line(args, message):
     assert "\n" not in str(e.value)
 
 
+def test_start_up_says_how_the_fp8_head_multiplies():
+    import runlog
+
+    on, off = (
+        configure(DEFAULTS, ["--arch=speedrun20", *fp8]) for fp8 in (["--fp8_head=True"], [])
+    )
+    validate(on)
+    assert runlog.fp8_head(on) == (
+        "; FP8 head in training (the record's e4m3/e5m2 rounding, multiplied in bf16)"
+    )
+    assert runlog.fp8_head(off) == ""
+
+
 def test_checkpoint_fixes_arch():
     speedrun = asdict(GPTConfig(arch="speedrun", bias=False))
     c = dict(DEFAULTS)
