@@ -114,15 +114,20 @@ def test_the_four_rows_at_tiny_sizes():
     assert re.search(r"^\(c\) tiny-shaped, random weights, .* torch \S+ on cpu", out, re.M), out
 
 
+def stand_in_checkout(tmp_path, record_file, text):
+    """(a modded-nanogpt checkout holding `text` as the record's file, a folder of shards)."""
+    checkout, data = tmp_path / "modded-nanogpt", tmp_path / "shards"
+    os.makedirs(checkout / os.path.dirname(record_file))
+    (checkout / record_file).write_text(text)
+    data.mkdir()
+    bench_gpu.write_shards(str(data), 1000, 100)
+    return checkout, data
+
+
 def test_record_5_runs_as_it_is_on_the_shards(tmp_path):
     """A copy of the record's file, its Hyperparameters pointed at the shards and the steps asked
     for, run by torchrun in a folder of its own; its own step_avg is the figure."""
-    checkout = tmp_path / "modded-nanogpt"
-    os.makedirs(checkout / os.path.dirname(bench_gpu.RECORD_5))
-    (checkout / bench_gpu.RECORD_5).write_text(STAND_IN)
-    data = tmp_path / "shards"
-    data.mkdir()
-    bench_gpu.write_shards(str(data), 1000, 100)
+    checkout, data = stand_in_checkout(tmp_path, bench_gpu.RECORD_5, STAND_IN)
     r = bench_gpu.speedrun_record(str(checkout), str(data), steps=13)
     assert r["ms"] == 912.0 and "step:13/13" in r["log"]
     assert (checkout / bench_gpu.RECORD_5).read_text() == STAND_IN  # the checkout itself untouched
@@ -137,12 +142,7 @@ def test_record_20_runs_as_it_is_until_its_last_step(tmp_path):
     """Record 20's code (its log before the '====' line), pointed at the shards through a data/
     link in its folder, its FP8 fake made to state the kernel's layout, stopped after its last
     step's line (its final val is not a step) with its own step_avg as the figure."""
-    checkout = tmp_path / "modded-nanogpt"
-    os.makedirs(checkout / os.path.dirname(bench_gpu.RECORD_20))
-    (checkout / bench_gpu.RECORD_20).write_text(STAND_IN_20)
-    data = tmp_path / "shards"
-    data.mkdir()
-    bench_gpu.write_shards(str(data), 1000, 100)
+    checkout, data = stand_in_checkout(tmp_path, bench_gpu.RECORD_20, STAND_IN_20)
     t0 = time.time()
     r = bench_gpu.speedrun_record(str(checkout), str(data), 13, 20, str(tmp_path / "log.txt"))
     assert time.time() - t0 < 60  # not the 120 s of its val
