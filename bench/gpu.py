@@ -178,9 +178,10 @@ def record_code(checkout, record, data_dir, steps):
         }
     else:
         code = code.split("\n====")[0]
-        # torch >= 2.9 checks a custom op's strides against its fake: the record's fake of the
-        # FP8 head's backward states the weight's gradient row-major where its kernel returns the
-        # transpose of a row-major product. The fake is made to say what the kernel returns.
+        # newer torch than the record's 2.7 (2.11 on the H200) checks a custom op's strides against
+        # its fake: the record's fake of the FP8 head's backward states the weight's gradient
+        # row-major where its kernel returns the transpose of a row-major product. The fake is made
+        # to say what the kernel returns.
         fake, stated = "w_f8.to(torch.float32)", "w_f8.T.contiguous().T.to(torch.float32)"
         if code.count(fake) != 1:
             raise UsageError(f"{source}: no '{fake}' in its FP8 head's fake backward")
