@@ -96,6 +96,9 @@ def test_tiny_fp32_matches_pytorch_with_each_compute_setting(setting, tiny, caps
     assert ok and "fp32 training parity" in capsys.readouterr().out
 
 
+# make test-slow (CI runs it): make test holds accumulation equal to one batch
+# (tests/test_train_loop.py)
+@pytest.mark.slow
 def test_accumulation_changes_nothing(tiny, capsys):
     """The whole check with each step's 16 rows as 4 micro-batches of 4: OK, and the losses of one
     batch of 16."""

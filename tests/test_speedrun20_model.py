@@ -102,6 +102,8 @@ def test_a_window_changes_the_logits_only_past_it():
     assert np.abs(wide[:, 128:] - narrow[:, 128:]).max() > 1e-3
 
 
+# make test-slow (CI runs it): make test holds layers.chunked_terms through GPT-2's chunked loss
+@pytest.mark.slow
 def test_the_loss_in_chunks_is_the_whole_loss_and_gradient():
     """loss_chunk=48 (the last chunk padded): the whole loss and its gradient. (The FP8 head takes
     each chunk's logits the same way: its rounding is tested whole, test_speedrun20_parity.py.)"""

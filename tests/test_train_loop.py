@@ -378,6 +378,8 @@ def test_train_gpt2_config_runs_tiny_on_fixture_shards(tmp_path):
         train.main(["config/train_gpt2.py", f"--dataset={tmp_path / 'edu_fineweb10B_missing'}"])
 
 
+# make test-slow (CI runs it): make test holds the scorer (tests/test_hellaswag.py) and the loop
+@pytest.mark.slow
 def test_hellaswag_in_the_training_loop(dataset, tmp_path, capsys):
     extra = ["--vocab_size=50304", "--block_size=64", "--max_iters=2", "--hellaswag_interval=2"]
     with pytest.raises(
