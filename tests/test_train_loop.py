@@ -335,6 +335,9 @@ def test_bad_input_is_one_line_and_writes_nothing(dataset, tmp_path, capsys):
     }
 
 
+# make test-slow (CI runs it): on 2 devices, a larger repeat of what make test holds one piece at
+# a time (the shards' loader, auto settings, the chunked loss, meshes in tests/test_sharding.py)
+@pytest.mark.slow
 def test_train_gpt2_config_runs_tiny_on_fixture_shards(tmp_path):
     """The real config/train_gpt2.py, tiny model overrides, on .npy shards: tokens per step stay
     fixed; its 'auto' remat and a chunked loss (shortened to fit block_size 32) run on 2 devices."""
