@@ -23,7 +23,7 @@ import accelerators
 import attention
 import sharding
 from configurator import UsageError
-from speedrun_model import FINAL_WINDOW
+from speedrun_model import final_blocks
 from train_step import compiler_options, lower_step, make_train_step, step_peak
 
 # the loss's positions at a time when chunked: (B, 128, vocab) logits, 0.8 GiB at B=64 in bf16
@@ -249,7 +249,8 @@ def kernel(config, device):
     if config.dropout > 0:
         return "xla"
     if config.arch == "speedrun20":  # longer than its long window: banded
-        return "windows-banded" if config.block_size > FINAL_WINDOW else "windows-masked"
+        banded = config.block_size > final_blocks(config.window_size) * attention.WINDOW_BLOCK
+        return "windows-banded" if banded else "windows-masked"
     return attention.choose(
         config.attention,
         platform=device.platform,

@@ -65,6 +65,9 @@ class GPTConfig:
     scan_layers: bool = False
     # record 20's head in training through FP8 (layers.fp8_head; arch='speedrun20' only)
     fp8_head: bool = False
+    # record 20's long window grows over training to this many tokens, rounded up to whole
+    # 128-token blocks; the short one is half (arch='speedrun20' only; the record's 1728: 14 blocks)
+    window_size: int = 1728
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -95,6 +98,15 @@ class GPTConfig:
             raise ValueError(f"scan_layers must be True or False, got {self.scan_layers!r}")
         if self.fp8_head not in (False, True):
             raise ValueError(f"fp8_head must be True or False, got {self.fp8_head!r}")
+        if not (isinstance(self.window_size, int) and self.window_size >= 1):
+            raise ValueError(
+                f"window_size must be an integer >= 1 (tokens), got {self.window_size!r}"
+            )
+        if self.window_size != GPTConfig.window_size and self.arch != "speedrun20":
+            raise ValueError(
+                f"window_size is record 20's attention window: it needs arch='speedrun20', not "
+                f"{self.arch!r}"
+            )
         if self.fp8_head and self.arch != "speedrun20":
             raise ValueError(
                 f"fp8_head is record 20's FP8 head: it needs arch='speedrun20', not {self.arch!r}"
@@ -120,6 +132,7 @@ RUNTIME_FIELDS = (
     "loss_chunk",
     "scan_layers",
     "fp8_head",
+    "window_size",
 )
 
 

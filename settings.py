@@ -118,6 +118,9 @@ DEFAULTS = dict(
     # arch='speedrun20': its head in FP8 in training, as record 20's (e4m3 x and weight, e5m2
     # gradient; the same rounding on every device, docs/speedrun.md)
     fp8_head=False,
+    # arch='speedrun20': its long window grows over training to this many tokens, rounded up to
+    # whole 128-token blocks, the short one half (the record's 1728: 14 blocks, 1792 tokens)
+    window_size=1728,
     profile="",  # 'START:STOP': a jax.profiler trace of iterations START..STOP-1 to out_dir/profile
     seed=1337,  # the init's, the data order's and dropout's
 )
@@ -203,7 +206,7 @@ def check_model(c):
     try:
         check_memory_settings(c["remat"], c["loss_chunk"])
         shape = ("arch", "bias", "n_layer", "n_head", "n_embd", "block_size", "gelu", "attention")
-        config = {k: c[k] for k in (*shape, "fp8_head")}
+        config = {k: c[k] for k in (*shape, "fp8_head", "window_size")}
         check_config(GPTConfig(**config))
     except ValueError as e:
         raise UsageError(str(e)) from None

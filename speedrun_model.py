@@ -127,25 +127,25 @@ class Record5GPT(GPT):
 ATTN_SCALE = 0.12  # the record's attention scale (@leloykun), in place of 1/sqrt(head size)
 SOFTCAP = 30.0  # logits = 30 * sigmoid(logits / 7.5): tanh soft-capping at 15, shifted by 15
 SOFTCAP_SLOPE = 7.5
-FINAL_WINDOW = 1792  # the long window at the end of training, in tokens; the short one is half
-WINDOW_GROWTH = 1728  # the window grows linearly to this many tokens, rounded up to whole blocks
+WINDOW_SIZE = GPTConfig.window_size  # the record's: the long window grows to 1728 tokens, 14 blocks
 VALUE_EMBEDDINGS = 3  # tables, mixed into v by the first three layers and again by the last three
 HEAD_MULTIPLE = 128  # the head's rows: the vocabulary padded to a multiple of this
 NO_ATTENTION_LAYER = 7  # the record's layer without attention (@YouJiacheng)
 
 
-def final_blocks():
-    """FINAL_WINDOW in blocks: 14."""
-    return FINAL_WINDOW // attention.WINDOW_BLOCK
+def final_blocks(window_size):
+    """The long window at the end of training in blocks: window_size tokens rounded up to whole
+    blocks (the record's 1728: 14, 1792 tokens)."""
+    return -(-window_size // attention.WINDOW_BLOCK)
 
 
-def window_schedule(it, max_iters):
-    """Record 20's long window at iteration `it` of max_iters, in 128-token blocks: 1728 * it /
-    max_iters tokens rounded up to whole blocks, at least one (@fernbear.bsky.social; block-wise by
-    @YouJiacheng): 1 block at the start, 14 (FINAL_WINDOW) at the end. Ints or tracers; integer
-    arithmetic, which rounds as the record's float division does (no ratio of these sizes falls
-    within a rounding of a multiple)."""
-    blocks = -(-WINDOW_GROWTH * it // (attention.WINDOW_BLOCK * max_iters))
+def window_schedule(it, max_iters, window_size=WINDOW_SIZE):
+    """Record 20's long window at iteration `it` of max_iters, in 128-token blocks: window_size *
+    it / max_iters tokens rounded up to whole blocks, at least one (@fernbear.bsky.social;
+    block-wise by @YouJiacheng): 1 block at the start, final_blocks at the end. Ints or tracers;
+    integer arithmetic, which rounds as the record's float division does (no ratio of these sizes
+    falls within a rounding of a multiple)."""
+    blocks = -(-window_size * it // (attention.WINDOW_BLOCK * max_iters))
     return jnp.maximum(blocks, 1) if isinstance(blocks, jax.Array) else max(blocks, 1)
 
 
@@ -247,7 +247,7 @@ class Record20Block(nnx.Module):
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs, attends=True, long=True):
         self.lambdas = nnx.Param(jnp.array([1.0, 0.0]))  # the stream's and x0's weights
         self.long = long  # the long window, or the short one (half of it)
-        band = final_blocks() // (1 if long else 2)
+        band = final_blocks(config.window_size) // (1 if long else 2)
         self.attn = Record20Attention(config, rngs, band) if attends else None
         self.mlp = Record20MLP(config, rngs)
 
@@ -320,9 +320,9 @@ class Record20GPT(GPT):
             raise ValueError(f"arch='speedrun20' (modded-nanogpt's record 20) {problem}")
 
     def final_window(self):
-        """The long window the record ends training with, in blocks (14); the default of every
+        """The long window training ends with, in blocks (the record's: 14); the default of every
         call."""
-        return final_blocks()
+        return final_blocks(self.config.window_size)
 
     def embed(self, idx, positions):
         x = rms_norm(self.wte(idx))  # normed (@Grad62304977); no position embedding
@@ -427,7 +427,7 @@ class Record20GPT(GPT):
         """6N (N without the input tables) + attention's 12·C·T per attending layer, T the keys a
         query sees at most: the final long window, or block_size if shorter."""
         c = self.config
-        keys = min(c.block_size, FINAL_WINDOW)
+        keys = min(c.block_size, final_blocks(c.window_size) * attention.WINDOW_BLOCK)
         attending = sum(a for _, a, _ in self.layout)
         return 6 * self.num_params() + 12 * attending * c.n_embd * keys
 

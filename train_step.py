@@ -291,13 +291,16 @@ def record20_step(c, sequences):
     summed over a device's `sequences` a step (our mean over them, times that)."""
     if c["arch"] != "speedrun20":
         return {}
-    return dict(windows=partial(window_schedule, max_iters=c["max_iters"]), grad_scale=sequences)
+    windows = partial(window_schedule, max_iters=c["max_iters"], window_size=c["window_size"])
+    return dict(windows=windows, grad_scale=sequences)
 
 
 def eval_window(it, c):
     """The eval step's window argument at iteration `it`: record 20's long window then (the record
     evaluates with the window it trains with), None for the other archs."""
-    return jnp.int32(window_schedule(it, c["max_iters"])) if c["arch"] == "speedrun20" else None
+    if c["arch"] != "speedrun20":
+        return None
+    return jnp.int32(window_schedule(it, c["max_iters"], c["window_size"]))
 
 
 def sharded_model(make_model, mesh):

@@ -33,7 +33,16 @@ LEAF_NAMES = {"embedding": "weight", "scale": "weight", "kernel": "weight", "bia
 # change how our model runs but not what it computes (a field not listed is refused: the reference
 # might not compute it)
 ARCH_FIELDS = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "bias", "gelu", "arch")
-RUNTIME_FIELDS = ("dropout", "dtype", "attention", "remat", "loss_chunk", "scan_layers", "fp8_head")
+RUNTIME_FIELDS = (
+    "dropout",
+    "dtype",
+    "attention",
+    "remat",
+    "loss_chunk",
+    "scan_layers",
+    "fp8_head",
+    "window_size",
+)
 # GPT-2's tanh approximation, nanoGPT's erf GELU
 HF_ACTIVATION = {"tanh": "gelu_new", "exact": "gelu"}
 

@@ -88,6 +88,15 @@ BAD = [
         ["--arch=speedrun20", "--fp8_head=True", "--block_size=256"],
         "a micro-batch of 3072 tokens would overflow FP8; it needs batch_size x block_size >= 9363",
     ),
+    (
+        ["--arch=speedrun20", "--window_size=0"],
+        r"^window_size must be an integer >= 1 \(tokens\), got 0$",
+    ),
+    (["--arch=speedrun20", "--window_size=1.5"], "window_size must be int"),
+    (
+        ["--window_size=256"],
+        "window_size is record 20's attention window: it needs arch='speedrun20'",
+    ),
     (["--val_tokens=-1"], "val_tokens must be >= 0"),
     (["--warmdown_iters=-1"], "warmdown_iters must be >= 0"),
 ]

@@ -4,6 +4,8 @@ arch='speedrun20' (modded-nanogpt's record 20) on its own: the masks its attenti
 generation against the full forward with documents and short windows, the soft-capped logits, and
 a bad config, one line. Against the torch reference: test_speedrun20_parity.py."""
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,12 +78,11 @@ def test_documents_start_at_each_end_of_text():
     assert attention.documents(idx).tolist() == [[0, 1, 1, 1, 2, 3, 3]]
 
 
-@pytest.mark.parametrize("final_window", [speedrun_model.FINAL_WINDOW, 128])
-def test_kv_cache_generation_is_the_full_forward(monkeypatch, final_window):
+@pytest.mark.parametrize("window_size", [speedrun_model.WINDOW_SIZE, 128])
+def test_kv_cache_generation_is_the_full_forward(window_size):
     """Greedy tokens and each step's logits, cache or not, with documents in the prompt and past
-    128-token blocks; a 128-token final window (long 1 block, short 0) makes the windows cut."""
-    monkeypatch.setattr(speedrun_model, "FINAL_WINDOW", final_window)
-    model = randomized(build(GPTConfig(**TINY20), nnx.Rngs(0)))
+    128-token blocks; a 128-token window (long 1 block, short 0) makes the windows cut."""
+    model = randomized(build(GPTConfig(**TINY20, window_size=window_size), nnx.Rngs(0)))
     prompt = with_documents((2, 120))
     full, full_logits = generate(
         model, prompt, 40, temperature=0, use_cache=False, return_logits=True
@@ -168,13 +169,32 @@ def test_the_banded_kernel_is_the_masked_one(window):
 
 
 def test_a_sequence_longer_than_the_band_takes_the_banded_kernel(monkeypatch):
-    """With a final window of 2 blocks (short: 1) a 4-block sequence runs banded: the logits of the
+    """With window_size 256 (2 blocks; short: 1) a 4-block sequence runs banded: the logits of the
     masked kernel's run, at the same window."""
     idx = jnp.asarray(with_documents((1, 512), every=150))
     config = GPTConfig(**{**TINY20, "block_size": 512})
     with jax.default_matmul_precision("highest"):
         masked = randomized(build(config, nnx.Rngs(0)))(idx, window_blocks=2)[0]
-        monkeypatch.setattr(speedrun_model, "FINAL_WINDOW", 256)
         monkeypatch.setattr(attention, "masked_attention", None)  # only the banded kernel can run
-        banded = randomized(build(config, nnx.Rngs(0)))(idx, window_blocks=2)[0]
+        banded = randomized(build(replace(config, window_size=256), nnx.Rngs(0)))
+        banded = banded(idx, window_blocks=2)[0]
     np.testing.assert_allclose(banded, masked, rtol=0, atol=1e-5)
+
+
+def test_the_window_grows_as_the_records_to_window_size():
+    """window_schedule, as train_step's record-20 step and eval take it, against the torch
+    reference's window_size at every step of the record's run, and at a window_size of 256: the
+    schedule's span and the model's band follow the setting."""
+    from parity import speedrun20_training as training
+    from train_step import eval_window, record20_step
+
+    n = 1393
+    for window_size in (1728, 256):
+        c = dict(arch="speedrun20", max_iters=n, window_size=window_size)
+        windows = record20_step(c, 1)["windows"]
+        for step in range(n + 1):
+            expected = training.window_size(step, n, span=window_size) // attention.WINDOW_BLOCK
+            assert windows(step) == expected == int(eval_window(step, c)), (window_size, step)
+    assert speedrun_model.window_schedule(n, n) == 14  # the record's final 1792 tokens
+    model = build(GPTConfig(**{**TINY20, "window_size": 256}), nnx.Rngs(0))
+    assert model.final_window() == 2 and {b.attn.band for b in model.h if b.attn} == {2, 1}
