@@ -102,11 +102,6 @@ class GPTConfig:
             raise ValueError(
                 f"window_size must be an integer >= 1 (tokens), got {self.window_size!r}"
             )
-        if self.window_size != GPTConfig.window_size and self.arch != "speedrun20":
-            raise ValueError(
-                f"window_size is record 20's attention window: it needs arch='speedrun20', not "
-                f"{self.arch!r}"
-            )
         if self.fp8_head and self.arch != "speedrun20":
             raise ValueError(
                 f"fp8_head is record 20's FP8 head: it needs arch='speedrun20', not {self.arch!r}"

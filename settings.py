@@ -210,6 +210,11 @@ def check_model(c):
         check_config(GPTConfig(**config))
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if c["window_size"] != GPTConfig.window_size and c["arch"] != "speedrun20":
+        raise UsageError(
+            f"window_size is record 20's attention window: it needs arch='speedrun20', not "
+            f"{c['arch']!r}"
+        )
     # a logit's gradient is at most 1 / the tokens of the loss's mean; times the record's 2^29 it
     # must stay below e5m2's largest, 57344, or the FP8 backward's overflows to inf
     tokens = c["batch_size"] * c["block_size"]
