@@ -172,6 +172,9 @@ def test_each_setting_computes_the_same_logits_loss_and_gradients(
         assert_close(g, ref, atol=1e-5 * np.abs(ref).max(), what="gradient")
 
 
+# make test-slow (CI runs it): make test holds each remat's smaller peak
+# (tests/test_auto_settings.py)
+@pytest.mark.slow
 def test_remat_block_cuts_the_step_peak_3x():
     """6 layers whose activations (the (B, nh, T, T) attention scores and probabilities above all)
     dwarf the params: remat='block' keeps only each block's input, so the compiled step's peak drops

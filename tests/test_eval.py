@@ -255,10 +255,18 @@ def test_parity_reads_our_checkpoint_by_its_own_path(bpe_run, monkeypatch, capsy
     )
 
 
-def test_bad_input_is_one_line(tiny_hf, tmp_path, capsys, monkeypatch):
+def fails(match, *argv):
+    with pytest.raises(UsageError, match=match):
+        lm_eval_py.main(list(argv))
+
+
+# make test-slow (CI runs it): the lookups read lm-eval's index of its ~15k tasks (6 s on 2 cores);
+# make test holds every other bad setting (below)
+@pytest.mark.slow
+def test_an_unknown_task_is_one_line_naming_the_closest(tiny_hf, monkeypatch):
     from lm_eval import tasks
 
-    # lm-eval's index of its ~15k tasks, built once for the two unknown-task lines (8 s each)
+    # the index built once for the two lines
     indexes, index = {}, tasks.TaskManager
 
     def cached(**kw):
@@ -268,11 +276,6 @@ def test_bad_input_is_one_line(tiny_hf, tmp_path, capsys, monkeypatch):
         return indexes[key]
 
     monkeypatch.setattr(tasks, "TaskManager", cached)
-
-    def fails(match, *argv):
-        with pytest.raises(UsageError, match=match):
-            lm_eval_py.main(list(argv))
-
     fails(
         r"^unknown task 'hellaswag_locall' \(did you mean hellaswag_local(, [\w.-]+)*\?\) "
         r"\(lm-eval's tasks",
@@ -287,6 +290,9 @@ def test_bad_input_is_one_line(tiny_hf, tmp_path, capsys, monkeypatch):
         "--tasks=qqqzzz",
         f"--include_path={TASKS}",
     )  # nothing close: no guess
+
+
+def test_bad_input_is_one_line(tiny_hf, tmp_path, capsys, monkeypatch):
     fails("batch_size must be an integer >= 1", "--tasks=hellaswag_local", "--batch_size=0")
     fails(
         r"^--tasks is required: lm-eval task names, comma-separated \(e\.g\. "
