@@ -247,7 +247,8 @@ class Record20Block(nnx.Module):
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs, attends=True, long=True):
         self.lambdas = nnx.Param(jnp.array([1.0, 0.0]))  # the stream's and x0's weights
         self.long = long  # the long window, or the short one (half of it)
-        band = final_blocks(config.window_size) // (1 if long else 2)
+        # the short window is half the long one, and at least the query's own block (window_mask)
+        band = max(final_blocks(config.window_size) // (1 if long else 2), 1)
         self.attn = Record20Attention(config, rngs, band) if attends else None
         self.mlp = Record20MLP(config, rngs)
 

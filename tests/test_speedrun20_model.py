@@ -198,3 +198,9 @@ def test_the_window_grows_as_the_records_to_window_size():
     assert speedrun_model.window_schedule(n, n) == 14  # the record's final 1792 tokens
     model = build(GPTConfig(**{**TINY20, "window_size": 256}), nnx.Rngs(0))
     assert model.final_window() == 2 and {b.attn.band for b in model.h if b.attn} == {2, 1}
+    # one block: the short window's band too (its own block), and a 2-block sequence runs banded
+    config = GPTConfig(**{**TINY20, "window_size": 100, "block_size": 256})
+    model = randomized(build(config, nnx.Rngs(0)))
+    assert model.final_window() == 1 and {b.attn.band for b in model.h if b.attn} == {1}
+    logits, _ = model(jnp.asarray(with_documents((1, 256), every=10_000)))
+    assert np.isfinite(np.asarray(logits)).all()
