@@ -146,10 +146,7 @@ def make_train_step(graphdef, tx, grad_clip, lr_schedule=None, windows=None, gra
     record 20's (record20_step)."""
 
     def loss_fn(params, x, y, key, window):
-        model = nnx.merge(graphdef, params)
-        return (
-            batch_loss(model, x, y, key) if window is None else batch_loss(model, x, y, key, window)
-        )
+        return batch_loss(nnx.merge(graphdef, params), x, y, key, window)
 
     def train_step(params, opt_state, x, y, key):
         accum = x.shape[0]

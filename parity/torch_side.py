@@ -29,20 +29,10 @@ NANOGPT_LINEAR = (
 # our nnx leaf names -> HF's parameter names; embeddings, LayerNorm scales and kernels are all HF's
 # `weight`, and our kernels are already (in, out) as HF's Conv1D
 LEAF_NAMES = {"embedding": "weight", "scale": "weight", "kernel": "weight", "bias": "bias"}
-# model_args a checkpoint of ours may hold: what the torch model is built from, and those that
-# change how our model runs but not what it computes (a field not listed is refused: the reference
-# might not compute it)
+# model_args a checkpoint of ours may hold that the torch model is built from; the others must be
+# model.RUNTIME_FIELDS, which change how our model runs but not what it computes (a field in
+# neither is refused: the reference might not compute it)
 ARCH_FIELDS = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "bias", "gelu", "arch")
-RUNTIME_FIELDS = (
-    "dropout",
-    "dtype",
-    "attention",
-    "remat",
-    "loss_chunk",
-    "scan_layers",
-    "fp8_head",
-    "window_size",
-)
 # GPT-2's tanh approximation, nanoGPT's erf GELU
 HF_ACTIVATION = {"tanh": "gelu_new", "exact": "gelu"}
 
@@ -229,6 +219,8 @@ def hf_state_from_ours(params):
 
 
 def from_orbax(out_dir, step=None):
+    from model import RUNTIME_FIELDS  # JAX is loaded by now (read_orbax)
+
     params, meta = read_orbax(out_dir, step)
     args = meta["model_args"]
     unknown = sorted(set(args) - set(ARCH_FIELDS) - set(RUNTIME_FIELDS))

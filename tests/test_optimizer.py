@@ -112,15 +112,22 @@ def test_bad_setting_is_one_line(args, message):
 
 def test_start_up_says_how_the_fp8_head_multiplies():
     import runlog
+    import sharding
 
-    on, off = (
-        configure(DEFAULTS, ["--arch=speedrun20", *fp8]) for fp8 in (["--fp8_head=True"], [])
-    )
-    validate(on)
-    assert runlog.fp8_head(on) == (
-        "; FP8 head in training (the record's e4m3/e5m2 rounding, multiplied in bf16)"
-    )
-    assert runlog.fp8_head(off) == ""
+    def parameters_line(*args):
+        # the baby config at the record's 64K tokens a micro-batch, which FP8 takes
+        c = configure(
+            DEFAULTS, ["config/speedrun20_shakespeare_char.py", "--batch_size=256", *args]
+        )
+        validate(c)
+        lines = runlog.startup_lines(
+            c, sharding.make_mesh(), (1, 12), None, 1e6, GPTConfig(arch="speedrun20"), (0, 0)
+        )
+        return next(line for line in "\n".join(lines).splitlines() if "parameters" in line)
+
+    fp8 = "; FP8 head in training (the record's e4m3/e5m2 rounding, multiplied in bf16)"
+    assert parameters_line("--fp8_head=True").endswith(f"cooldown schedule{fp8}")
+    assert fp8 not in parameters_line()
 
 
 def test_checkpoint_fixes_arch():
@@ -203,7 +210,7 @@ def test_a_step_hands_its_key_to_the_loss(monkeypatch):
     monkeypatch.setattr(
         train_step,
         "batch_loss",
-        lambda model, x, y, key: jnp.mean(model.bias[...]) + jax.random.uniform(key),
+        lambda model, x, y, key, window=None: jnp.mean(model.bias[...]) + jax.random.uniform(key),
     )
     step = linear_step()
     losses = [float(step(jax.random.key(k))["loss"]) for k in (0, 0, 1)]
@@ -220,6 +227,8 @@ def test_a_step_is_finite_only_where_its_loss_and_gradient_norm_both_are(monkeyp
         (lambda m: jnp.sqrt(m.bias[...][0]), False),
         (lambda m: jnp.log(m.bias[...][0]), False),
     ]:
-        monkeypatch.setattr(train_step, "batch_loss", lambda model, x, y, key: loss(model))
+        monkeypatch.setattr(
+            train_step, "batch_loss", lambda model, x, y, key, window=None: loss(model)
+        )
         metrics = step(jax.random.key(0))
         assert bool(metrics["finite"]) is finite, (metrics, finite)

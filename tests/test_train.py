@@ -245,7 +245,7 @@ def test_a_step_whose_gradient_is_not_finite_is_not_finite(monkeypatch):
     monkeypatch.setattr(
         train_step,
         "batch_loss",
-        lambda model, x, y, key=None: (
+        lambda model, x, y, key=None, window=None: (
             model.loss(x, y) + jnp.sqrt(jnp.abs(0.0 * model.wte.embedding[...][0, 0]))
         ),
     )
