@@ -68,7 +68,7 @@ def _cudnn_reason(dtype, head_size, capability):
     return None
 
 
-def _splash_dtype_reason(dtype, device_kind):
+def splash_dtype_reason(dtype, device_kind):
     """Why the splash kernel cannot compute in `dtype` on this device, or None."""
     if device_kind in SPLASH_FLOAT32_ONLY and jnp.dtype(dtype) != jnp.float32:
         name = jnp.dtype(dtype).name
@@ -76,7 +76,7 @@ def _splash_dtype_reason(dtype, device_kind):
     return None
 
 
-def _splash_reason(seq_len, head_size, length_name="the sequence length"):
+def splash_reason(seq_len, head_size, length_name="the sequence length"):
     """Why the splash kernel cannot take these shapes, or None (any platform: interpret mode off a
     TPU)."""
     if seq_len % SPLASH_MULTIPLE:
@@ -86,7 +86,7 @@ def _splash_reason(seq_len, head_size, length_name="the sequence length"):
     return None
 
 
-def _cannot_run(setting, reason, fix="use attention='auto' or 'xla'"):
+def cannot_run(setting, reason, fix="use attention='auto' or 'xla'"):
     return ValueError(f"attention={setting!r} cannot run here: {reason}; {fix}")
 
 
@@ -103,13 +103,13 @@ def check_setting(
     if setting not in SETTINGS:
         raise _unknown(setting)
     if setting == "splash" and dropout > 0:
-        raise _cannot_run(
+        raise cannot_run(
             setting,
             f"the kernel has no attention dropout, dropout is {dropout}",
             "use dropout=0.0, or attention='auto' or 'xla'",
         )
-    if setting == "splash" and (reason := _splash_reason(block_size, head_size, "block_size")):
-        raise _cannot_run(setting, reason)
+    if setting == "splash" and (reason := splash_reason(block_size, head_size, "block_size")):
+        raise cannot_run(setting, reason)
     choose(
         setting,
         platform=platform,
@@ -147,20 +147,18 @@ def choose(setting, *, platform, dtype, seq_len, head_size, capability=None, dev
     wherever the call's shapes allow (check_setting holds the training shape to that) and xla for
     the others: HellaSwag's rows, a short prompt. An explicit 'cudnn', or a 'splash' in a dtype the
     TPU cannot compile it in, is a one-line ValueError."""
-    splash_dtype = _splash_dtype_reason(dtype, device_kind) if platform == "tpu" else None
+    splash_dtype = splash_dtype_reason(dtype, device_kind) if platform == "tpu" else None
     if setting == "splash" and splash_dtype:
-        raise _cannot_run(
-            setting, splash_dtype, "use attention='auto' or 'xla', or dtype='float32'"
-        )
+        raise cannot_run(setting, splash_dtype, "use attention='auto' or 'xla', or dtype='float32'")
     if setting == "splash":
-        return "xla" if _splash_reason(seq_len, head_size) else "splash"
+        return "xla" if splash_reason(seq_len, head_size) else "splash"
     if setting == "cudnn" and (reason := _cudnn_reason(dtype, head_size, capability)):
-        raise _cannot_run(setting, reason)
+        raise cannot_run(setting, reason)
     if setting in ("xla", "cudnn"):
         return setting
     if setting != "auto":
         raise _unknown(setting)
-    if platform == "tpu" and splash_dtype is None and _splash_reason(seq_len, head_size) is None:
+    if platform == "tpu" and splash_dtype is None and splash_reason(seq_len, head_size) is None:
         return "splash"
     return "cudnn" if _cudnn_reason(dtype, head_size, capability) is None else "xla"
 
@@ -219,7 +217,7 @@ def cached_attention(q, k, v, pos):
     return jnp.einsum("zqk,zkd->zqd", att, v)  # (B*nh, T, hs)
 
 
-def _block(T):
+def splash_tile(T):
     """Splash's tile along the sequence: 512 where T allows (MaxText's default for it), else 256,
     else 128. Big tiles keep the MXU fed and amortize each grid step's overhead; the causal mask is
     skipped a tile at a time, so bigger ones compute more of the masked half (at T = 1024: 3 of 4
@@ -230,7 +228,7 @@ def _block(T):
 def _kernel(T, n_head, interpret):
     """The splash kernel for (n_head, T, hs) inputs, causal. Built at each trace, not cached: it
     holds its mask tables as arrays, which under shard_map are that trace's values."""
-    b = _block(T)
+    b = splash_tile(T)
     sizes = splash_kernel.BlockSizes(
         block_q=b,
         block_kv=b,
@@ -248,8 +246,7 @@ def _kernel(T, n_head, interpret):
 
 
 def _splash(q, k, v):
-    """Splash attention, each device on its own rows (over data x fsdp) and heads (over tensor)
-    under a mesh."""
+    """Splash attention, each device on its own rows and heads under a mesh (per_device)."""
     interpret = sharding.target_platform() != "tpu"
 
     def local(q, k, v):  # (b, T, h, hs): this device's rows and heads
@@ -260,95 +257,20 @@ def _splash(q, k, v):
         q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
         return jax.vmap(kernel)(q, k, v).transpose(0, 2, 1, 3)  # (b, T, h, hs)
 
+    return per_device(local, q, k, v)
+
+
+def per_device(local, q, k, v, docs=None, window=None):
+    """local(q, k, v[, docs, window]) on each device's own rows (over data x fsdp) and heads (over
+    tensor) under a mesh; q, k, v (B, T, nh, hs), docs (B, T), window a scalar."""
+    extra = () if docs is None else (docs, window)
     if sharding.target_size() == 1:
-        return local(q, k, v)
+        return local(q, k, v, *extra)
     # an axis that does not divide its dimension is dropped: those rows or heads are whole on every
     # device
     spec = sharding.fit(
         P(sharding.BATCH, None, "tensor", None), q.shape, jax.sharding.get_abstract_mesh()
     )
+    specs = (spec,) * 3 + ((P(spec[0], None), P()) if extra else ())
     # check_vma off: the kernel's pallas_calls do not declare how their outputs vary over the mesh
-    return jax.shard_map(local, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)(q, k, v)
-
-
-# ------------------------------------------------------------------------------------------------
-# the speedrun's record 20 (speedrun_model.py, GPTConfig.arch='speedrun20'): document-causal
-# attention over block-wise sliding windows
-
-EOT = 50256  # GPT-2's <|endoftext|>: each one starts a document (it is that document's first token)
-WINDOW_BLOCK = 128  # the record's FlexAttention block: windows are whole blocks of this many tokens
-
-
-def documents(idx):
-    """Token ids (B, T) -> (B, T) int32 document numbers, as record 20 counts them: the number of
-    <|endoftext|> tokens up to and including each position."""
-    return jnp.cumsum(idx == EOT, axis=-1, dtype=jnp.int32)
-
-
-def window_mask(q_pos, k_pos, q_docs, k_docs, window_blocks):
-    """Which keys each query attends in record 20: (..., Tq, Tk) bool from positions (Tq,), (Tk,)
-    and document numbers (..., Tq), (..., Tk). Causal, within the query's document, and in the
-    query's block or the window_blocks - 1 blocks before it (at least its own block). This is what
-    the record's hand-built BlockMask selects: for each query block it keeps the nearest
-    window_blocks kv blocks that overlap the query's documents (the clamps on its full and partial
-    block counts add up to that), full blocks whole and the partial ones through document_causal,
-    which is all-true on a full block; window_blocks of 0 (the short window at step 0) keeps the
-    query's own block. window_blocks may be traced."""
-    q_blocks, k_blocks = q_pos // WINDOW_BLOCK, k_pos // WINDOW_BLOCK
-    near = q_blocks[:, None] - k_blocks[None, :] < jnp.maximum(window_blocks, 1)
-    causal = q_pos[:, None] >= k_pos[None, :]
-    return causal & near & (q_docs[..., :, None] == k_docs[..., None, :])
-
-
-def masked_attention(q, k, v, mask, scale):
-    """q (B, Tq, nh, hs), k and v (B, Tk, nh, hs), mask (B, Tq, Tk) -> (B, Tq, nh, hs) in v's dtype:
-    softmax(q k^T * scale) v over the keys the mask allows, scores and softmax in float32. Every
-    query allows at least its own position."""
-    att = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
-    att = jax.nn.softmax(jnp.where(mask[:, None], att, -jnp.inf), axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", att, v)
-
-
-def record20_attention(q, k, v, docs, window_blocks, band, scale):
-    """Record 20's attention, q, k, v (B, T, nh, hs), docs (B, T), over window_mask's keys: masked
-    XLA attention where the sequence is no longer than `band` blocks (the most its window ever
-    spans), banded_window_attention beyond, which skips the blocks the window leaves out."""
-    T = q.shape[1]
-    if T > band * WINDOW_BLOCK and T % WINDOW_BLOCK == 0:
-        return banded_window_attention(q, k, v, docs, window_blocks, band, scale)
-    pos = jnp.arange(T)
-    mask = window_mask(pos, pos, docs, docs, window_blocks)
-    return masked_attention(q, k, v, mask, scale)
-
-
-def banded_window_attention(q, k, v, docs, window_blocks, band, scale):
-    """Record 20's attention without (T, T) scores: each 128-token query block against the `band`
-    kv blocks that end at its own, window_mask's keys among them (window_blocks <= band, may be
-    traced), so memory and work grow as T x band blocks, not T^2: the record's 64K-token sequences.
-    q, k, v (B, T, nh, hs) with T whole blocks, docs (B, T) -> (B, T, nh, hs) in v's dtype; scores
-    and softmax in float32. Equal to masked_attention over window_mask (tests/test_attention.py)."""
-    B, T, nh, hs = q.shape
-    bs, nb = WINDOW_BLOCK, T // WINDOW_BLOCK
-    band = min(band, nb)
-    # (nb, band): query block i's kv blocks i-band+1 .. i, as indices into band-1 blocks of padding
-    # and then the sequence's blocks
-    take = jnp.arange(nb)[:, None] + jnp.arange(band)[None, :]
-
-    def banded(a, fill=0):  # (b, T, ...) -> (b, nb, band * bs, ...)
-        a = a.reshape(a.shape[0], nb, bs, *a.shape[2:])
-        pad = [(0, 0), (band - 1, 0)] + [(0, 0)] * (a.ndim - 2)
-        kept = jnp.pad(a, pad, constant_values=fill)[:, take]  # (b, nb, band, bs, ...)
-        return kept.reshape(a.shape[0], nb, band * bs, *a.shape[3:])
-
-    pos = jnp.arange(T)
-    q_pos = pos.reshape(nb, bs)
-    k_pos = banded(pos[None], fill=-1)[0]  # (nb, band * bs); -1: the padding before position 0
-    near = q_pos[:, :, None] // bs - k_pos[:, None, :] // bs < jnp.maximum(window_blocks, 1)
-    allowed = (k_pos[:, None, :] >= 0) & (q_pos[:, :, None] >= k_pos[:, None, :]) & near
-    same_doc = docs.reshape(B, nb, bs)[..., None] == banded(docs, fill=-1)[:, :, None, :]
-    mask = allowed[None] & same_doc  # (B, nb, bs, band * bs)
-    qb = q.reshape(B, nb, bs, nh, hs)
-    att = jnp.einsum("bnqhd,bnkhd->bnhqk", qb, banded(k), preferred_element_type=jnp.float32)
-    att = jnp.where(mask[:, :, None], att * scale, -jnp.inf)
-    att = jax.nn.softmax(att, axis=-1).astype(v.dtype)
-    return jnp.einsum("bnhqk,bnkhd->bnqhd", att, banded(v)).reshape(B, T, nh, hs)
+    return jax.shard_map(local, in_specs=specs, out_specs=spec, check_vma=False)(q, k, v, *extra)

@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 import accelerators
 import attention
 import sharding
+import window_attention
 from configurator import UsageError
 from speedrun_model import final_blocks
 from train_step import compiler_options, lower_step, make_train_step, step_peak
@@ -245,12 +246,20 @@ def line(settings, fit, device):
 
 def kernel(config, device):
     """The attention kernel the training step runs at block_size on `device` (dropout: the explicit
-    one, 'xla'; record 20: its own, attention.record20_attention's)."""
+    one, 'xla'; record 20: its own, window_attention.record20_kernel's)."""
     if config.dropout > 0:
         return "xla"
-    if config.arch == "speedrun20":  # longer than its long window: banded
-        banded = config.block_size > final_blocks(config.window_size) * attention.WINDOW_BLOCK
-        return "windows-banded" if banded else "windows-masked"
+    if config.arch == "speedrun20":
+        windows = window_attention.record20_kernel(
+            config.attention,
+            platform=device.platform,
+            dtype=config.dtype,
+            seq_len=config.block_size,
+            head_size=config.n_embd // config.n_head,
+            band=final_blocks(config.window_size),
+            device_kind=device.device_kind,
+        )
+        return f"windows-{windows}"
     return attention.choose(
         config.attention,
         platform=device.platform,

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import attention
+import window_attention
 from layers import (
     REMAT,
     RMSNorm,
@@ -136,7 +136,7 @@ NO_ATTENTION_LAYER = 7  # the record's layer without attention (@YouJiacheng)
 def final_blocks(window_size):
     """The long window at the end of training in blocks: window_size tokens rounded up to whole
     blocks (the record's 1728: 14, 1792 tokens)."""
-    return -(-window_size // attention.WINDOW_BLOCK)
+    return -(-window_size // window_attention.WINDOW_BLOCK)
 
 
 def window_schedule(it, max_iters, window_size=WINDOW_SIZE):
@@ -145,7 +145,7 @@ def window_schedule(it, max_iters, window_size=WINDOW_SIZE):
     block-wise by @YouJiacheng): 1 block at the start, final_blocks at the end. Ints or tracers;
     integer arithmetic, which rounds as the record's float division does (no ratio of these sizes
     falls within a rounding of a multiple)."""
-    blocks = -(-window_size * it // (attention.WINDOW_BLOCK * max_iters))
+    blocks = -(-window_size * it // (window_attention.WINDOW_BLOCK * max_iters))
     return jnp.maximum(blocks, 1) if isinstance(blocks, jax.Array) else max(blocks, 1)
 
 
@@ -191,7 +191,8 @@ class Record20Attention(nnx.Module):
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs, band):
         C = config.n_embd
         self.n_head = config.n_head
-        self.band = band  # the most blocks its window ever spans (attention.record20_attention)
+        self.band = band  # the most blocks its window ever spans (window_attention)
+        self.kernel = config.attention  # its setting (window_attention.record20_kernel)
         # the record's qkv_w (3, C, C): one (C, 3C) kernel here, [q | k | v]
         self.c_attn = linear(C, 3 * C, config, rngs, record20_init(C))
         self.lambdas = nnx.Param(jnp.array([0.5, 0.5]))  # v's and the value embedding's weights
@@ -217,7 +218,9 @@ class Record20Attention(nnx.Module):
     def __call__(self, x, ve, docs, window_blocks):
         """x (B, T, C), its document numbers (B, T) -> (B, T, C): attention over window_blocks."""
         q, k, v = self.qkv(x, ve)
-        y = attention.record20_attention(q, k, v, docs, window_blocks, self.band, ATTN_SCALE)
+        y = window_attention.record20_attention(
+            q, k, v, docs, window_blocks, self.band, ATTN_SCALE, self.kernel
+        )
         return self.c_proj(y.reshape(x.shape))
 
     def decode(self, x, ve, kv, docs, pos, window_blocks):
@@ -231,10 +234,10 @@ class Record20Attention(nnx.Module):
             for c, a in zip(kv, (k, v))
         )
         q_docs = jax.lax.dynamic_slice_in_dim(docs, pos, T, axis=1)
-        mask = attention.window_mask(
+        mask = window_attention.window_mask(
             pos + jnp.arange(T), jnp.arange(S), q_docs, docs, window_blocks
         )
-        y = attention.masked_attention(q, k, v, mask, ATTN_SCALE)
+        y = window_attention.masked_attention(q, k, v, mask, ATTN_SCALE)
         return self.c_proj(y.reshape(x.shape)), (k, v)
 
 
@@ -307,14 +310,14 @@ class Record20GPT(GPT):
             if hs % 4
             else "takes sequences of whole 128-token blocks: block_size must be a multiple of "
             f"128, got {config.block_size}"
-            if config.block_size % attention.WINDOW_BLOCK
+            if config.block_size % window_attention.WINDOW_BLOCK
             else "runs its layers one by one (they differ): set scan_layers=False"
             if config.scan_layers
             else "has no dropout: set dropout=0.0"
             if config.dropout
-            else "attends through its document and window masks in XLA: set attention='auto' or "
-            f"'xla', not {config.attention!r}"
-            if config.attention not in ("auto", "xla")
+            else "attends over block-wise windows, which cuDNN's token-wise sliding window cannot "
+            "express: set attention='auto', 'xla' or 'splash'"
+            if config.attention == "cudnn"
             else None
         )
         if problem:
@@ -349,7 +352,7 @@ class Record20GPT(GPT):
         window_blocks blocks (default final_window; may be traced), the short one half of it."""
         check_tokens(idx, self.config)
         w = jnp.int32(self.final_window() if window_blocks is None else window_blocks)
-        docs, remat = attention.documents(idx), REMAT[self.config.remat]
+        docs, remat = window_attention.documents(idx), REMAT[self.config.remat]
 
         def layer(block, x, x0, ve):
             return apply_block(block, x, key, remat, x0, ve, docs, w)
@@ -403,7 +406,7 @@ class Record20GPT(GPT):
         read from the cache."""
         before = jnp.where(pos > 0, cache["docs"][:, jnp.maximum(pos - 1, 0)], 0)  # (B,)
         docs = jax.lax.dynamic_update_slice_in_dim(
-            cache["docs"], before[:, None] + attention.documents(idx), pos, axis=1
+            cache["docs"], before[:, None] + window_attention.documents(idx), pos, axis=1
         )
         kvs, new_kvs, w = iter(cache["kv"]), [], self.final_window()
 
@@ -428,7 +431,7 @@ class Record20GPT(GPT):
         """6N (N without the input tables) + attention's 12·C·T per attending layer, T the keys a
         query sees at most: the final long window, or block_size if shorter."""
         c = self.config
-        keys = min(c.block_size, final_blocks(c.window_size) * attention.WINDOW_BLOCK)
+        keys = min(c.block_size, final_blocks(c.window_size) * window_attention.WINDOW_BLOCK)
         attending = sum(a for _, a, _ in self.layout)
         return 6 * self.num_params() + 12 * attending * c.n_embd * keys
 

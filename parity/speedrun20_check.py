@@ -137,7 +137,7 @@ def jax_side(run, dtype="float32"):
     return JaxSide(run._replace(c=dict(run.c, muon_ns_dtype=ns)), dtype)
 
 
-def settings(steps, seq_len, seed):
+def settings(steps, seq_len, seed, attention="auto"):
     """train.py's settings for the tiny record-20 run: the record's rates, warmup scaled."""
     from settings import DEFAULTS
 
@@ -168,7 +168,7 @@ def settings(steps, seq_len, seed):
         grad_clip=0.0,
         max_iters=steps,
         seed=seed,
-        attention="xla",
+        attention=attention,
         remat="none",
         loss_chunk=0,
         scan_layers=False,
@@ -197,7 +197,7 @@ def make_run(args, tmp):
     os.makedirs(data_dir)
     write_shards(data_dir, seed=args.seed)
     seq_len = args.seq_len or RUN20["seq_len"]
-    c = settings(args.steps, seq_len, args.seed)
+    c = settings(args.steps, seq_len, args.seed, args.attention)
     return Run(
         c,
         model_path,
@@ -228,7 +228,7 @@ def check(run, dtype="float32"):
         f"record 20: {run.steps} steps of {run.rows} x {run.seq_len} tokens ({run.accum} "
         f"micro-batch(es)), {dtype}, the FP8 head off; torch on cpu as {world} rank(s), ours on "
         f"{run.devices} {jax.devices()[0].platform} device(s) (fsdp {run.fsdp}, tensor "
-        f"{run.tensor_parallel}); the two loaders' steps equal"
+        f"{run.tensor_parallel}; attention {run.c['attention']}); the two loaders' steps equal"
     )
     print(
         "Adam (head 0.008, embeddings 0.6, scalars 0.04; betas 0.8, 0.95, eps 1e-10), Muon 0.05 "

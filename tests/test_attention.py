@@ -3,7 +3,8 @@
 attention.py: the splash kernel (Pallas interpret mode on this CPU) against XLA's attention, forward
 and gradients (fp32); which kernel each setting, platform and shape gets, and the one-line errors;
 splash under a mesh on 8 fake CPU devices, each on its own rows and heads; and splash compiled for a
-TPU (v5e 2x2, fsdp 2 x tensor 2) from this CPU by libtpu's ahead-of-time compiler."""
+TPU (v5e 2x2, fsdp 2 x tensor 2) from this CPU by libtpu's ahead-of-time compiler. Record 20's
+splash (tests/test_window_attention.py) under the same mesh."""
 
 import math
 import os
@@ -19,11 +20,14 @@ from helpers import assert_close, equations, fake_devices, tiny_config
 from jax._src import config as jax_config
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_window_attention import forward_and_grads as window_grads
+from test_window_attention import window_inputs
 
 import accelerators
 import attention
 import sharding
 from attention import causal_attention, check_setting, choose
+from window_attention import window_splash_attention
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -194,7 +198,8 @@ def test_choose_and_check_setting():
 def test_splash_tiles_are_the_largest_that_divide_the_sequence():
     """512 where T allows, else 256, else 128, in every one of the kernel's forward and backward
     block sizes (the kernel's own default is 128 throughout)."""
-    assert [attention._block(T) for T in (1024, 1536, 768, 384, 128)] == [512, 512, 256, 128, 128]
+    tiles = [attention.splash_tile(T) for T in (1024, 1536, 768, 384, 128)]
+    assert tiles == [512, 512, 256, 128, 128]
     sizes = attention._kernel(1024, 2, interpret=True).kwargs["block_sizes"]
     fields = (
         "block_q",
@@ -282,6 +287,15 @@ for name, (fsdp, tp) in {"data2_fsdp2_tp2": (2, 2), "fsdp8": (8, 1)}.items():
         assert "shard_map" in jaxpr, jaxpr
         for key, a in zip(("y", "dq", "dk", "dv"), forward_and_grads("splash", *(inputs[n] for n in "qkvg"))):
             out[f"{name} {key}"] = np.asarray(a)
+# record 20's splash (window_attention.py): each device on its row and head
+from test_window_attention import forward_and_grads as window_grads, window_inputs
+from window_attention import window_splash_attention
+q, k, v, g, docs = window_inputs(B=4, T=512)
+splash = lambda *a: window_splash_attention(*a, docs, jax.numpy.int32(2), 3, 0.12, 128)
+with jax.set_mesh(sharding.make_mesh(fsdp=2, tensor_parallel=2)):
+    assert "shard_map" in str(jax.make_jaxpr(splash)(q, k, v))
+    for key, a in zip(("y", "dq", "dk", "dv"), window_grads(splash, q, k, v, g)):
+        out[f"windows {key}"] = np.asarray(a)
 np.savez(sys.argv[2], **out)
 """  # noqa: E501
 
@@ -289,7 +303,8 @@ np.savez(sys.argv[2], **out)
 def test_splash_under_a_mesh(tmp_path):
     """data 2 x fsdp 2 x tensor 2: each device runs the kernel on 1 row and 2 heads (shard_map);
     fsdp 8 does not divide the 4 rows, so every device runs all of them. Both as splash and xla on
-    one device."""
+    one device. Record 20's splash on data 2 x fsdp 2 x tensor 2 (1 row and 1 head a device, its
+    documents and window beside them) as on one device."""
     q, k, v, g = qkv_and_cotangent(4, 256, 4, 64, seed=1)
     np.savez(tmp_path / "in.npz", q=q, k=k, v=v, g=g)
     env = {**fake_devices(8), "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
@@ -315,6 +330,12 @@ def test_splash_under_a_mesh(tmp_path):
             assert_close(
                 out[f"{mesh} {key}"], b, atol=1e-5 * np.abs(b).max(), what=f"{mesh} {key} vs xla"
             )
+    q, k, v, g, docs = window_inputs(B=4, T=512)
+    one = window_grads(
+        lambda *a: window_splash_attention(*a, docs, jnp.int32(2), 3, 0.12, 128), q, k, v, g
+    )
+    for key, a in zip(("y", "dq", "dk", "dv"), one):
+        assert_close(out[f"windows {key}"], a, atol=1e-6 * np.abs(a).max(), what=f"windows {key}")
 
 
 def test_splash_compiles_for_tpu():

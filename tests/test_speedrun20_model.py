@@ -13,12 +13,13 @@ import pytest
 from flax import nnx
 from helpers import rel_diff
 
-import attention
 import speedrun_model
+import window_attention
 from generate import generate
 from model import GPTConfig
 from models import build
 from parity.check_generate import CACHE_LOGITS_TOL
+from window_attention import WINDOW_BLOCK, window_mask
 
 TINY20 = dict(
     arch="speedrun20", bias=False, n_layer=4, n_head=2, n_embd=32, block_size=256, vocab_size=64
@@ -30,7 +31,7 @@ def small_end_of_text():
     """Documents split at id 63 of a 64-token vocabulary, not GPT-2's 50256: the same masks, a head
     of 128 rows instead of 50304."""
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(attention, "EOT", 63)
+        m.setattr(window_attention, "EOT", 63)
         yield
 
 
@@ -52,8 +53,8 @@ def randomized(model, seed=0, scale=0.3):
 def with_documents(shape, seed=0, every=37):
     """Token ids with an <|endoftext|> every `every` tokens or so: documents that split blocks."""
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, attention.EOT, shape)
-    idx[rng.random(shape) < 1 / every] = attention.EOT
+    idx = rng.integers(0, window_attention.EOT, shape)
+    idx[rng.random(shape) < 1 / every] = window_attention.EOT
     return idx
 
 
@@ -62,20 +63,21 @@ def test_window_mask_is_block_wise_document_causal():
     blocks, 0..200 of it; a document starting at 150 cuts both."""
     pos = jnp.arange(256)
     one_doc = jnp.zeros((1, 256), jnp.int32)
-    row = lambda docs, w: np.flatnonzero(attention.window_mask(pos, pos, docs, docs, w)[0, 200])  # noqa: E731
+    row = lambda docs, w: np.flatnonzero(window_mask(pos, pos, docs, docs, w)[0, 200])  # noqa: E731
     assert row(one_doc, 1).tolist() == list(range(128, 201))
     assert row(one_doc, 0).tolist() == list(range(128, 201))  # the short window at step 0
     assert row(one_doc, 2).tolist() == list(range(0, 201))
     two_docs = (pos >= 150).astype(jnp.int32)[None]
     assert row(two_docs, 2).tolist() == list(range(150, 201))
     assert np.flatnonzero(
-        attention.window_mask(pos, pos, two_docs, two_docs, 2)[0, 140]
+        window_attention.window_mask(pos, pos, two_docs, two_docs, 2)[0, 140]
     ).tolist() == list(range(0, 141))
 
 
 def test_documents_start_at_each_end_of_text():
-    idx = jnp.array([[5, attention.EOT, 7, 8, attention.EOT, attention.EOT, 9]])
-    assert attention.documents(idx).tolist() == [[0, 1, 1, 1, 2, 3, 3]]
+    eot = window_attention.EOT
+    idx = jnp.array([[5, eot, 7, 8, eot, eot, 9]])
+    assert window_attention.documents(idx).tolist() == [[0, 1, 1, 1, 2, 3, 3]]
 
 
 @pytest.mark.parametrize("window_size", [speedrun_model.WINDOW_SIZE, 128])
@@ -143,7 +145,7 @@ def test_logits_are_soft_capped_and_the_loss_is_their_cross_entropy():
         (dict(n_head=4, n_embd=24), "multiple of 4"),
         (dict(scan_layers=True), "scan_layers=False"),
         (dict(dropout=0.1), "dropout=0.0"),
-        (dict(attention="splash"), "set attention='auto' or 'xla', not 'splash'"),
+        (dict(attention="cudnn"), "token-wise sliding window cannot express"),
     ],
 )
 def test_a_config_the_record_cannot_take_is_one_line(change, says):
@@ -154,17 +156,17 @@ def test_a_config_the_record_cannot_take_is_one_line(change, says):
 
 @pytest.mark.parametrize("window", [0, 1, 2, 3])
 def test_the_banded_kernel_is_the_masked_one(window):
-    """attention.banded_window_attention (the record's long sequences: a band of kv blocks per query
-    block) against masked attention over window_mask, documents splitting blocks."""
+    """window_attention.banded_window_attention (the record's long sequences: a band of kv blocks
+    per query block) against masked attention over window_mask, documents splitting blocks."""
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 1024, 2, 8)), jnp.float32) for _ in range(3))
-    docs = attention.documents(jnp.asarray(with_documents((2, 1024), every=150)))
+    docs = window_attention.documents(jnp.asarray(with_documents((2, 1024), every=150)))
     pos = jnp.arange(1024)
     with jax.default_matmul_precision("highest"):
-        dense = attention.masked_attention(
-            q, k, v, attention.window_mask(pos, pos, docs, docs, window), 0.12
+        dense = window_attention.masked_attention(
+            q, k, v, window_attention.window_mask(pos, pos, docs, docs, window), 0.12
         )
-        banded = attention.banded_window_attention(q, k, v, docs, jnp.int32(window), 3, 0.12)
+        banded = window_attention.banded_window_attention(q, k, v, docs, jnp.int32(window), 3, 0.12)
     np.testing.assert_allclose(banded, dense, rtol=0, atol=1e-6)
 
 
@@ -175,10 +177,36 @@ def test_a_sequence_longer_than_the_band_takes_the_banded_kernel(monkeypatch):
     config = GPTConfig(**{**TINY20, "block_size": 512})
     with jax.default_matmul_precision("highest"):
         masked = randomized(build(config, nnx.Rngs(0)))(idx, window_blocks=2)[0]
-        monkeypatch.setattr(attention, "masked_attention", None)  # only the banded kernel can run
+        # only the banded kernel can run
+        monkeypatch.setattr(window_attention, "masked_attention", None)
         banded = randomized(build(replace(config, window_size=256), nnx.Rngs(0)))
         banded = banded(idx, window_blocks=2)[0]
     np.testing.assert_allclose(banded, masked, rtol=0, atol=1e-5)
+
+
+def test_the_model_with_splash_computes_what_it_computes_with_xla():
+    """attention='splash' (window_attention's splash, interpret mode) against 'xla' (the banded
+    kernel) in a whole model, fp32, 1024 tokens with documents, window_size 256 (long and short
+    layers) at a window of 2 and 1: the loss and every gradient. The window reaches the kernels as
+    data, in one jitted step."""
+    idx = jnp.asarray(with_documents((1, 1025), every=400))
+    config = GPTConfig(**{**TINY20, "block_size": 1024, "window_size": 256})
+
+    @nnx.jit
+    def loss_and_grads(model, window):
+        loss = lambda m: m(idx[:, :-1], idx[:, 1:], window_blocks=window)[1]  # noqa: E731
+        return loss(model), nnx.grad(loss)(model)
+
+    for window in (2, 1):
+        out = {}
+        for setting in ("splash", "xla"):
+            model = randomized(build(replace(config, attention=setting), nnx.Rngs(0)))
+            loss, grads = loss_and_grads(model, jnp.int32(window))
+            out[setting] = loss, jax.tree.leaves(nnx.to_pure_dict(grads))
+        (loss_s, grads_s), (loss_x, grads_x) = out["splash"], out["xla"]
+        assert abs(float(loss_s) / float(loss_x) - 1) < 1e-6
+        for a, b in zip(grads_s, grads_x):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.abs(b).max()))
 
 
 def test_the_window_grows_as_the_records_to_window_size():
@@ -193,7 +221,7 @@ def test_the_window_grows_as_the_records_to_window_size():
         c = dict(arch="speedrun20", max_iters=n, window_size=window_size)
         windows = record20_step(c, 1)["windows"]
         for step in range(n + 1):
-            expected = training.window_size(step, n, span=window_size) // attention.WINDOW_BLOCK
+            expected = training.window_size(step, n, span=window_size) // WINDOW_BLOCK
             assert windows(step) == expected == int(eval_window(step, c)), (window_size, step)
     assert speedrun_model.window_schedule(n, n) == 14  # the record's final 1792 tokens
     model = build(GPTConfig(**{**TINY20, "window_size": 256}), nnx.Rngs(0))

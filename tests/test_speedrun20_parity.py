@@ -17,7 +17,7 @@ import torch
 from flax import nnx
 from helpers import rel_diff
 
-import attention
+import window_attention
 from configurator import UsageError
 from layers import fp8_head, half_truncated_frequencies, half_truncated_rotary_tables
 from model import GPTConfig
@@ -36,7 +36,7 @@ T = 512  # 4 of the record's 128-token blocks
 @pytest.fixture(autouse=True, scope="module")
 def small_end_of_text():
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(attention, "EOT", 63)
+        m.setattr(window_attention, "EOT", 63)
         m.setattr(record, "EOT", 63)
         yield
 
@@ -51,8 +51,8 @@ def highest_precision():
 def tokens(seed=0, length=T, every=90):
     """Token ids with documents that start mid-block."""
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, attention.EOT, length)
-    idx[rng.random(length) < 1 / every] = attention.EOT
+    idx = rng.integers(0, window_attention.EOT, length)
+    idx[rng.random(length) < 1 / every] = window_attention.EOT
     return idx
 
 
@@ -74,9 +74,10 @@ def pair():
 def test_window_mask_is_the_records_block_mask(window):
     idx = tokens(every=150, length=1024)
     long, short = record.block_masks(torch.as_tensor(idx), window)
-    docs, pos = attention.documents(jnp.asarray(idx)), jnp.arange(1024)
+    docs, pos = window_attention.documents(jnp.asarray(idx)), jnp.arange(1024)
     for w, expected in ((window, long), (window // 2, short)):
-        np.testing.assert_array_equal(attention.window_mask(pos, pos, docs, docs, w), expected)
+        mask = window_attention.window_mask(pos, pos, docs, docs, w)
+        np.testing.assert_array_equal(mask, expected)
 
 
 def test_rotary_tables_are_the_records():

@@ -1,0 +1,140 @@
+"""python -m pytest tests/test_window_attention.py -q
+
+window_attention.py's splash kernel for record 20 (Pallas interpret mode on this CPU) against masked
+attention over window_mask: forward and gradients at windows that documents and tiles cut, the tiles
+its tables visit (exactly those the window meets), which kernel each setting and platform gets, and
+its Mosaic kernels compiled for a TPU v5e by libtpu. Under a mesh: tests/test_attention.py; a whole
+model: tests/test_speedrun20_model.py."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close
+from jax._src import config as jax_config
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import accelerators
+import sharding
+import window_attention
+from window_attention import WINDOW_BLOCK, masked_attention, window_mask, window_splash_attention
+
+
+def window_inputs(B=2, T=1024, seed=0):
+    """q, k, v, a cotangent (B, T, 2, 32) and document numbers: row 0 one document, the others
+    three, their starts inside blocks."""
+    rng = np.random.default_rng(seed)
+    q, k, v, g = (jnp.asarray(rng.standard_normal((B, T, 2, 32)), jnp.float32) for _ in range(4))
+    starts = np.zeros((B, T), np.int32)
+    starts[1:, [T // 3 + 5, T // 2 + 70]] = 1
+    return q, k, v, g, jnp.asarray(np.cumsum(starts, axis=1))
+
+
+def forward_and_grads(attend, q, k, v, g):
+    y, vjp = jax.vjp(attend, q, k, v)
+    return (y, *vjp(g))
+
+
+@pytest.mark.parametrize(
+    "tile, band, window",
+    [(128, 8, 0), (256, 8, 3), (512, 8, 5), (256, 8, 8), (512, 3, 2)],
+)
+def test_window_splash_is_the_masked_kernel(tile, band, window):
+    """Forward and the three gradients against masked_attention over window_mask, fp32, with tiles
+    of 1, 2 and 4 blocks: the window's edge inside a tile and at its border."""
+    q, k, v, g, docs = window_inputs()
+    pos = jnp.arange(q.shape[1])
+    mask = window_mask(pos, pos, docs, docs, window)
+    with jax.default_matmul_precision("highest"):
+        want = forward_and_grads(lambda *a: masked_attention(*a, mask, 0.12), q, k, v, g)
+        got = forward_and_grads(
+            lambda *a: window_splash_attention(*a, docs, jnp.int32(window), band, 0.12, tile),
+            q, k, v, g,
+        )  # fmt: skip
+    for name, a, b in zip(("y", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, atol=2e-6 * np.abs(b).max(), what=name)
+
+
+def visited(tables, dkv):
+    """{(query tile, kv tile)} the kernel computes, from its block tables."""
+    on, tile = np.asarray(tables.block_mask[0]), np.asarray(tables.data_next[0])
+    if dkv:
+        return {(int(tile[g, j]), j) for g, j in zip(*np.nonzero(on))}
+    return {(i, int(tile[i, g])) for i, g in zip(*np.nonzero(on))}
+
+
+@pytest.mark.parametrize("tile, band", [(256, 7), (512, 14), (128, 3)])
+def test_the_tables_visit_exactly_the_tiles_the_window_meets(tile, band):
+    """For every window up to the band, the forward's and dkv's tables name each (query, kv) tile
+    pair where the causal window allows some key (documents aside: segment ids mask inside), and no
+    other; a skipped entry fetches the tile its neighbour fetches, so it copies nothing."""
+    T = 2048
+    n_tiles, per_tile = T // tile, tile // WINDOW_BLOCK
+    width = min(1 + -(-(band - 1) // per_tile), n_tiles)
+    pos, one_doc = jnp.arange(T), jnp.zeros(T, jnp.int32)
+    for window in range(1, band + 1):
+        mask = np.asarray(window_mask(pos, pos, one_doc, one_doc, window))
+        met = mask.reshape(n_tiles, tile, n_tiles, tile).any(axis=(1, 3))
+        expected = set(zip(*map(lambda a: a.tolist(), np.nonzero(met))))
+        reach = (window - 1 + per_tile - 1) // per_tile
+        for dkv in (False, True):
+            tables = window_attention._window_tables(n_tiles, reach, width, None, dkv)
+            assert visited(tables, dkv) == expected, (window, dkv)
+            on, tiles = np.asarray(tables.block_mask[0]), np.asarray(tables.data_next[0])
+            for row_on, row_tiles in zip(*((on.T, tiles.T) if dkv else (on, tiles))):
+                fetched = [t for n, t in enumerate(row_tiles) if n == 0 or t != row_tiles[n - 1]]
+                assert fetched == row_tiles[row_on == 1].tolist(), (window, dkv)
+
+
+def test_each_setting_gets_its_kernel():
+    """'auto' takes splash on a TPU whose compiler takes the dtype, XLA elsewhere (masked up to the
+    band's blocks, banded beyond); 'splash' runs wherever the shapes allow (interpret mode off a
+    TPU), refused in bf16 on a TPU v3 in one line."""
+
+    def pick(setting, platform="tpu", dtype="bfloat16", T=65536, kind="TPU v5 lite"):
+        return window_attention.record20_kernel(
+            setting, platform=platform, dtype=dtype, seq_len=T, head_size=128, band=14,
+            device_kind=kind,
+        )  # fmt: skip
+
+    assert pick("auto") == pick("splash") == pick("splash", platform="cpu") == "splash"
+    assert pick("auto", platform="gpu") == pick("xla") == "banded"
+    assert pick("auto", platform="cpu", T=1792) == pick("xla", T=256) == "masked"
+    assert pick("auto", kind="TPU v3") == "banded"
+    assert pick("auto", kind="TPU v3", dtype="float32") == "splash"
+    with pytest.raises(ValueError, match="^attention='splash' cannot run here: TPU v3's") as e:
+        pick("splash", kind="TPU v3")
+    assert "\n" not in str(e.value)
+
+
+def test_window_splash_compiles_for_tpu():
+    """Forward and backward for a v5e 2x2 slice as fsdp 2 x tensor 2, the window an argument: the
+    Mosaic kernels (forward, dq, dkv), each device on its row and 2 heads."""
+    mesh = sharding.make_mesh(
+        fsdp=2, tensor_parallel=2, devices=accelerators.topology_devices("v5e:2x2")
+    )
+
+    def loss(q, k, v, docs, window):
+        y = window_splash_attention(q, k, v, docs, window, 14, 0.12)
+        return jnp.sum(y.astype(jnp.float32))
+
+    # kept out of JAX's persistent compilation cache, which cannot load a compile-only client's
+    # executables back
+    with jax.set_mesh(mesh), jax_config.persistent_cache_min_compile_time_secs(math.inf):
+        rows = P(sharding.BATCH, None, "tensor")
+        x = jax.ShapeDtypeStruct(
+            (2, 4096, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, rows)
+        )
+        docs = jax.ShapeDtypeStruct(
+            (2, 4096), jnp.int32, sharding=NamedSharding(mesh, P(sharding.BATCH, None))
+        )
+        window = jax.ShapeDtypeStruct((), jnp.int32)
+        grad = jax.jit(jax.grad(loss, (0, 1, 2)))
+        hlo = grad.lower(x, x, x, docs, window).compile().as_text()
+    for kernel in ("fwd", "dq", "dkv"):  # each on (2 heads, 4096, 128): one row, its device's heads
+        name = f"%splash_mha_{kernel}_segmented"
+        (call,) = [line for line in hlo.splitlines() if line.strip().startswith(name)]
+        assert "tpu_custom_call" in call and "bf16[2,4096,128]" in call

@@ -1,0 +1,218 @@
+"""
+Record 20's attention (speedrun_model.py, GPTConfig.arch='speedrun20'): document-causal attention
+over block-wise sliding windows, as modded-nanogpt's record 20 builds its FlexAttention BlockMask,
+and its kernels: masked XLA attention for short sequences, a banded XLA kernel for the record's 64K
+tokens, and splash attention with block tables built from the window's shape (TPU; Pallas interpret
+mode elsewhere). The window is data to each: one compiled step serves the whole schedule.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel as splash_kernel,
+)
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_mask_info as mask_info_lib,
+)
+
+import sharding
+from attention import cannot_run, per_device, splash_dtype_reason, splash_reason, splash_tile
+
+EOT = 50256  # GPT-2's <|endoftext|>: each one starts a document (it is that document's first token)
+WINDOW_BLOCK = 128  # the record's FlexAttention block: windows are whole blocks of this many tokens
+
+
+def documents(idx):
+    """Token ids (B, T) -> (B, T) int32 document numbers, as record 20 counts them: the number of
+    <|endoftext|> tokens up to and including each position."""
+    return jnp.cumsum(idx == EOT, axis=-1, dtype=jnp.int32)
+
+
+def window_mask(q_pos, k_pos, q_docs, k_docs, window_blocks):
+    """Which keys each query attends in record 20: (..., Tq, Tk) bool from positions (Tq,), (Tk,)
+    and document numbers (..., Tq), (..., Tk). Causal, within the query's document, and in the
+    query's block or the window_blocks - 1 blocks before it (at least its own block). This is what
+    the record's hand-built BlockMask selects: for each query block it keeps the nearest
+    window_blocks kv blocks that overlap the query's documents (the clamps on its full and partial
+    block counts add up to that), full blocks whole and the partial ones through document_causal,
+    which is all-true on a full block; window_blocks of 0 (the short window at step 0) keeps the
+    query's own block. window_blocks may be traced."""
+    q_blocks, k_blocks = q_pos // WINDOW_BLOCK, k_pos // WINDOW_BLOCK
+    near = q_blocks[:, None] - k_blocks[None, :] < jnp.maximum(window_blocks, 1)
+    causal = q_pos[:, None] >= k_pos[None, :]
+    return causal & near & (q_docs[..., :, None] == k_docs[..., None, :])
+
+
+def masked_attention(q, k, v, mask, scale):
+    """q (B, Tq, nh, hs), k and v (B, Tk, nh, hs), mask (B, Tq, Tk) -> (B, Tq, nh, hs) in v's dtype:
+    softmax(q k^T * scale) v over the keys the mask allows, scores and softmax in float32. Every
+    query allows at least its own position."""
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    att = jax.nn.softmax(jnp.where(mask[:, None], att, -jnp.inf), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", att, v)
+
+
+def record20_kernel(setting, *, platform, dtype, seq_len, head_size, band, device_kind=None):
+    """Record 20's kernel for one call's shapes on a device of `platform` and `device_kind` (the
+    mesh's): 'splash' (window_splash_attention) for an explicit 'splash' wherever the shapes allow
+    (interpret mode off a TPU) and for 'auto' on a TPU whose kernel compiler takes the dtype; else
+    in XLA 'masked' (masked_attention) for a sequence no longer than `band` blocks, the most its
+    window ever spans, and 'banded' (banded_window_attention) beyond."""
+    splash_dtype = splash_dtype_reason(dtype, device_kind) if platform == "tpu" else None
+    if setting == "splash" and splash_dtype:
+        raise cannot_run(setting, splash_dtype, "use attention='auto' or 'xla', or dtype='float32'")
+    wanted = setting == "splash" or (setting == "auto" and platform == "tpu" and not splash_dtype)
+    if wanted and not splash_reason(seq_len, head_size):
+        return "splash"
+    return "banded" if seq_len > band * WINDOW_BLOCK and seq_len % WINDOW_BLOCK == 0 else "masked"
+
+
+def record20_attention(q, k, v, docs, window_blocks, band, scale, setting="xla"):
+    """Record 20's attention, q, k, v (B, T, nh, hs), docs (B, T), over window_mask's keys (the
+    window of window_blocks, at most `band`, may be traced), with the kernel record20_kernel picks
+    for `setting` on the devices compiled for."""
+    kernel = record20_kernel(
+        setting,
+        platform=sharding.target_platform(),
+        dtype=q.dtype,
+        seq_len=q.shape[1],
+        head_size=q.shape[3],
+        band=band,
+        device_kind=sharding.target_device().device_kind,
+    )
+    if kernel == "splash":
+        return window_splash_attention(q, k, v, docs, window_blocks, band, scale)
+    if kernel == "banded":
+        return banded_window_attention(q, k, v, docs, window_blocks, band, scale)
+    pos = jnp.arange(q.shape[1])
+    mask = window_mask(pos, pos, docs, docs, window_blocks)
+    return masked_attention(q, k, v, mask, scale)
+
+
+def banded_window_attention(q, k, v, docs, window_blocks, band, scale):
+    """Record 20's attention without (T, T) scores: each 128-token query block against the `band`
+    kv blocks that end at its own, window_mask's keys among them (window_blocks <= band, may be
+    traced), so memory and work grow as T x band blocks, not T^2: the record's 64K-token sequences.
+    q, k, v (B, T, nh, hs) with T whole blocks, docs (B, T) -> (B, T, nh, hs) in v's dtype; scores
+    and softmax in float32. Equal to masked_attention over window_mask (tests/test_attention.py)."""
+    B, T, nh, hs = q.shape
+    bs, nb = WINDOW_BLOCK, T // WINDOW_BLOCK
+    band = min(band, nb)
+    # (nb, band): query block i's kv blocks i-band+1 .. i, as indices into band-1 blocks of padding
+    # and then the sequence's blocks
+    take = jnp.arange(nb)[:, None] + jnp.arange(band)[None, :]
+
+    def banded(a, fill=0):  # (b, T, ...) -> (b, nb, band * bs, ...)
+        a = a.reshape(a.shape[0], nb, bs, *a.shape[2:])
+        pad = [(0, 0), (band - 1, 0)] + [(0, 0)] * (a.ndim - 2)
+        kept = jnp.pad(a, pad, constant_values=fill)[:, take]  # (b, nb, band, bs, ...)
+        return kept.reshape(a.shape[0], nb, band * bs, *a.shape[3:])
+
+    pos = jnp.arange(T)
+    q_pos = pos.reshape(nb, bs)
+    k_pos = banded(pos[None], fill=-1)[0]  # (nb, band * bs); -1: the padding before position 0
+    near = q_pos[:, :, None] // bs - k_pos[:, None, :] // bs < jnp.maximum(window_blocks, 1)
+    allowed = (k_pos[:, None, :] >= 0) & (q_pos[:, :, None] >= k_pos[:, None, :]) & near
+    same_doc = docs.reshape(B, nb, bs)[..., None] == banded(docs, fill=-1)[:, :, None, :]
+    mask = allowed[None] & same_doc  # (B, nb, bs, band * bs)
+    qb = q.reshape(B, nb, bs, nh, hs)
+    att = jnp.einsum("bnqhd,bnkhd->bnhqk", qb, banded(k), preferred_element_type=jnp.float32)
+    att = jnp.where(mask[:, :, None], att * scale, -jnp.inf)
+    att = jax.nn.softmax(att, axis=-1).astype(v.dtype)
+    return jnp.einsum("bnhqk,bnkhd->bnqhd", att, banded(v)).reshape(B, T, nh, hs)
+
+
+def _window_tables(n_tiles, reach, width, q_sequence, dkv):
+    """Splash's block tables for record 20's window, in splash_attention_mask_info's shrunk layout
+    (each query tile's `width` kv tiles for the forward and dq; each kv tile's query tiles for dkv),
+    built from the window's regular shape rather than by evaluating a mask tile by tile: tile i
+    meets tiles i - reach .. i (reach may be traced). Skipped entries name a tile fetched next to
+    them, so that they copy nothing."""
+    rows, steps = jnp.arange(n_tiles)[:, None], jnp.arange(width)[None, :]
+    if dkv:  # kv tile j: query tiles j, j + 1, ... while in reach, then skipped
+        last = jnp.minimum(rows + reach, n_tiles - 1)
+        tiles = rows + steps
+        on, next_tile = tiles <= last, jnp.minimum(tiles, last)
+    else:  # query tile i: skipped, then kv tiles ... i - 1, i (the last entry its own)
+        first = jnp.maximum(rows - reach, 0)
+        tiles = rows - (width - 1) + steps
+        on, next_tile = tiles >= first, jnp.maximum(tiles, first)
+    if dkv:
+        on, next_tile = on.T, next_tile.T  # (width, n_tiles): the kv tiles are the columns
+    return mask_info_lib.MaskInfo(
+        data_next=next_tile[None].astype(jnp.int32),
+        mask_next=None,
+        block_mask=on[None].astype(jnp.int32),  # 1: computed through the mask function
+        partial_mask_blocks=None,
+        q_sequence=q_sequence,
+    )
+
+
+@functools.cache
+def _window_mask_function(window_bits):
+    """The kernel's mask for a tile: causal, and within the query's window, read from the packed
+    q_sequence (position << window_bits | window blocks): the window is data, not a constant
+    compiled into the kernel."""
+    block_bits = WINDOW_BLOCK.bit_length() - 1
+
+    def mask(q_sequence, k_pos):
+        q_pos = jax.lax.shift_right_logical(q_sequence, window_bits)
+        window = q_sequence & ((1 << window_bits) - 1)
+        near = (q_pos >> block_bits) - (k_pos >> block_bits) < window
+        return (k_pos <= q_pos) & near
+
+    return mask
+
+
+def window_splash_attention(q, k, v, docs, window_blocks, band, scale, tile=None):
+    """Record 20's attention as TPU splash attention (Pallas interpret mode off a TPU): documents as
+    segment ids, the causal window computed in the kernel, and only the tiles the window meets
+    visited (its grid spans the band: `band` blocks, window_blocks <= band, may be traced).
+    q, k, v (B, T, nh, hs), docs (B, T) -> (B, T, nh, hs) in v's dtype; splash's q.k dots
+    accumulate in float32, q scaled before them. Equal to masked_attention over window_mask
+    (tests/test_attention.py)."""
+    T = q.shape[1]
+    tile = tile or splash_tile(T)
+    n_tiles, blocks_per_tile = T // tile, tile // WINDOW_BLOCK
+    band = max(band, 1)
+    width = min(1 + -(-(band - 1) // blocks_per_tile), n_tiles)
+    window_bits = band.bit_length()  # the window, 1 .. band, packed below each position
+    if T << window_bits > jnp.iinfo(jnp.int32).max:
+        raise ValueError(f"window_splash_attention takes T * 2^{window_bits} < 2^31, got T={T}")
+    interpret = sharding.target_platform() != "tpu"
+
+    def local(q, k, v, docs, window_blocks):  # (b, T, h, hs), (b, T), (): this device's share
+        window = jnp.clip(window_blocks, 1, band).astype(jnp.int32)
+        q_sequence = (jnp.arange(T, dtype=jnp.int32) << window_bits) | window
+        reach = (window - 1 + blocks_per_tile - 1) // blocks_per_tile
+        tables = (
+            _window_tables(n_tiles, reach, width, q_sequence, dkv)
+            for dkv in (False, False, True)  # forward, dq, dkv
+        )
+        sizes = splash_kernel.BlockSizes(
+            block_q=tile, block_kv=tile, block_kv_compute=tile, block_q_dkv=tile,
+            block_kv_dkv=tile, block_kv_dkv_compute=tile, block_q_dq=tile, block_kv_dq=tile,
+        )  # fmt: skip
+        kernel = splash_kernel.SplashAttentionKernel(
+            *tables,
+            block_sizes=sizes,
+            is_mqa=False,
+            save_residuals=False,
+            mask_value=splash_kernel.DEFAULT_MASK_VALUE,
+            attn_logits_soft_cap=None,
+            residual_checkpoint_name=None,
+            mask_function=_window_mask_function(window_bits),
+            interpret=interpret,
+        )
+        q = q * jnp.asarray(scale, q.dtype)  # the kernel does not scale the scores
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # (b, h, T, hs)
+
+        def row(q, k, v, docs):
+            return kernel(q, k, v, splash_kernel.SegmentIds(q=docs, kv=docs))
+
+        return jax.vmap(row)(q, k, v, docs).transpose(0, 2, 1, 3)
+
+    y = per_device(local, q, k, v, docs, jnp.asarray(window_blocks, jnp.int32))
+    return y.astype(v.dtype)
