@@ -96,7 +96,8 @@ def banded_window_attention(q, k, v, docs, window_blocks, band, scale):
     kv blocks that end at its own, window_mask's keys among them (window_blocks <= band, may be
     traced), so memory and work grow as T x band blocks, not T^2: the record's 64K-token sequences.
     q, k, v (B, T, nh, hs) with T whole blocks, docs (B, T) -> (B, T, nh, hs) in v's dtype; scores
-    and softmax in float32. Equal to masked_attention over window_mask (tests/test_attention.py)."""
+    and softmax in float32. Equal to masked_attention over window_mask
+    (tests/test_speedrun20_model.py)."""
     B, T, nh, hs = q.shape
     bs, nb = WINDOW_BLOCK, T // WINDOW_BLOCK
     band = min(band, nb)
@@ -124,29 +125,34 @@ def banded_window_attention(q, k, v, docs, window_blocks, band, scale):
     return jnp.einsum("bnhqk,bnkhd->bnqhd", att, banded(v)).reshape(B, T, nh, hs)
 
 
-def _window_tables(n_tiles, reach, width, q_sequence, dkv):
-    """Splash's block tables for record 20's window, in splash_attention_mask_info's shrunk layout
-    (each query tile's `width` kv tiles for the forward and dq; each kv tile's query tiles for dkv),
-    built from the window's regular shape rather than by evaluating a mask tile by tile: tile i
-    meets tiles i - reach .. i (reach may be traced). Skipped entries name a tile fetched next to
-    them, so that they copy nothing."""
+def _window_tables(T, tile, band, window, q_sequence):
+    """Splash's block tables (forward, dq, dkv) for record 20's window of `window` blocks (1 ..
+    band, may be traced) over T tokens in tiles of `tile`, in splash_attention_mask_info's shrunk
+    layout: each query tile's kv tiles for the forward and dq, each kv tile's query tiles for dkv,
+    as many as the band can meet. Built from the window's regular shape rather than by evaluating a
+    mask tile by tile: tile i meets tiles i - reach .. i. Skipped entries name a tile fetched next
+    to them, so that they copy nothing."""
+    n_tiles, blocks_per_tile = T // tile, tile // WINDOW_BLOCK
+    width = min(1 + -(-(band - 1) // blocks_per_tile), n_tiles)
+    reach = (window - 1 + blocks_per_tile - 1) // blocks_per_tile
     rows, steps = jnp.arange(n_tiles)[:, None], jnp.arange(width)[None, :]
-    if dkv:  # kv tile j: query tiles j, j + 1, ... while in reach, then skipped
-        last = jnp.minimum(rows + reach, n_tiles - 1)
-        tiles = rows + steps
-        on, next_tile = tiles <= last, jnp.minimum(tiles, last)
-    else:  # query tile i: skipped, then kv tiles ... i - 1, i (the last entry its own)
-        first = jnp.maximum(rows - reach, 0)
-        tiles = rows - (width - 1) + steps
-        on, next_tile = tiles >= first, jnp.maximum(tiles, first)
-    if dkv:
-        on, next_tile = on.T, next_tile.T  # (width, n_tiles): the kv tiles are the columns
-    return mask_info_lib.MaskInfo(
-        data_next=next_tile[None].astype(jnp.int32),
-        mask_next=None,
-        block_mask=on[None].astype(jnp.int32),  # 1: computed through the mask function
-        partial_mask_blocks=None,
-        q_sequence=q_sequence,
+    # query tile i: skipped, then kv tiles ... i - 1, i (the last entry its own)
+    first = jnp.maximum(rows - reach, 0)
+    kv_tiles = rows - (width - 1) + steps
+    forward = (kv_tiles >= first, jnp.maximum(kv_tiles, first))
+    # kv tile j: query tiles j, j + 1, ... while in reach, then skipped; (width, n_tiles)
+    last = jnp.minimum(rows + reach, n_tiles - 1)
+    q_tiles = rows + steps
+    dkv = ((q_tiles <= last).T, jnp.minimum(q_tiles, last).T)
+    return tuple(
+        mask_info_lib.MaskInfo(
+            data_next=next_tile[None].astype(jnp.int32),
+            mask_next=None,
+            block_mask=on[None].astype(jnp.int32),  # 1: computed through the mask function
+            partial_mask_blocks=None,
+            q_sequence=q_sequence,
+        )
+        for on, next_tile in (forward, forward, dkv)
     )
 
 
@@ -172,12 +178,10 @@ def window_splash_attention(q, k, v, docs, window_blocks, band, scale, tile=None
     visited (its grid spans the band: `band` blocks, window_blocks <= band, may be traced).
     q, k, v (B, T, nh, hs), docs (B, T) -> (B, T, nh, hs) in v's dtype; splash's q.k dots
     accumulate in float32, q scaled before them. Equal to masked_attention over window_mask
-    (tests/test_attention.py)."""
+    (tests/test_window_attention.py)."""
     T = q.shape[1]
     tile = tile or splash_tile(T)
-    n_tiles, blocks_per_tile = T // tile, tile // WINDOW_BLOCK
     band = max(band, 1)
-    width = min(1 + -(-(band - 1) // blocks_per_tile), n_tiles)
     window_bits = band.bit_length()  # the window, 1 .. band, packed below each position
     if T << window_bits > jnp.iinfo(jnp.int32).max:
         raise ValueError(f"window_splash_attention takes T * 2^{window_bits} < 2^31, got T={T}")
@@ -186,11 +190,7 @@ def window_splash_attention(q, k, v, docs, window_blocks, band, scale, tile=None
     def local(q, k, v, docs, window_blocks):  # (b, T, h, hs), (b, T), (): this device's share
         window = jnp.clip(window_blocks, 1, band).astype(jnp.int32)
         q_sequence = (jnp.arange(T, dtype=jnp.int32) << window_bits) | window
-        reach = (window - 1 + blocks_per_tile - 1) // blocks_per_tile
-        tables = (
-            _window_tables(n_tiles, reach, width, q_sequence, dkv)
-            for dkv in (False, False, True)  # forward, dq, dkv
-        )
+        tables = _window_tables(T, tile, band, window, q_sequence)
         sizes = splash_kernel.BlockSizes(
             block_q=tile, block_kv=tile, block_kv_compute=tile, block_q_dkv=tile,
             block_kv_dkv=tile, block_kv_dkv_compute=tile, block_q_dq=tile, block_kv_dq=tile,

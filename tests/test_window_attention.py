@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import accelerators
 import sharding
 import window_attention
-from window_attention import WINDOW_BLOCK, masked_attention, window_mask, window_splash_attention
+from window_attention import masked_attention, window_mask, window_splash_attention
 
 
 def window_inputs(B=2, T=1024, seed=0):
@@ -58,10 +58,10 @@ def test_window_splash_is_the_masked_kernel(tile, band, window):
         assert_close(a, b, atol=2e-6 * np.abs(b).max(), what=name)
 
 
-def visited(tables, dkv):
-    """{(query tile, kv tile)} the kernel computes, from its block tables."""
+def visited(tables, transposed):
+    """{(query tile, kv tile)} the kernel computes, from its block tables (dkv's: transposed)."""
     on, tile = np.asarray(tables.block_mask[0]), np.asarray(tables.data_next[0])
-    if dkv:
+    if transposed:
         return {(int(tile[g, j]), j) for g, j in zip(*np.nonzero(on))}
     return {(i, int(tile[i, g])) for i, g in zip(*np.nonzero(on))}
 
@@ -72,21 +72,20 @@ def test_the_tables_visit_exactly_the_tiles_the_window_meets(tile, band):
     pair where the causal window allows some key (documents aside: segment ids mask inside), and no
     other; a skipped entry fetches the tile its neighbour fetches, so it copies nothing."""
     T = 2048
-    n_tiles, per_tile = T // tile, tile // WINDOW_BLOCK
-    width = min(1 + -(-(band - 1) // per_tile), n_tiles)
+    n_tiles = T // tile
     pos, one_doc = jnp.arange(T), jnp.zeros(T, jnp.int32)
     for window in range(1, band + 1):
         mask = np.asarray(window_mask(pos, pos, one_doc, one_doc, window))
         met = mask.reshape(n_tiles, tile, n_tiles, tile).any(axis=(1, 3))
         expected = set(zip(*map(lambda a: a.tolist(), np.nonzero(met))))
-        reach = (window - 1 + per_tile - 1) // per_tile
-        for dkv in (False, True):
-            tables = window_attention._window_tables(n_tiles, reach, width, None, dkv)
-            assert visited(tables, dkv) == expected, (window, dkv)
+        forward, dq, dkv = window_attention._window_tables(T, tile, band, jnp.int32(window), None)
+        jax.tree.map(np.testing.assert_array_equal, dq, forward)  # dq visits as the forward
+        for tables, transposed in ((forward, False), (dkv, True)):
+            assert visited(tables, transposed) == expected, (window, transposed)
             on, tiles = np.asarray(tables.block_mask[0]), np.asarray(tables.data_next[0])
-            for row_on, row_tiles in zip(*((on.T, tiles.T) if dkv else (on, tiles))):
+            for row_on, row_tiles in zip(*((on.T, tiles.T) if transposed else (on, tiles))):
                 fetched = [t for n, t in enumerate(row_tiles) if n == 0 or t != row_tiles[n - 1]]
-                assert fetched == row_tiles[row_on == 1].tolist(), (window, dkv)
+                assert fetched == row_tiles[row_on == 1].tolist(), (window, transposed)
 
 
 def test_each_setting_gets_its_kernel():
