@@ -26,7 +26,8 @@ import sharding
 from configurator import UsageError
 from layers import dropout
 
-SETTINGS = ("auto", "xla", "cudnn", "splash")  # GPTConfig.attention values
+# GPTConfig.attention values; "flash" is record 20's only (window_attention.window_flash_attention)
+SETTINGS = ("auto", "xla", "cudnn", "splash", "flash")
 # splash tiles the sequence in blocks of a multiple of 128 (the TPU's lane width)
 SPLASH_MULTIPLE = 128
 # The largest head size (n_embd / n_head) splash takes: 256 compiled, fwd+bwd in fp32 and bf16 with
@@ -122,9 +123,22 @@ def check_setting(
 
 
 def check_run(config, device):
-    """check_setting for a run of `config` (a GPTConfig) on `device`'s kind, as a one-line
-    UsageError: before anything is written."""
+    """check_setting for a run of `config` (a GPTConfig) on `device`'s kind (record 20:
+    window_attention.record20_kernel's), as a one-line UsageError: before anything is written."""
     try:
+        if config.arch == "speedrun20":
+            import window_attention  # it imports this module
+
+            window_attention.record20_kernel(
+                config.attention,
+                platform=device.platform,
+                dtype=config.dtype,
+                seq_len=config.block_size,
+                head_size=config.n_embd // config.n_head,
+                band=1,
+                device_kind=device.device_kind,
+            )
+            return
         check_setting(
             config.attention,
             platform=device.platform,
@@ -152,6 +166,12 @@ def choose(setting, *, platform, dtype, seq_len, head_size, capability=None, dev
         raise cannot_run(setting, splash_dtype, "use attention='auto' or 'xla', or dtype='float32'")
     if setting == "splash":
         return "xla" if splash_reason(seq_len, head_size) else "splash"
+    if setting == "flash":
+        raise cannot_run(
+            setting,
+            "it is record 20's windowed kernel (arch='speedrun20')",
+            "use attention='auto', 'xla', 'cudnn' or 'splash'",
+        )
     if setting == "cudnn" and (reason := _cudnn_reason(dtype, head_size, capability)):
         raise cannot_run(setting, reason)
     if setting in ("xla", "cudnn"):

@@ -105,7 +105,8 @@ DEFAULTS = dict(
     tensor_parallel=1,  # split each layer's heads and MLP units over this many devices (same rows)
     # system
     dtype="auto",  # 'float32' | 'bfloat16' | 'auto' (bfloat16 on GPU/TPU, float32 on CPU)
-    # 'xla' | 'cudnn' (NVIDIA Ampere+, bf16) | 'splash' (TPU) | 'auto': the fused one where it runs
+    # 'xla' | 'cudnn' (NVIDIA Ampere+, bf16) | 'splash' (TPU) | 'auto': the fused one where it runs;
+    # arch='speedrun20': 'auto' | 'xla' | 'splash' | 'flash' (its windowed kernel for NVIDIA GPUs)
     attention="auto",
     # what the backward recomputes to save memory: 'none' | 'dots' | 'qkv_proj' | 'block'
     # (layers.REMAT); 'auto': the least recompute whose compiled step fits the device

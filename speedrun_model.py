@@ -316,7 +316,7 @@ class Record20GPT(GPT):
             else "has no dropout: set dropout=0.0"
             if config.dropout
             else "attends over block-wise windows, which cuDNN's token-wise sliding window cannot "
-            "express: set attention='auto', 'xla' or 'splash'"
+            "express: set attention='auto', 'xla', 'splash' or 'flash'"
             if config.attention == "cudnn"
             else None
         )

@@ -10,6 +10,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 from jax.experimental.pallas.ops.tpu.splash_attention import (
     splash_attention_kernel as splash_kernel,
 )
@@ -22,6 +24,7 @@ from attention import cannot_run, per_device, splash_dtype_reason, splash_reason
 
 EOT = 50256  # GPT-2's <|endoftext|>: each one starts a document (it is that document's first token)
 WINDOW_BLOCK = 128  # the record's FlexAttention block: windows are whole blocks of this many tokens
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score: exp() of it is 0, not NaN
 
 
 def documents(idx):
@@ -57,9 +60,18 @@ def masked_attention(q, k, v, mask, scale):
 def record20_kernel(setting, *, platform, dtype, seq_len, head_size, band, device_kind=None):
     """Record 20's kernel for one call's shapes on a device of `platform` and `device_kind` (the
     mesh's): 'splash' (window_splash_attention) for an explicit 'splash' wherever the shapes allow
-    (interpret mode off a TPU) and for 'auto' on a TPU whose kernel compiler takes the dtype; else
-    in XLA 'masked' (masked_attention) for a sequence no longer than `band` blocks, the most its
-    window ever spans, and 'banded' (banded_window_attention) beyond."""
+    (interpret mode off a TPU) and for 'auto' on a TPU whose kernel compiler takes the dtype;
+    'flash' (window_flash_attention) for an explicit 'flash' off a TPU (interpret mode off a GPU);
+    else in XLA 'masked' (masked_attention) for a sequence no longer than `band` blocks, the most
+    its window ever spans, and 'banded' (banded_window_attention) beyond. One line for a setting
+    that cannot run."""
+    if setting == "flash":
+        if platform == "tpu":
+            raise cannot_run(setting, "it is a GPU kernel (Triton)", "use attention='auto'")
+        if platform == "gpu" and (head_size < 16 or head_size & (head_size - 1)):
+            reason = f"its head size (n_embd / n_head) must be a power of 2 >= 16, got {head_size}"
+            raise cannot_run(setting, reason, "use attention='auto' or 'xla'")
+        return "flash"
     splash_dtype = splash_dtype_reason(dtype, device_kind) if platform == "tpu" else None
     if setting == "splash" and splash_dtype:
         raise cannot_run(setting, splash_dtype, "use attention='auto' or 'xla', or dtype='float32'")
@@ -84,6 +96,8 @@ def record20_attention(q, k, v, docs, window_blocks, band, scale, setting="xla")
     )
     if kernel == "splash":
         return window_splash_attention(q, k, v, docs, window_blocks, band, scale)
+    if kernel == "flash":
+        return window_flash_attention(q, k, v, docs, window_blocks, scale)
     if kernel == "banded":
         return banded_window_attention(q, k, v, docs, window_blocks, band, scale)
     pos = jnp.arange(q.shape[1])
@@ -216,3 +230,181 @@ def window_splash_attention(q, k, v, docs, window_blocks, band, scale, tile=None
 
     y = per_device(local, q, k, v, docs, jnp.asarray(window_blocks, jnp.int32))
     return y.astype(v.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# flash attention over the window's blocks only, as Pallas (Triton) kernels for NVIDIA GPUs (Pallas
+# interpret mode elsewhere): the kernel FlexAttention compiles the record's BlockMask to
+
+
+def _scores(q, k, q_start, k_start, q_docs, k_docs, scale):
+    """(bq, bk) float32 scores q.k * scale: causal and within the query's document, the rest at
+    MASK_VALUE (the loops' bounds keep them in its window)."""
+    s = plgpu.dot(q, k, trans_b=True) * scale
+    q_pos = q_start + jnp.arange(q.shape[0])
+    k_pos = k_start + jnp.arange(k.shape[0])
+    allowed = (q_pos[:, None] >= k_pos[None, :]) & (q_docs[:, None] == k_docs[None, :])
+    return jnp.where(allowed, s, MASK_VALUE)
+
+
+def _key_tiles(q_start, bq, bk, window):
+    """The kv tiles of size bk the query tile at q_start meets: from its block's window (window
+    blocks, its own the last) through its own last position."""
+    first_key = jnp.maximum(q_start // WINDOW_BLOCK - window + 1, 0) * WINDOW_BLOCK
+    return first_key // bk, (q_start + bq - 1) // bk + 1
+
+
+def _flash_forward_kernel(window_ref, q_ref, k_ref, v_ref, docs_ref, o_ref, lse_ref, *, scale, bk):
+    bq = q_ref.shape[0]
+    q_start = pl.program_id(0) * bq
+    q, q_docs = q_ref[...], docs_ref[pl.ds(q_start, bq)]
+
+    def visit(j, carry):  # the online softmax over kv tile j: output, running max, running sum
+        o, m, total = carry
+        keys = pl.ds(j * bk, bk)
+        s = _scores(q, k_ref[keys, :], q_start, j * bk, q_docs, docs_ref[keys], scale)
+        m_next = jnp.maximum(m, s.max(axis=1))
+        p, correction = jnp.exp(s - m_next[:, None]), jnp.exp(m - m_next)
+        o = o * correction[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[keys, :])
+        return o, m_next, total * correction + p.sum(axis=1)
+
+    start = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), MASK_VALUE), jnp.zeros((bq,)))
+    o, m, total = jax.lax.fori_loop(*_key_tiles(q_start, bq, bk, window_ref[0]), visit, start)
+    o_ref[...] = (o / total[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(total)
+
+
+def _flash_dq_kernel(
+    window_ref, q_ref, k_ref, v_ref, docs_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, bk
+):
+    bq = q_ref.shape[0]
+    q_start = pl.program_id(0) * bq
+    q, q_docs, do = q_ref[...], docs_ref[pl.ds(q_start, bq)], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+
+    def visit(j, dq):
+        keys = pl.ds(j * bk, bk)
+        k = k_ref[keys, :]
+        p = jnp.exp(_scores(q, k, q_start, j * bk, q_docs, docs_ref[keys], scale) - lse[:, None])
+        ds = p * (plgpu.dot(do, v_ref[keys, :], trans_b=True) - delta[:, None])
+        return dq + plgpu.dot(ds.astype(k.dtype), k)
+
+    tiles = _key_tiles(q_start, bq, bk, window_ref[0])
+    dq = jax.lax.fori_loop(*tiles, visit, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _flash_dkv_kernel(
+    window_ref, q_ref, k_ref, v_ref, docs_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+    scale, bq,
+):  # fmt: skip
+    bk, T = k_ref.shape[0], q_ref.shape[0]
+    k_start = pl.program_id(0) * bk
+    k, v, k_docs = k_ref[...], v_ref[...], docs_ref[pl.ds(k_start, bk)]
+
+    def visit(i, carry):  # query tile i, which sees this kv tile
+        dk, dv = carry
+        rows = pl.ds(i * bq, bq)
+        q, do = q_ref[rows, :], do_ref[rows, :]
+        s = _scores(q, k, i * bq, k_start, docs_ref[rows], k_docs, scale)
+        p = jnp.exp(s - lse_ref[rows][:, None])
+        ds = p * (plgpu.dot(do, v, trans_b=True) - delta_ref[rows][:, None])
+        dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
+        return dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True), dv
+
+    # causal from this tile on; the window: query blocks up to window - 1 after this tile's
+    end = jnp.minimum((k_start // WINDOW_BLOCK + window_ref[0]) * WINDOW_BLOCK, T)
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = jax.lax.fori_loop(k_start // bq, (end - 1) // bq + 1, visit, (zeros, zeros))
+    dk_ref[...], dv_ref[...] = (dk * scale).astype(dk_ref.dtype), dv.astype(dv_ref.dtype)
+
+
+def _pallas(kernel, window, args, grid_tile, ins, outs, interpret):
+    """kernel over (T / grid_tile, B, nh) programs, each given the window, then for each of `args`
+    per `ins` its tile ("tile": of grid_tile positions; "row_tile": of a (B, nh, T) array) or its
+    whole sequence ("whole", "row"; "docs": the (B, T) document numbers); outs: (spec, shape)."""
+    B, T, nh, hs = args[0].shape
+    specs = {
+        "tile": pl.BlockSpec((None, grid_tile, None, hs), lambda i, b, h: (b, i, h, 0)),
+        "whole": pl.BlockSpec((None, T, None, hs), lambda i, b, h: (b, 0, h, 0)),
+        "row_tile": pl.BlockSpec((None, None, grid_tile), lambda i, b, h: (b, h, i)),
+        "row": pl.BlockSpec((None, None, T), lambda i, b, h: (b, h, 0)),
+        "docs": pl.BlockSpec((None, T), lambda i, b, h: (b, 0)),
+    }
+    return pl.pallas_call(
+        kernel,
+        grid=(T // grid_tile, B, nh),
+        in_specs=[pl.BlockSpec((1,), lambda i, b, h: (0,))] + [specs[s] for s in ins],
+        out_specs=[specs[s] for s, _ in outs],
+        out_shape=[shape for _, shape in outs],
+        compiler_params=plgpu.CompilerParams(num_warps=4 if hs <= 64 else 8, num_stages=2),
+        interpret=interpret,
+    )(window, *args)
+
+
+def _flash_forward(q, k, v, docs, window, scale, tiles, interpret):
+    (bq, bk), _ = tiles
+    B, T, nh, _ = q.shape
+    o, lse = _pallas(
+        functools.partial(_flash_forward_kernel, scale=scale, bk=bk),
+        window,
+        (q, k, v, docs),
+        bq,
+        ("tile", "whole", "whole", "docs"),
+        [("tile", q), ("row_tile", jax.ShapeDtypeStruct((B, nh, T), jnp.float32))],
+        interpret,
+    )
+    return o, (q, k, v, docs, window, o, lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash(q, k, v, docs, window, scale, tiles, interpret):
+    return _flash_forward(q, k, v, docs, window, scale, tiles, interpret)[0]
+
+
+def _flash_backward(scale, tiles, interpret, saved, do):
+    q, k, v, docs, window, o, lse = saved
+    _, (bq, bk) = tiles
+    # delta_i = do_i . o_i: the softmax's gradient term, (B, nh, T) float32
+    delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32))
+    args = (q, k, v, docs, do, lse, delta)
+    (dq,) = _pallas(
+        functools.partial(_flash_dq_kernel, scale=scale, bk=bk),
+        window,
+        args,
+        bq,
+        ("tile", "whole", "whole", "docs", "tile", "row_tile", "row_tile"),
+        [("tile", q)],
+        interpret,
+    )
+    dk, dv = _pallas(
+        functools.partial(_flash_dkv_kernel, scale=scale, bq=bq),
+        window,
+        args,
+        bk,
+        ("whole", "tile", "tile", "docs", "whole", "row", "row"),
+        [("tile", k), ("tile", v)],
+        interpret,
+    )
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_forward, _flash_backward)
+
+# (forward (bq, bk), backward (bq, bk)): each divides the 128-token block, so a tile lies in one
+FLASH_TILES = ((128, 64), (64, 64))
+
+
+def window_flash_attention(q, k, v, docs, window_blocks, scale, tiles=FLASH_TILES):
+    """Record 20's attention as flash attention that visits only the kv tiles the window meets,
+    documents and causality masked inside them: Pallas kernels for an NVIDIA GPU (Triton), Pallas
+    interpret mode elsewhere. q, k, v (B, T, nh, hs), T whole tiles, docs (B, T) -> (B, T, nh, hs)
+    in v's dtype; scores, softmax and gradients accumulate in float32. Equal to masked_attention
+    over window_mask (tests/test_window_attention.py)."""
+    interpret = sharding.target_platform() != "gpu"
+
+    def local(q, k, v, docs, window_blocks):  # this device's rows and heads
+        window = jnp.maximum(window_blocks, 1).reshape(1)
+        return _flash(q, k, v, docs, window, scale, tiles, interpret)
+
+    return per_device(local, q, k, v, docs, jnp.asarray(window_blocks, jnp.int32))

@@ -7,6 +7,9 @@ name and the packages' versions.
     python -m bench.gpu
     # (b) against record 5's own code too: ~4 minutes more
     python -m bench.gpu --record ../modded-nanogpt
+    # (d) alone, ours with its 'auto' attention and with the flash kernel, against record 20's code
+    python -m bench.gpu --rows d --attention20 auto,flash --record ../modded-nanogpt \
+        --speedrun_steps 20
     # any machine: the same three rows at tiny sizes (the tests)
     python -m bench.gpu --tiny
 
@@ -27,7 +30,8 @@ name and the packages' versions.
     record 20 (the code that opens records/track_1_short/2025-01-16_Sub3Min/'s log) run as (b)
     runs record 5, on one GPU, so its own loop takes the 8 sequences one after another. Both time
     the same steps (from the 11th; the window grows with the step), each stopped after its last
-    step (the record's final val would compile its eval graph, which times no step).
+    step (the record's final val would compile its eval graph, which times no step). Ours once per
+    --attention20 setting: a row each, against the same record run.
 """
 
 import argparse
@@ -126,10 +130,10 @@ def write_shards(folder, train_tokens, val_tokens, vocab_size=50257, seed=0):
         )
 
 
-def speedrun_ours(data_dir, steps, size, record=5):
-    """(b) and (d), ours: train.py on the record's config for `steps` iterations -> {ms: median ms
-    a step (record 5: after the first 3; record 20: from the 11th, as the record times its own),
-    wall_s: the whole command, auto: its auto settings line}."""
+def speedrun_ours(data_dir, steps, size, record=5, overrides=()):
+    """(b) and (d), ours: train.py on the record's config for `steps` iterations, with `overrides`
+    -> {ms: median ms a step (record 5: after the first 3; record 20: from the 11th, as the record
+    times its own), wall_s: the whole command, auto: its auto settings line}."""
     with tempfile.TemporaryDirectory() as out_dir:
         cmd = [
             sys.executable,
@@ -143,6 +147,7 @@ def speedrun_ours(data_dir, steps, size, record=5):
             "--val_tokens=0",
             "--checkpoint_interval=0",
             "--log_interval=1",
+            *overrides,
         ]
         if record == 5:
             cmd += [f"--warmdown_iters={steps // 2}", *SPEEDRUN[size]]
@@ -311,6 +316,11 @@ def main(argv=None):
         "--speedrun_steps", type=int, default=16, help="(b), (d): iterations of each speedrun run"
     )
     p.add_argument(
+        "--attention20",
+        default="auto",
+        help="(d): ours with each of these attention settings, e.g. auto,flash (a row each)",
+    )
+    p.add_argument(
         "--logs", help="a folder for the speedrun runs' own output (train.py's, the record's)"
     )
     args = p.parse_args(argv)
@@ -328,6 +338,12 @@ def main(argv=None):
     if args.speedrun_steps < 13 and args.record:
         raise UsageError(
             "--speedrun_steps must be >= 13 with --record: the record times its steps from the 11th"
+        )
+    attentions20 = args.attention20.split(",")
+    if set(attentions20) - {"auto", "xla", "splash", "flash"}:
+        raise UsageError(
+            f"--attention20={args.attention20}: give some of auto, xla, splash, flash, e.g. "
+            "--attention20=auto,flash"
         )
     if args.speedrun_steps < 2:
         raise UsageError(f"--speedrun_steps must be >= 2, got {args.speedrun_steps}")
@@ -360,9 +376,14 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as data_dir:
             per_step = 524288 if size == "real" else 2 * 2 * (64 if record == 5 else 128)
             write_shards(data_dir, (args.speedrun_steps + 4) * per_step + 1, 2 * per_step + 1)
-            run = speedrun_ours(data_dir, args.speedrun_steps, size, record)
-            print(f"({row}) ours: {run['ms']:.1f} ms a step", file=sys.stderr, flush=True)
-            keep(args.logs, f"speedrun{record}-ours.txt", run["log"])
+            runs = {}
+            for attention in attentions20 if record == 20 else ["auto"]:
+                overrides = [] if attention == "auto" else [f"--attention={attention}"]
+                run = speedrun_ours(data_dir, args.speedrun_steps, size, record, overrides)
+                tag = "" if attention == "auto" else f"-{attention}"
+                print(f"({row}) ours{tag}: {run['ms']:.1f} ms a step", file=sys.stderr, flush=True)
+                keep(args.logs, f"speedrun{record}-ours{tag}.txt", run["log"])
+                runs[attention] = run
             theirs = None
             if args.record:
                 log = os.path.join(args.logs, f"record{record}.txt") if args.logs else None
@@ -370,26 +391,24 @@ def main(argv=None):
         if "a" not in rows_asked and not any(x.startswith("device:") for x in lines):
             kind = re.search(r"device\(s\) \((.+?)\)", run["log"])
             lines.append(f"device: {kind[1] if kind else '?'} (ours)")
-        lines.append(
-            f"({row}) ours: {run['auto'] or 'no auto settings'}; the whole command "
-            f"{run['wall_s']:.0f} s"
-        )
-        what = f"({row}) {'speedrun' if record == 5 else 'record 20'} step, {CONFIGS[record]}"
         if theirs:
             lines.append(
                 f"({row}) record {record}: the whole command to its last step "
                 f"{theirs['wall_s']:.0f} s (torch.compile included)"
             )
-            rows.append(
-                (
-                    what,
-                    f"{run['ms']:.1f} ms",
-                    f"{theirs['ms']:.1f} ms (record {record})",
-                    run["ms"] / theirs["ms"],
-                )
+        for attention, run in runs.items():
+            tag = "" if attention == "auto" else f" --attention={attention}"
+            lines.append(
+                f"({row}) ours{tag}: {run['auto'] or 'no auto settings'}; the whole command "
+                f"{run['wall_s']:.0f} s"
             )
-        else:
-            rows.append((what, f"{run['ms']:.1f} ms", "- (no --record)", None))
+            what = f"({row}) {'speedrun' if record == 5 else 'record 20'} step, {CONFIGS[record]}"
+            what += tag
+            if theirs:
+                theirs_ms = f"{theirs['ms']:.1f} ms (record {record})"
+                rows.append((what, f"{run['ms']:.1f} ms", theirs_ms, run["ms"] / theirs["ms"]))
+            else:
+                rows.append((what, f"{run['ms']:.1f} ms", "- (no --record)", None))
 
     if "c" in rows_asked:
         sampled = sample_row(size)

@@ -112,7 +112,10 @@ def add_step_args(parser):
         "--tensor_parallel", type=int, default=1, help="our mesh's tensor axis (Megatron)"
     )
     parser.add_argument(
-        "--attention", default="auto", choices=["auto", "xla", "cudnn", "splash"], help="train.py's"
+        "--attention",
+        default="auto",
+        choices=["auto", "xla", "cudnn", "splash", "flash"],
+        help="train.py's",
     )
     parser.add_argument(
         "--remat", default="none", choices=["none", "block", "dots", "qkv_proj"], help="train.py's"

@@ -4,7 +4,7 @@ attention.py: the splash kernel (Pallas interpret mode on this CPU) against XLA'
 and gradients (fp32); which kernel each setting, platform and shape gets, and the one-line errors;
 splash under a mesh on 8 fake CPU devices, each on its own rows and heads; and splash compiled for a
 TPU (v5e 2x2, fsdp 2 x tensor 2) from this CPU by libtpu's ahead-of-time compiler. Record 20's
-splash (tests/test_window_attention.py) under the same mesh."""
+splash and flash (tests/test_window_attention.py) under the same mesh."""
 
 import math
 import os
@@ -27,7 +27,7 @@ import accelerators
 import attention
 import sharding
 from attention import causal_attention, check_setting, choose
-from window_attention import window_splash_attention
+from window_attention import window_flash_attention, window_splash_attention
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,10 +129,15 @@ def test_choose_and_check_setting():
     fix = "; use attention='auto' or 'xla'$"
     bad = [
         (
-            lambda: check_setting("flash", **ok),
-            "^attention must be one of 'auto', 'xla', 'cudnn', 'splash', got 'flash'$",
+            lambda: check_setting("flash2", **ok),
+            "^attention must be one of 'auto', 'xla', 'cudnn', 'splash', 'flash', got 'flash2'$",
         ),
-        (lambda: pick("flash"), "^attention must be one of .* got 'flash'$"),
+        (lambda: pick("flash2"), "^attention must be one of .* got 'flash2'$"),
+        (
+            lambda: check_setting("flash", **ok),
+            r"^attention='flash' cannot run here: it is record 20's windowed kernel "
+            r"\(arch='speedrun20'\); use attention='auto', 'xla', 'cudnn' or 'splash'$",
+        ),
         (
             lambda: check_setting("splash", **{**ok, "dropout": 0.1}),
             "^attention='splash' cannot run here: the kernel has no attention dropout, dropout is "
@@ -289,13 +294,17 @@ for name, (fsdp, tp) in {"data2_fsdp2_tp2": (2, 2), "fsdp8": (8, 1)}.items():
             out[f"{name} {key}"] = np.asarray(a)
 # record 20's splash (window_attention.py): each device on its row and head
 from test_window_attention import forward_and_grads as window_grads, window_inputs
-from window_attention import window_splash_attention
+from window_attention import window_flash_attention, window_splash_attention
 q, k, v, g, docs = window_inputs(B=4, T=512)
-splash = lambda *a: window_splash_attention(*a, docs, jax.numpy.int32(2), 3, 0.12, 128)
+kernels = {
+    "splash": lambda *a: window_splash_attention(*a, docs, jax.numpy.int32(2), 3, 0.12, 128),
+    "flash": lambda *a: window_flash_attention(*a, docs, jax.numpy.int32(2), 0.12),
+}
 with jax.set_mesh(sharding.make_mesh(fsdp=2, tensor_parallel=2)):
-    assert "shard_map" in str(jax.make_jaxpr(splash)(q, k, v))
-    for key, a in zip(("y", "dq", "dk", "dv"), window_grads(splash, q, k, v, g)):
-        out[f"windows {key}"] = np.asarray(a)
+    for name, kernel in kernels.items():
+        assert "shard_map" in str(jax.make_jaxpr(kernel)(q, k, v))
+        for key, a in zip(("y", "dq", "dk", "dv"), window_grads(kernel, q, k, v, g)):
+            out[f"{name} {key}"] = np.asarray(a)
 np.savez(sys.argv[2], **out)
 """  # noqa: E501
 
@@ -303,8 +312,8 @@ np.savez(sys.argv[2], **out)
 def test_splash_under_a_mesh(tmp_path):
     """data 2 x fsdp 2 x tensor 2: each device runs the kernel on 1 row and 2 heads (shard_map);
     fsdp 8 does not divide the 4 rows, so every device runs all of them. Both as splash and xla on
-    one device. Record 20's splash on data 2 x fsdp 2 x tensor 2 (1 row and 1 head a device, its
-    documents and window beside them) as on one device."""
+    one device. Record 20's splash and flash on data 2 x fsdp 2 x tensor 2 (1 row and 1 head a
+    device, its documents and window beside them) as on one device."""
     q, k, v, g = qkv_and_cotangent(4, 256, 4, 64, seed=1)
     np.savez(tmp_path / "in.npz", q=q, k=k, v=v, g=g)
     env = {**fake_devices(8), "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
@@ -331,11 +340,13 @@ def test_splash_under_a_mesh(tmp_path):
                 out[f"{mesh} {key}"], b, atol=1e-5 * np.abs(b).max(), what=f"{mesh} {key} vs xla"
             )
     q, k, v, g, docs = window_inputs(B=4, T=512)
-    one = window_grads(
-        lambda *a: window_splash_attention(*a, docs, jnp.int32(2), 3, 0.12, 128), q, k, v, g
-    )
-    for key, a in zip(("y", "dq", "dk", "dv"), one):
-        assert_close(out[f"windows {key}"], a, atol=1e-6 * np.abs(a).max(), what=f"windows {key}")
+    for name, kernel in {
+        "splash": lambda *a: window_splash_attention(*a, docs, jnp.int32(2), 3, 0.12, 128),
+        "flash": lambda *a: window_flash_attention(*a, docs, jnp.int32(2), 0.12),
+    }.items():
+        for key, a in zip(("y", "dq", "dk", "dv"), window_grads(kernel, q, k, v, g)):
+            what = f"{name} {key}"
+            assert_close(out[what], a, atol=1e-6 * np.abs(a).max(), what=what)
 
 
 def test_splash_compiles_for_tpu():

@@ -70,7 +70,14 @@ step:0/1393 val_loss:10.8258 train_time:0ms step_avg:nanms
 @pytest.mark.slow  # a benchmark's whole run, 20 s: make test-slow
 def test_the_four_rows_at_tiny_sizes():
     p = subprocess.run(
-        [sys.executable, "-m", "bench.gpu", "--tiny", "--speedrun_steps=4"],
+        [
+            sys.executable,
+            "-m",
+            "bench.gpu",
+            "--tiny",
+            "--speedrun_steps=4",
+            "--attention20=auto,flash",
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -101,11 +108,11 @@ def test_the_four_rows_at_tiny_sizes():
         out,
         re.M,
     )
-    assert re.search(
-        r"^\(d\) record 20 step, config/speedrun20_gpt2\.py +[\d.]+ ms +- \(no --record\) +-$",
-        out,
-        re.M,
-    )
+    for tag in ("", r" --attention=flash"):  # a row for each --attention20
+        step = rf"^\(d\) record 20 step, config/speedrun20_gpt2\.py{tag} +[\d.]+ ms"
+        assert re.search(step + r" +- \(no --record\) +-$", out, re.M), out
+    flash = r"^\(d\) ours --attention=flash: auto settings: scan_layers=off"
+    assert re.search(flash, out, re.M), out
     assert re.search(
         rf"^\(c\) sampling, batch 1 +[\d,]+ tok/s +[\d,]+ tok/s \(transformers\) +{ratio}",
         out,
@@ -167,6 +174,8 @@ def test_bad_input_is_one_line(tmp_path):
         bench_gpu.main(["--speedrun_steps=1"])
     with pytest.raises(UsageError, match=r"^--rows=ae: give some of the letters abcd"):
         bench_gpu.main(["--rows=ae"])
+    with pytest.raises(UsageError, match=r"^--attention20=auto,cudnn: give some of auto, xla, "):
+        bench_gpu.main(["--rows=d", "--attention20=auto,cudnn"])
     os.makedirs(tmp_path / os.path.dirname(bench_gpu.RECORD_5))
     (tmp_path / bench_gpu.RECORD_5).write_text(STAND_IN)  # record 5's file, not record 20's
     with pytest.raises(UsageError, match=r"^--record=.*: no .*2025-01-16_Sub3Min/.* there"):

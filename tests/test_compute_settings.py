@@ -104,7 +104,7 @@ def test_attention_setting_picks_cudnn_only_where_it_runs(monkeypatch):
     with pytest.raises(UsageError, match="bfloat16 only"):
         attention.check_run(tiny_config(attention="cudnn"), h100)
     for bad, match in [
-        (dict(attention="flash"), "attention must be one of"),
+        (dict(attention="flash2"), "attention must be one of"),
         (dict(remat="all"), "remat must be"),
         (dict(loss_chunk=-1), "loss_chunk must be"),
     ]:

@@ -179,3 +179,29 @@ def test_the_124m_recipe_takes_what_fits_each_gpu(gpu, picks):
     peak = float(re.search(r"step peak (\d+\.\d\d)", auto)[1])
     assert peak * 1.25 <= usable
     assert re.search(r"fits, step peak \d+% of it", p.stdout), p.stdout
+
+
+def test_record20_flash_compiles_for_a_gpu():
+    """Record 20's flash kernels (window_attention.window_flash_attention), forward and backward, at
+    the record's 65,536 tokens and head size 128 for an H100, the window an argument: three Triton
+    kernels, and none of the banded kernel's (T x band) scores in memory."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from window_attention import window_flash_attention
+
+    mesh = sharding.make_mesh(devices=accelerators.gpu_devices("h100"))
+
+    def loss(q, k, v, docs, window):
+        return jnp.sum(window_flash_attention(q, k, v, docs, window, 0.12).astype(jnp.float32))
+
+    with jax.set_mesh(mesh):
+        place = NamedSharding(mesh, P())
+        x = jax.ShapeDtypeStruct((1, 65536, 6, 128), jnp.bfloat16, sharding=place)
+        docs = jax.ShapeDtypeStruct((1, 65536), jnp.int32, sharding=place)
+        window = jax.ShapeDtypeStruct((), jnp.int32, sharding=place)
+        compiled = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, x, x, docs, window).compile()
+    calls = [line for line in compiled.as_text().splitlines() if "custom-call(" in line]
+    assert len(calls) == 3 and all("__gpu$xla.gpu.triton" in call for call in calls), calls
+    # the banded kernel's scores alone: 65,536 x 6 heads x 1,792 keys in float32, 2.6 GiB
+    assert compiled.memory_analysis().temp_size_in_bytes < 2**28

@@ -184,11 +184,13 @@ def test_a_sequence_longer_than_the_band_takes_the_banded_kernel(monkeypatch):
     np.testing.assert_allclose(banded, masked, rtol=0, atol=1e-5)
 
 
-def test_the_model_with_splash_computes_what_it_computes_with_xla():
-    """attention='splash' (window_attention's splash, interpret mode) against 'xla' (the banded
-    kernel) in a whole model, fp32, 1024 tokens with documents, window_size 256 (long and short
-    layers) at a window of 2 and 1: the loss and every gradient. The window reaches the kernels as
-    data, in one jitted step."""
+@pytest.mark.parametrize("kernel", ["splash", "flash"])
+def test_the_model_with_splash_or_flash_computes_what_it_computes_with_xla(kernel):
+    """attention='splash' and 'flash' (window_attention's Pallas kernels, interpret mode) against
+    'xla' (the banded kernel) in a whole model, fp32, 1024 tokens with documents, window_size 256
+    (long and short layers) at a window of 2 and 1: the loss, and every gradient within 3e-5 of its
+    tensor's largest, twice the 1.4e-5 by which XLA's own masked and banded kernels differ here
+    (summed in another order). The window reaches the kernels as data, in one jitted step."""
     idx = jnp.asarray(with_documents((1, 1025), every=400))
     config = GPTConfig(**{**TINY20, "block_size": 1024, "window_size": 256})
 
@@ -199,14 +201,14 @@ def test_the_model_with_splash_computes_what_it_computes_with_xla():
 
     for window in (2, 1):
         out = {}
-        for setting in ("splash", "xla"):
+        for setting in (kernel, "xla"):
             model = randomized(build(replace(config, attention=setting), nnx.Rngs(0)))
             loss, grads = loss_and_grads(model, jnp.int32(window))
             out[setting] = loss, jax.tree.leaves(nnx.to_pure_dict(grads))
-        (loss_s, grads_s), (loss_x, grads_x) = out["splash"], out["xla"]
+        (loss_s, grads_s), (loss_x, grads_x) = out[kernel], out["xla"]
         assert abs(float(loss_s) / float(loss_x) - 1) < 1e-6
         for a, b in zip(grads_s, grads_x):
-            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(jnp.abs(b).max()))
+            np.testing.assert_allclose(a, b, rtol=0, atol=3e-5 * float(jnp.abs(b).max()))
 
 
 def test_the_window_grows_as_the_records_to_window_size():

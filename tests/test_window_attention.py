@@ -1,10 +1,11 @@
 """python -m pytest tests/test_window_attention.py -q
 
-window_attention.py's splash kernel for record 20 (Pallas interpret mode on this CPU) against masked
-attention over window_mask: forward and gradients at windows that documents and tiles cut, the tiles
-its tables visit (exactly those the window meets), which kernel each setting and platform gets, and
-its Mosaic kernels compiled for a TPU v5e by libtpu. Under a mesh: tests/test_attention.py; a whole
-model: tests/test_speedrun20_model.py."""
+window_attention.py's splash and flash kernels for record 20 (Pallas interpret mode on this CPU)
+against masked attention over window_mask: forward and gradients at windows that documents and tiles
+cut, the tiles splash's tables visit (exactly those the window meets), which kernel each setting and
+platform gets, and splash's Mosaic kernels compiled for a TPU v5e by libtpu. Under a mesh:
+tests/test_attention.py; a whole model: tests/test_speedrun20_model.py; flash's Triton kernels
+compiled for an H100: tests/test_gpu.py."""
 
 import math
 
@@ -20,7 +21,12 @@ from jax.sharding import PartitionSpec as P
 import accelerators
 import sharding
 import window_attention
-from window_attention import masked_attention, window_mask, window_splash_attention
+from window_attention import (
+    masked_attention,
+    window_flash_attention,
+    window_mask,
+    window_splash_attention,
+)
 
 
 def window_inputs(B=2, T=1024, seed=0):
@@ -58,6 +64,25 @@ def test_window_splash_is_the_masked_kernel(tile, band, window):
         assert_close(a, b, atol=2e-6 * np.abs(b).max(), what=name)
 
 
+@pytest.mark.parametrize(
+    "tiles, window",
+    [(((128, 64), (64, 64)), 0), (((128, 128), (32, 64)), 3), (((64, 32), (128, 128)), 8)],
+)
+def test_window_flash_is_the_masked_kernel(tiles, window):
+    """Forward and the three gradients against masked_attention over window_mask, fp32, with
+    forward and backward tiles of 32 to 128 positions: each kernel's loops span the window."""
+    q, k, v, g, docs = window_inputs()
+    pos = jnp.arange(q.shape[1])
+    mask = window_mask(pos, pos, docs, docs, window)
+    with jax.default_matmul_precision("highest"):
+        want = forward_and_grads(lambda *a: masked_attention(*a, mask, 0.12), q, k, v, g)
+        got = forward_and_grads(
+            lambda *a: window_flash_attention(*a, docs, jnp.int32(window), 0.12, tiles), q, k, v, g
+        )
+    for name, a, b in zip(("y", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, atol=2e-6 * np.abs(b).max(), what=name)
+
+
 def visited(tables, transposed):
     """{(query tile, kv tile)} the kernel computes, from its block tables (dkv's: transposed)."""
     on, tile = np.asarray(tables.block_mask[0]), np.asarray(tables.data_next[0])
@@ -91,7 +116,8 @@ def test_the_tables_visit_exactly_the_tiles_the_window_meets(tile, band):
 def test_each_setting_gets_its_kernel():
     """'auto' takes splash on a TPU whose compiler takes the dtype, XLA elsewhere (masked up to the
     band's blocks, banded beyond); 'splash' runs wherever the shapes allow (interpret mode off a
-    TPU), refused in bf16 on a TPU v3 in one line."""
+    TPU), refused in bf16 on a TPU v3 in one line; 'flash' off a TPU (interpret mode off a GPU),
+    refused on a TPU and, on a GPU, for a head size Triton cannot tile."""
 
     def pick(setting, platform="tpu", dtype="bfloat16", T=65536, kind="TPU v5 lite"):
         return window_attention.record20_kernel(
@@ -104,9 +130,22 @@ def test_each_setting_gets_its_kernel():
     assert pick("auto", platform="cpu", T=1792) == pick("xla", T=256) == "masked"
     assert pick("auto", kind="TPU v3") == "banded"
     assert pick("auto", kind="TPU v3", dtype="float32") == "splash"
-    with pytest.raises(ValueError, match="^attention='splash' cannot run here: TPU v3's") as e:
-        pick("splash", kind="TPU v3")
-    assert "\n" not in str(e.value)
+    assert pick("flash", platform="gpu") == pick("flash", platform="cpu") == "flash"
+    refusals = [
+        (lambda: pick("splash", kind="TPU v3"), "^attention='splash' cannot run here: TPU v3's"),
+        (lambda: pick("flash"), "^attention='flash' cannot run here: it is a GPU kernel"),
+        (
+            lambda: window_attention.record20_kernel(
+                "flash", platform="gpu", dtype="bfloat16", seq_len=256, head_size=96, band=14
+            ),
+            r"^attention='flash' cannot run here: its head size \(n_embd / n_head\) must be a "
+            "power of 2 >= 16, got 96",
+        ),
+    ]
+    for refused, says in refusals:
+        with pytest.raises(ValueError, match=says) as e:
+            refused()
+        assert "\n" not in str(e.value)
 
 
 def test_window_splash_compiles_for_tpu():
