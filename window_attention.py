@@ -61,17 +61,18 @@ def record20_kernel(setting, *, platform, dtype, seq_len, head_size, band, devic
     """Record 20's kernel for one call's shapes on a device of `platform` and `device_kind` (the
     mesh's): 'splash' (window_splash_attention) for an explicit 'splash' wherever the shapes allow
     (interpret mode off a TPU) and for 'auto' on a TPU whose kernel compiler takes the dtype;
-    'flash' (window_flash_attention) for an explicit 'flash' off a TPU (interpret mode off a GPU);
-    else in XLA 'masked' (masked_attention) for a sequence no longer than `band` blocks, the most
-    its window ever spans, and 'banded' (banded_window_attention) beyond. One line for a setting
-    that cannot run."""
+    'flash' (window_flash_attention) for an explicit 'flash' off a TPU (interpret mode off a GPU)
+    where the sequence is whole blocks; else in XLA 'masked' (masked_attention) for a sequence no
+    longer than `band` blocks, the most its window ever spans, and 'banded'
+    (banded_window_attention) beyond. One line for a setting that cannot run."""
     if setting == "flash":
         if platform == "tpu":
             raise cannot_run(setting, "it is a GPU kernel (Triton)", "use attention='auto'")
         if platform == "gpu" and (head_size < 16 or head_size & (head_size - 1)):
             reason = f"its head size (n_embd / n_head) must be a power of 2 >= 16, got {head_size}"
             raise cannot_run(setting, reason, "use attention='auto' or 'xla'")
-        return "flash"
+        if seq_len % WINDOW_BLOCK == 0:  # else (a prompt, a HellaSwag row) XLA's, below
+            return "flash"
     splash_dtype = splash_dtype_reason(dtype, device_kind) if platform == "tpu" else None
     if setting == "splash" and splash_dtype:
         raise cannot_run(setting, splash_dtype, "use attention='auto' or 'xla', or dtype='float32'")

@@ -131,6 +131,7 @@ def test_each_setting_gets_its_kernel():
     assert pick("auto", kind="TPU v3") == "banded"
     assert pick("auto", kind="TPU v3", dtype="float32") == "splash"
     assert pick("flash", platform="gpu") == pick("flash", platform="cpu") == "flash"
+    assert pick("flash", platform="gpu", T=200) == "masked"  # a prompt of 200 tokens
     refusals = [
         (lambda: pick("splash", kind="TPU v3"), "^attention='splash' cannot run here: TPU v3's"),
         (lambda: pick("flash"), "^attention='flash' cannot run here: it is a GPU kernel"),
