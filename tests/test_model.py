@@ -230,8 +230,8 @@ def test_attention_drops_its_probabilities_as_well_as_its_output():
             r"20\), got 'llama'",
         ),
         (
-            dict(attention="flash"),
-            r"attention must be one of 'auto', 'xla', 'cudnn', 'splash', got 'flash'",
+            dict(attention="flash2"),
+            r"attention must be one of 'auto', 'xla', 'cudnn', 'splash', 'flash', got 'flash2'",
         ),
         (dict(remat="all"), r"remat must be one of 'none', 'block', 'dots', 'qkv_proj', got 'all'"),
         (dict(loss_chunk=-1), r"loss_chunk must be >= 0, an integer \(0: no chunks\), got -1"),
