@@ -27,7 +27,14 @@ def tiny(tmp_path_factory):
     with one_torch_thread():
         pin_numerics()
         args = argparse.Namespace(
-            seed=0, steps=12, seq_len=256, accum=1, devices=1, fsdp=1, tensor_parallel=1
+            seed=0,
+            steps=12,
+            seq_len=256,
+            accum=1,
+            devices=1,
+            fsdp=1,
+            tensor_parallel=1,
+            attention="auto",
         )
         run = speedrun20_check.make_run(args, str(tmp_path_factory.mktemp("speedrun20")))
         batches = speedrun20_check.make_batches(run)
@@ -74,7 +81,10 @@ def test_8_fake_devices_sharded(capfd):
     assert jax.device_count() < 8
     code = check_speedrun.main(["--record", "20", "--fsdp", "4", "--tensor_parallel", "2"])
     out = capfd.readouterr().out
-    assert "torch on cpu as 4 rank(s), ours on 8 cpu device(s) (fsdp 4, tensor 2)" in out
+    assert (
+        "torch on cpu as 4 rank(s), ours on 8 cpu device(s) (fsdp 4, tensor 2; attention auto)"
+        in out
+    )
     assert code == 0 and "fp32 training parity" in out and ": OK" in out, out[-3000:]
 
 
