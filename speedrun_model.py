@@ -192,7 +192,7 @@ class Record20Attention(nnx.Module):
         C = config.n_embd
         self.n_head = config.n_head
         self.band = band  # the most blocks its window ever spans (window_attention)
-        self.kernel = config.attention  # its setting (window_attention.record20_kernel)
+        self.attention = config.attention  # the setting: record20_kernel picks per call shape
         # the record's qkv_w (3, C, C): one (C, 3C) kernel here, [q | k | v]
         self.c_attn = linear(C, 3 * C, config, rngs, record20_init(C))
         self.lambdas = nnx.Param(jnp.array([0.5, 0.5]))  # v's and the value embedding's weights
@@ -219,7 +219,7 @@ class Record20Attention(nnx.Module):
         """x (B, T, C), its document numbers (B, T) -> (B, T, C): attention over window_blocks."""
         q, k, v = self.qkv(x, ve)
         y = window_attention.record20_attention(
-            q, k, v, docs, window_blocks, self.band, ATTN_SCALE, self.kernel
+            q, k, v, docs, window_blocks, self.band, ATTN_SCALE, self.attention
         )
         return self.c_proj(y.reshape(x.shape))
 
