@@ -123,22 +123,9 @@ def check_setting(
 
 
 def check_run(config, device):
-    """check_setting for a run of `config` (a GPTConfig) on `device`'s kind (record 20:
-    window_attention.record20_kernel's), as a one-line UsageError: before anything is written."""
+    """check_setting for a run of `config` (a GPTConfig) on `device`'s kind, as a one-line
+    UsageError: before anything is written. Record 20's: window_attention.check_run."""
     try:
-        if config.arch == "speedrun20":
-            import window_attention  # it imports this module
-
-            window_attention.record20_kernel(
-                config.attention,
-                platform=device.platform,
-                dtype=config.dtype,
-                seq_len=config.block_size,
-                head_size=config.n_embd // config.n_head,
-                band=1,
-                device_kind=device.device_kind,
-            )
-            return
         check_setting(
             config.attention,
             platform=device.platform,

@@ -35,6 +35,7 @@ import hellaswag_data
 import runlog
 import sharding
 import train_setup
+import window_attention
 from configurator import command_line_keys, configure, exit_on_bad_input
 from dataloader import data_dir_for, data_meta, val_batches_for
 from model import RUNTIME_FIELDS
@@ -111,7 +112,8 @@ class Trainer:
             replace(model_config, block_size=c["block_size"]) if start.weights else model_config
         )
         sharding.check_model_fits_mesh(self.model_config, self.mesh)
-        attention.check_run(self.model_config, self.mesh.devices.flat[0])
+        kernels = window_attention if self.model_config.arch == "speedrun20" else attention
+        kernels.check_run(self.model_config, self.mesh.devices.flat[0])
         self.loaders, self.train_loader = train_setup.make_loaders(
             c,
             self.data_dir,

@@ -21,6 +21,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 
 import sharding
 from attention import cannot_run, per_device, splash_dtype_reason, splash_reason, splash_tile
+from configurator import UsageError
 
 EOT = 50256  # GPT-2's <|endoftext|>: each one starts a document (it is that document's first token)
 WINDOW_BLOCK = 128  # the record's FlexAttention block: windows are whole blocks of this many tokens
@@ -80,6 +81,23 @@ def record20_kernel(setting, *, platform, dtype, seq_len, head_size, band, devic
     if wanted and not splash_reason(seq_len, head_size):
         return "splash"
     return "banded" if seq_len > band * WINDOW_BLOCK and seq_len % WINDOW_BLOCK == 0 else "masked"
+
+
+def check_run(config, device):
+    """record20_kernel's one-line refusals for a run of `config` (arch='speedrun20') on `device`'s
+    kind, as a UsageError: before anything is written (attention.check_run for the others)."""
+    try:
+        record20_kernel(
+            config.attention,
+            platform=device.platform,
+            dtype=config.dtype,
+            seq_len=config.block_size,
+            head_size=config.n_embd // config.n_head,
+            band=1,
+            device_kind=device.device_kind,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def record20_attention(q, k, v, docs, window_blocks, band, scale, setting="xla"):

@@ -8,6 +8,7 @@ tests/test_attention.py; a whole model: tests/test_speedrun20_model.py; flash's 
 compiled for an H100: tests/test_gpu.py."""
 
 import math
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import accelerators
 import sharding
 import window_attention
+from configurator import UsageError
 from window_attention import (
     masked_attention,
     window_flash_attention,
@@ -44,6 +46,19 @@ def forward_and_grads(attend, q, k, v, g):
     return (y, *vjp(g))
 
 
+def assert_the_masked_kernel(kernel, window):
+    """kernel(q, k, v, docs, window): its output and three gradients against masked_attention over
+    window_mask, fp32, on window_inputs."""
+    q, k, v, g, docs = window_inputs()
+    pos = jnp.arange(q.shape[1])
+    mask = window_mask(pos, pos, docs, docs, window)
+    with jax.default_matmul_precision("highest"):
+        want = forward_and_grads(lambda *a: masked_attention(*a, mask, 0.12), q, k, v, g)
+        got = forward_and_grads(lambda *a: kernel(*a, docs, jnp.int32(window)), q, k, v, g)
+    for name, a, b in zip(("y", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, atol=2e-6 * np.abs(b).max(), what=name)
+
+
 @pytest.mark.parametrize(
     "tile, band, window",
     [
@@ -56,19 +71,10 @@ def forward_and_grads(attend, q, k, v, g):
     ],
 )
 def test_window_splash_is_the_masked_kernel(tile, band, window):
-    """Forward and the three gradients against masked_attention over window_mask, fp32, with tiles
-    of 1, 2 and 4 blocks: the window's edge inside a tile and at its border."""
-    q, k, v, g, docs = window_inputs()
-    pos = jnp.arange(q.shape[1])
-    mask = window_mask(pos, pos, docs, docs, window)
-    with jax.default_matmul_precision("highest"):
-        want = forward_and_grads(lambda *a: masked_attention(*a, mask, 0.12), q, k, v, g)
-        got = forward_and_grads(
-            lambda *a: window_splash_attention(*a, docs, jnp.int32(window), band, 0.12, tile),
-            q, k, v, g,
-        )  # fmt: skip
-    for name, a, b in zip(("y", "dq", "dk", "dv"), got, want):
-        assert_close(a, b, atol=2e-6 * np.abs(b).max(), what=name)
+    """With tiles of 1, 2 and 4 blocks: the window's edge inside a tile and at its border."""
+    assert_the_masked_kernel(
+        lambda q, k, v, docs, w: window_splash_attention(q, k, v, docs, w, band, 0.12, tile), window
+    )
 
 
 @pytest.mark.parametrize(
@@ -76,18 +82,11 @@ def test_window_splash_is_the_masked_kernel(tile, band, window):
     [(((128, 64), (64, 64)), 0), (((128, 128), (32, 64)), 3), (((64, 32), (128, 128)), 8)],
 )
 def test_window_flash_is_the_masked_kernel(tiles, window):
-    """Forward and the three gradients against masked_attention over window_mask, fp32, with
-    forward and backward tiles of 32 to 128 positions: each kernel's loops span the window."""
-    q, k, v, g, docs = window_inputs()
-    pos = jnp.arange(q.shape[1])
-    mask = window_mask(pos, pos, docs, docs, window)
-    with jax.default_matmul_precision("highest"):
-        want = forward_and_grads(lambda *a: masked_attention(*a, mask, 0.12), q, k, v, g)
-        got = forward_and_grads(
-            lambda *a: window_flash_attention(*a, docs, jnp.int32(window), 0.12, tiles), q, k, v, g
-        )
-    for name, a, b in zip(("y", "dq", "dk", "dv"), got, want):
-        assert_close(a, b, atol=2e-6 * np.abs(b).max(), what=name)
+    """With forward and backward tiles of 32 to 128 positions: each kernel's loops span the
+    window."""
+    assert_the_masked_kernel(
+        lambda q, k, v, docs, w: window_flash_attention(q, k, v, docs, w, 0.12, tiles), window
+    )
 
 
 def visited(tables, transposed):
@@ -154,6 +153,21 @@ def test_each_setting_gets_its_kernel():
         with pytest.raises(ValueError, match=says) as e:
             refused()
         assert "\n" not in str(e.value)
+
+
+def test_a_run_that_cannot_take_its_setting_stops_in_one_line():
+    """train.py's check before anything is written (window_attention.check_run), on a TPU's kind:
+    'flash' is a GPU kernel; 'splash' in bf16 on a TPU v3 is refused by its compiler."""
+    from model import GPTConfig
+
+    config = GPTConfig(arch="speedrun20", bias=False, n_embd=256, n_head=2, block_size=1024)
+    v5e = accelerators.topology_devices("v5e:2x2")[0]
+    window_attention.check_run(config, v5e)  # 'auto': splash
+    with pytest.raises(UsageError, match="^attention='flash' cannot run here: it is a GPU kernel"):
+        window_attention.check_run(replace(config, attention="flash"), v5e)
+    v3 = accelerators.topology_devices("v3:2x2")[0]
+    with pytest.raises(UsageError, match="^attention='splash' cannot run here: TPU v3's kernel"):
+        window_attention.check_run(replace(config, attention="splash", dtype="bfloat16"), v3)
 
 
 def test_window_splash_compiles_for_tpu():
