@@ -24,7 +24,6 @@ import attention
 import sharding
 import window_attention
 from configurator import UsageError
-from speedrun_model import final_blocks
 from train_step import compiler_options, lower_step, make_train_step, step_peak
 
 # the loss's positions at a time when chunked: (B, 128, vocab) logits, 0.8 GiB at B=64 in bf16
@@ -246,20 +245,11 @@ def line(settings, fit, device):
 
 def kernel(config, device):
     """The attention kernel the training step runs at block_size on `device` (dropout: the explicit
-    one, 'xla'; record 20: its own, window_attention.record20_kernel's)."""
+    one, 'xla'; record 20: its own, window_attention.run_kernel's)."""
     if config.dropout > 0:
         return "xla"
     if config.arch == "speedrun20":
-        windows = window_attention.record20_kernel(
-            config.attention,
-            platform=device.platform,
-            dtype=config.dtype,
-            seq_len=config.block_size,
-            head_size=config.n_embd // config.n_head,
-            band=final_blocks(config.window_size),
-            device_kind=device.device_kind,
-        )
-        return f"windows-{windows}"
+        return f"windows-{window_attention.run_kernel(config, device)}"
     return attention.choose(
         config.attention,
         platform=device.platform,

@@ -39,6 +39,7 @@ from layers import (
     tied_head,
 )
 from model import GPT, MLP, Block, CausalSelfAttention, GPTConfig, check_tokens, cropped, stack
+from window_attention import final_blocks
 
 
 def torch_linear_init(fan_in):
@@ -131,12 +132,6 @@ WINDOW_SIZE = GPTConfig.window_size  # the record's: the long window grows to 17
 VALUE_EMBEDDINGS = 3  # tables, mixed into v by the first three layers and again by the last three
 HEAD_MULTIPLE = 128  # the head's rows: the vocabulary padded to a multiple of this
 NO_ATTENTION_LAYER = 7  # the record's layer without attention (@YouJiacheng)
-
-
-def final_blocks(window_size):
-    """The long window at the end of training in blocks: window_size tokens rounded up to whole
-    blocks (the record's 1728: 14, 1792 tokens)."""
-    return -(-window_size // window_attention.WINDOW_BLOCK)
 
 
 def window_schedule(it, max_iters, window_size=WINDOW_SIZE):
@@ -431,7 +426,8 @@ class Record20GPT(GPT):
         """6N (N without the input tables) + attention's 12·C·T per attending layer, T the keys a
         query sees at most: the final long window, or block_size if shorter."""
         c = self.config
-        keys = min(c.block_size, final_blocks(c.window_size) * window_attention.WINDOW_BLOCK)
+        window = final_blocks(c.window_size) * window_attention.WINDOW_BLOCK
+        keys = min(c.block_size, window)
         attending = sum(a for _, a, _ in self.layout)
         return 6 * self.num_params() + 12 * attending * c.n_embd * keys
 

@@ -28,6 +28,12 @@ WINDOW_BLOCK = 128  # the record's FlexAttention block: windows are whole blocks
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score: exp() of it is 0, not NaN
 
 
+def final_blocks(window_size):
+    """The long window at the end of training in blocks: window_size tokens rounded up to whole
+    blocks (the record's 1728: 14, 1792 tokens)."""
+    return -(-window_size // WINDOW_BLOCK)
+
+
 def documents(idx):
     """Token ids (B, T) -> (B, T) int32 document numbers, as record 20 counts them: the number of
     <|endoftext|> tokens up to and including each position."""
@@ -83,19 +89,25 @@ def record20_kernel(setting, *, platform, dtype, seq_len, head_size, band, devic
     return "banded" if seq_len > band * WINDOW_BLOCK and seq_len % WINDOW_BLOCK == 0 else "masked"
 
 
+def run_kernel(config, device):
+    """The kernel record20_kernel picks for a training run of `config` (arch='speedrun20', its
+    block_size and window_size) on `device`'s kind."""
+    return record20_kernel(
+        config.attention,
+        platform=device.platform,
+        dtype=config.dtype,
+        seq_len=config.block_size,
+        head_size=config.n_embd // config.n_head,
+        band=final_blocks(config.window_size),
+        device_kind=device.device_kind,
+    )
+
+
 def check_run(config, device):
-    """record20_kernel's one-line refusals for a run of `config` (arch='speedrun20') on `device`'s
-    kind, as a UsageError: before anything is written (attention.check_run for the others)."""
+    """run_kernel's one-line refusals as a UsageError: before anything is written
+    (attention.check_run for the other architectures)."""
     try:
-        record20_kernel(
-            config.attention,
-            platform=device.platform,
-            dtype=config.dtype,
-            seq_len=config.block_size,
-            head_size=config.n_embd // config.n_head,
-            band=1,
-            device_kind=device.device_kind,
-        )
+        run_kernel(config, device)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
