@@ -312,8 +312,8 @@ def _meta_error(meta):
     lacking = [k for k in ARCHITECTURE if k not in meta["model_args"]]
     if lacking:
         return f"its model_args lack {', '.join(lacking)}"
-    try:
-        model_config_from_meta(meta)
+    try:  # with the dtype its tables were saved in, which restore_state reads them as
+        model_config_from_meta(meta, embed_dtype=meta["model_args"].get("embed_dtype", "float32"))
     except ValueError as e:
         return f"its model_args are no model: {e}"
     return None
@@ -370,8 +370,8 @@ def load_checkpoint_model(out_dir, step=None, dtype="float32", dropout=0.0):
 def restore_state(out_dir, step, meta, config: GPTConfig, tx=None, mesh=None, mngr=None):
     """(params, optimizer state or None without `tx`) of checkpoint `step`, for a model of `config`:
     on `mesh`, each array split by sharding.PARAM_SPECS (default: the first device). Read in the
-    layout the checkpoint was saved in, then converted to config's (scan_layers: the blocks stacked
-    or not), so either resumes with the other."""
+    layout and dtypes the checkpoint was saved in, then converted to config's (scan_layers: the
+    blocks stacked or not; embed_dtype), so either resumes with the other."""
 
     def templates(config):
         params = nnx.state(nnx.eval_shape(lambda: build(config, nnx.Rngs(0))))
@@ -380,7 +380,8 @@ def restore_state(out_dir, step, meta, config: GPTConfig, tx=None, mesh=None, mn
     def shardings(tree):
         return None if mesh is None or tree is None else sharding_.shardings_for(tree, mesh)
 
-    saved = replace(config, scan_layers=meta["model_args"].get("scan_layers", False))
+    args = {"scan_layers": False, "embed_dtype": "float32", **meta["model_args"]}  # as saved
+    saved = replace(config, scan_layers=args["scan_layers"], embed_dtype=args["embed_dtype"])
     params, opt_state = templates(saved)
     where = (
         None if mesh is None else {"params": shardings(params), "opt_state": shardings(opt_state)}
@@ -389,7 +390,7 @@ def restore_state(out_dir, step, meta, config: GPTConfig, tx=None, mesh=None, mn
         out_dir, params=params, opt_state=opt_state, sharding=where, step=step, mngr=mngr, meta=meta
     )
     state = (restored["params"], restored.get("opt_state"))
-    if saved.scan_layers != config.scan_layers:
+    if saved != config:
         target = templates(config)
         relayout = jax.jit(
             lambda state: relayout_blocks(state, target), out_shardings=shardings(target)

@@ -115,9 +115,9 @@ def stack_blocks(blocks):
 
 def relayout_blocks(tree, template):
     """`tree` (params, or an optimizer state holding them) in the layout of the blocks in `template`
-    (the same tree with the blocks stacked, or not: scan_layers): h.{i}.x <-> row i of h.x. A
-    checkpoint saved with one scan_layers value restores into the other this way; jit it with the
-    template's shardings."""
+    (the same tree with the blocks stacked, or not: scan_layers): h.{i}.x <-> row i of h.x, each
+    leaf cast to the template's dtype (embed_dtype). A checkpoint saved with one scan_layers value
+    restores into the other this way; jit it with the template's shardings."""
 
     def path_of(key_path):
         return jax.tree_util.keystr(key_path, simple=True, separator=".")
@@ -135,7 +135,7 @@ def relayout_blocks(tree, template):
             [flat[f"{path[: m.end()]}{i}.{path[m.end() :]}"] for i in range(t.shape[0])]
         )
 
-    return jax.tree_util.tree_map_with_path(leaf, template)
+    return jax.tree_util.tree_map_with_path(lambda p, t: leaf(p, t).astype(t.dtype), template)
 
 
 class Linear(nnx.Linear):
@@ -167,8 +167,10 @@ def _promote_row(args, dtype=None):
 
 
 def _gathered_table(args, dtype=None, inexact=False):
-    """An embedding table gathered whole for the lookup (float32, as nnx.Embed's default)."""
-    return tuple(sharding.constrain(a, P(None, None)) for a in args)
+    """An embedding table gathered whole for the lookup, its rows read as float32: a bf16 table's
+    gradient is then summed over the tokens in float32 and rounded once, as torch's CUDA embedding
+    backward sums it."""
+    return tuple(sharding.constrain(a, P(None, None)).astype(jnp.float32) for a in args)
 
 
 def linear(n_in, n_out, config, rngs, init, row_parallel=False):
@@ -188,9 +190,21 @@ def linear(n_in, n_out, config, rngs, init, row_parallel=False):
     )
 
 
-def embedding(n, dim, rngs, init):
-    """An nnx.Embed whose table is gathered whole for the lookup under a mesh."""
-    return nnx.Embed(n, dim, embedding_init=init, promote_dtype=_gathered_table, rngs=rngs)
+def embedding(n, dim, rngs, init, dtype="float32"):
+    """An nnx.Embed whose table is gathered whole for the lookup under a mesh. A bfloat16 table
+    (record 20's) is drawn in float32 and rounded, as torch's .bfloat16() of an initialised one."""
+
+    def table_init(key, shape, param_dtype):
+        return init(key, shape, jnp.float32).astype(param_dtype)
+
+    return nnx.Embed(
+        n,
+        dim,
+        embedding_init=table_init,
+        param_dtype=dtype,
+        promote_dtype=_gathered_table,
+        rngs=rngs,
+    )
 
 
 def dropout(x, rate, key):

@@ -49,7 +49,9 @@ class GPTConfig:
     bias: bool = True  # biases in Linears and LayerNorms (GPT-2: True)
     # 'tanh': GPT-2's approximation (HF gelu_new) | 'exact': erf, nanoGPT's F.gelu (HF gelu)
     gelu: str = "tanh"
-    dtype: str = "float32"  # compute dtype, 'float32' | 'bfloat16'; params are always float32
+    dtype: str = "float32"  # compute dtype, 'float32' | 'bfloat16'; params are float32 but for
+    # record 20's embedding tables (and their Adam moments), stored in this dtype (the record: bf16)
+    embed_dtype: str = "float32"
     # 'gpt2' | 'speedrun': modded-nanogpt's record 5 | 'speedrun20': its record 20
     # (speedrun_model.py; models.py builds each)
     arch: str = "gpt2"
@@ -72,8 +74,9 @@ class GPTConfig:
     def __post_init__(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        for field, value in (("dtype", self.dtype), ("embed_dtype", self.embed_dtype)):
+            if value not in DTYPES:
+                raise ValueError(f"{field} must be 'float32' or 'bfloat16', got {value!r}")
         if self.gelu not in ("tanh", "exact"):
             raise ValueError(f"gelu must be 'tanh' (GPT-2) or 'exact' (nanoGPT), got {self.gelu!r}")
         if self.arch not in ARCHS:
@@ -102,10 +105,11 @@ class GPTConfig:
             raise ValueError(
                 f"window_size must be an integer >= 1 (tokens), got {self.window_size!r}"
             )
-        if self.fp8_head and self.arch != "speedrun20":
-            raise ValueError(
-                f"fp8_head is record 20's FP8 head: it needs arch='speedrun20', not {self.arch!r}"
-            )
+        for field, what in (("fp8_head", "FP8 head"), ("embed_dtype", "bf16 embedding tables")):
+            if getattr(self, field) != getattr(GPTConfig, field) and self.arch != "speedrun20":
+                raise ValueError(
+                    f"{field} is record 20's {what}: it needs arch='speedrun20', not {self.arch!r}"
+                )
 
     @property
     def compute_dtype(self):
@@ -128,6 +132,7 @@ RUNTIME_FIELDS = (
     "scan_layers",
     "fp8_head",
     "window_size",
+    "embed_dtype",
 )
 
 
@@ -314,9 +319,7 @@ class GPT(nnx.Module):
         given (targets == -1 are ignored). `key` turns dropout on (training); None means eval."""
         _, x = self.hidden_states(idx, key)
         logits = self.logits(x)  # (B, T, vocab)
-        if targets is None:
-            return logits, None
-        return logits, cross_entropy(logits, targets)
+        return logits, None if targets is None else cross_entropy(logits, targets)
 
     def decode(self, idx, cache, pos):
         """Forward token ids idx (B, T) at positions pos..pos+T-1 through the KV cache (one (k, v)

@@ -9,7 +9,9 @@ from dataclasses import replace
 
 from flax import nnx
 
+import attention
 import pretrained
+import window_attention
 from model import ARCHS, GPT, GPTConfig
 from speedrun_model import Record5GPT, Record20GPT
 
@@ -20,6 +22,13 @@ assert tuple(MODELS) == ARCHS
 def check_config(config: GPTConfig):
     """ValueError if config.arch's model cannot take `config` (GPTConfig checks the rest)."""
     MODELS[config.arch].check_config(config)
+
+
+def check_run(config: GPTConfig, device):
+    """A one-line UsageError if config.attention cannot run on `device`'s kind, before anything is
+    written: record 20's windowed kernels (window_attention.check_run), or the others'."""
+    kernels = window_attention if config.arch == "speedrun20" else attention
+    kernels.check_run(config, device)
 
 
 def build(config: GPTConfig, rngs: nnx.Rngs):

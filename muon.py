@@ -56,7 +56,9 @@ import sharding
 # - scale: sqrt(max(1, rows/cols)) in torch's (out, in) layout (optax's): c_fc's (4C, C) 2, the
 #   others 1. Its qkv_w (3, C, C) is orthogonalised batched, each (C, C) on its own, as record 5's
 #   three Linears (our fused (C, 3C) kernel, split);
-# - Adam: torch.optim.Adam (no weight decay), eps 1e-10, in three groups at their own rates.
+# - Adam: torch.optim.Adam(fused=True) (no weight decay), eps 1e-10, in three groups at their own
+#   rates. Its CUDA kernel computes in float32 whatever the params' dtype and stores each state in
+#   theirs, rounded once a step: on its bf16 embedding tables (our embed_dtype), in_float32.
 
 # the records' quintic, its slope at zero maximised (Keller Jordan)
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -243,6 +245,22 @@ def muon20_labels(params):
     return jax.tree_util.tree_map_with_path(label, params)
 
 
+def in_float32(tx):
+    """`tx` computing in float32 on params, gradients and state of any float dtype, each state
+    leaf rounded once a step back to its own dtype; the updates stay float32 (optax.apply_updates
+    rounds each param once). On float32 leaves, tx itself."""
+
+    def upcast(tree):
+        floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)  # noqa: E731 (not the count)
+        return jax.tree.map(lambda x: x.astype(jnp.float32) if floating(x) else x, tree)
+
+    def update_fn(updates, state, params=None):
+        updates, new_state = tx.update(upcast(updates), upcast(state), upcast(params))
+        return updates, jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, state)
+
+    return optax.GradientTransformation(tx.init, update_fn)
+
+
 def muon20(c, schedule):
     """Record 20's pair: Adam (beta1, beta2, eps 1e-10, no weight decay) on the head at
     learning_rate, the embeddings at embed_learning_rate, the scalars at scalar_learning_rate; Muon
@@ -250,7 +268,8 @@ def muon20(c, schedule):
     matrices. schedule(rate): the learning-rate schedule of a group whose max rate is `rate`."""
 
     def adam(rate):
-        return optax.adam(schedule(rate), b1=c["beta1"], b2=c["beta2"], eps=RECORD20_ADAM_EPS)
+        adam = optax.adam(schedule(rate), b1=c["beta1"], b2=c["beta2"], eps=RECORD20_ADAM_EPS)
+        return in_float32(adam)  # the record's fused Adam
 
     return optax.partition(
         {

@@ -56,12 +56,17 @@ def startup_lines(c, mesh, accum_rows, auto_line, n_params, model_config, memory
     )
     lines.append(
         f"number of parameters: {n_params / 1e6:.2f}M (arch {model_config.arch}); dtype "
-        f"{c['dtype']}; {optimizer}, {c['lr_schedule']} schedule{fp8_head(c)}\nmesh: data "
-        f"{mesh.shape['data']} x fsdp {mesh.shape['fsdp']} x tensor {mesh.shape['tensor']}; "
-        f"memory per device: state {memory[0] / 2**30:.2f} GiB, step peak "
+        f"{c['dtype']}{tables(c)}; {optimizer}, {c['lr_schedule']} schedule{fp8_head(c)}\n"
+        f"mesh: data {mesh.shape['data']} x fsdp {mesh.shape['fsdp']} x tensor "
+        f"{mesh.shape['tensor']}; memory per device: state {memory[0] / 2**30:.2f} GiB, step peak "
         f"{memory[1] / 2**30:.2f} GiB"
     )
     return lines
+
+
+def tables(c):
+    """Record 20's embedding tables in the start-up line, where they are bf16 (embed_dtype)."""
+    return ", embedding tables bfloat16" if c.get("embed_dtype") == "bfloat16" else ""
 
 
 def fp8_head(c):

@@ -122,6 +122,9 @@ DEFAULTS = dict(
     # arch='speedrun20': its long window grows over training to this many tokens, rounded up to
     # whole 128-token blocks, the short one half (the record's 1728: 14 blocks, 1792 tokens)
     window_size=1728,
+    # arch='speedrun20': its embedding tables (and their Adam state) stored in 'float32' or
+    # 'bfloat16', as record 20's (docs/speedrun.md)
+    embed_dtype="float32",
     profile="",  # 'START:STOP': a jax.profiler trace of iterations START..STOP-1 to out_dir/profile
     seed=1337,  # the init's, the data order's and dropout's
 )
@@ -207,7 +210,7 @@ def check_model(c):
     try:
         check_memory_settings(c["remat"], c["loss_chunk"])
         shape = ("arch", "bias", "n_layer", "n_head", "n_embd", "block_size", "gelu", "attention")
-        config = {k: c[k] for k in (*shape, "fp8_head", "window_size")}
+        config = {k: c[k] for k in (*shape, "fp8_head", "window_size", "embed_dtype")}
         check_config(GPTConfig(**config))
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -16,6 +16,7 @@ its 12 layers; other even depths take the same shape (RECORD20_LAYOUT).
 """
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -284,10 +285,9 @@ class Record20GPT(GPT):
         self.config = config
         C, V = config.n_embd, config.vocab_size
         self.layout = record20_layout(config.n_layer)
-        self.wte = embedding(V, C, rngs, nnx.initializers.normal(1.0))  # torch's N(0, 1)
-        self.ve = nnx.List(
-            [embedding(V, C, rngs, nnx.initializers.normal(1.0)) for _ in range(VALUE_EMBEDDINGS)]
-        )
+        table = partial(embedding, V, C, rngs, nnx.initializers.normal(1.0), config.embed_dtype)
+        self.wte = table()  # torch's N(0, 1)
+        self.ve = nnx.List([table() for _ in range(VALUE_EMBEDDINGS)])
         self.h = nnx.List([Record20Block(config, rngs, a, long) for _, a, long in self.layout])
         # the decoder's weights on the encoder's outputs (U-net, @brendanh0gan)
         self.skip_weights = nnx.Param(jnp.ones(config.n_layer - config.n_layer // 2))

@@ -27,15 +27,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import attention
 import auto_settings
 import checkpoint
 import hellaswag
 import hellaswag_data
+import models
 import runlog
 import sharding
 import train_setup
-import window_attention
 from configurator import command_line_keys, configure, exit_on_bad_input
 from dataloader import data_dir_for, data_meta, val_batches_for
 from model import RUNTIME_FIELDS
@@ -112,8 +111,7 @@ class Trainer:
             replace(model_config, block_size=c["block_size"]) if start.weights else model_config
         )
         sharding.check_model_fits_mesh(self.model_config, self.mesh)
-        kernels = window_attention if self.model_config.arch == "speedrun20" else attention
-        kernels.check_run(self.model_config, self.mesh.devices.flat[0])
+        models.check_run(self.model_config, self.mesh.devices.flat[0])
         self.loaders, self.train_loader = train_setup.make_loaders(
             c,
             self.data_dir,

@@ -137,7 +137,7 @@ def state_dict(model, zero_biases=False):
 
     def read(ours):
         var, layer = _slot(model, ours)
-        return np.asarray(var[...] if layer is None else var[layer])
+        return np.asarray(var[...] if layer is None else var[layer], np.float32)
 
     state = {hf: read(ours) for hf, ours, _ in rows_of(model)}
     if zero_biases and not model.config.bias:
@@ -177,6 +177,7 @@ def load_state_dict(model, state, mesh=None):
 
 
 def _place(var, value, ours, mesh):
+    value = value.astype(var.dtype, copy=False)  # float32, or record 20's bf16 tables (embed_dtype)
     if mesh is None:
         var.set_value(jnp.asarray(value))
     else:  # each device receives only its shard

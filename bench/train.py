@@ -90,6 +90,7 @@ PRESETS = {
         vocab_size=50257,
         arch="speedrun20",
         fp8_head=True,
+        embed_dtype="bfloat16",
         optimizer="muon20",
         muon_learning_rate=0.05,
         lr_schedule="cooldown",
@@ -181,7 +182,7 @@ def memory(args):
     )
     if args.topology or args.gpu:
         import accelerators
-        import attention
+        import models
 
         # a bad name: one line, before any worker
         devices = (
@@ -190,7 +191,7 @@ def memory(args):
             else accelerators.gpu_devices(args.gpu, args.gpus)
         )
         # e.g. splash in bf16 on a v3: one line
-        attention.check_run(model_config(s, devices[0].platform), devices[0])
+        models.check_run(model_config(s, devices[0].platform), devices[0])
         n = len(devices)
         if (args.devices or n) > n:
             raise UsageError(

@@ -99,7 +99,7 @@ def model_config(s, platform):
     from settings import resolve_scan_layers
 
     fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dtype", "attention")
-    fields += ("fp8_head",) * ("fp8_head" in s)
+    fields += tuple(k for k in ("fp8_head", "embed_dtype") if k in s)  # record 20's
     arch = s.get("arch", "gpt2")
     scan_layers = resolve_scan_layers(s["scan_layers"], platform, arch)
     return GPTConfig(

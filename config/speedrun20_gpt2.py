@@ -22,6 +22,7 @@ vocab_size = 50257  # the embeddings' rows; the head pads to 50304
 bias = False
 dropout = 0.0
 fp8_head = True  # the record's FP8 head in training
+embed_dtype = "bfloat16"  # the record's embedding tables, stepped by Adam in bf16
 window_size = 1728  # the long window grows to 1728 tokens (14 blocks of 128), the short one half
 
 optimizer = "muon20"

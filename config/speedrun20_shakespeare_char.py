@@ -30,7 +30,8 @@ muon_learning_rate = 0.025
 muon_momentum = 0.95
 muon_momentum_start = 0.85
 muon_momentum_warmup = 300
-# as the rest of this CPU run (dtype auto: float32); the record's bf16 is for its GPUs
+# as the rest of this CPU run (dtype auto: float32, and embed_dtype's float32 default); the
+# record's bf16 is for its GPUs
 muon_ns_dtype = "float32"
 beta1 = 0.8
 beta2 = 0.95

@@ -21,6 +21,7 @@ The run crosses the zero-initialised projections' first steps and a warmdown to 
     python -m parity.check_speedrun --record 20
     python -m parity.check_speedrun --record 20 --fsdp 4 --tensor_parallel 2
     python -m parity.check_speedrun --record 20 --dtype bfloat16   # and the record's bf16
+    python -m parity.check_speedrun --record 20 --dtype bfloat16 --seeds 6   # judged by medians
 
 Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input. The tolerances are
 check_train's (parity/train_report.py).
@@ -38,7 +39,7 @@ from parity import speedrun20_check
 from parity.check_train import rerun_with_fake_devices
 from parity.common import add_step_args, pin_numerics, print_table, write_datafile
 from parity.speedrun20_check import RUN20
-from parity.train_report import report
+from parity.train_report import report, report_bf16_seeds
 from parity.train_sides import JaxTrainer, Run, check_rows, train_side
 
 TINY = dict(vocab_size=128, n_layer=2, n_head=2, n_embd=64)
@@ -229,17 +230,23 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="the reference's init and the shards")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="run seeds --seed.. --seed+N-1; bf16 is judged by their medians, fp32 by each",
+    )
     add_step_args(p)
     args = p.parse_args(argv)
     args.devices = args.devices or args.fsdp * args.tensor_parallel
     if (
         args.steps <= TINY_RUN["warmdown_iters"]
-        or min(args.accum, args.devices, args.fsdp, args.tensor_parallel) < 1
+        or min(args.accum, args.devices, args.fsdp, args.tensor_parallel, args.seeds) < 1
     ):
         raise UsageError(
             f"--steps must be > the warmdown's {TINY_RUN['warmdown_iters']}, and --accum, "
-            f"--devices, --fsdp, --tensor_parallel >= 1, got {args.steps}, {args.accum}, "
-            f"{args.devices}, {args.fsdp}, {args.tensor_parallel}"
+            f"--devices, --fsdp, --tensor_parallel, --seeds >= 1, got {args.steps}, {args.accum}, "
+            f"{args.devices}, {args.fsdp}, {args.tensor_parallel}, {args.seeds}"
         )
     if args.devices % (args.fsdp * args.tensor_parallel):
         raise UsageError(
@@ -265,11 +272,22 @@ def main(argv=None):
             argv, args.devices, jax.device_count(), module="parity.check_speedrun"
         )
     pin_numerics()
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.record == 20:
-            ok, _ = speedrun20_check.check(speedrun20_check.make_run(args, tmp), args.dtype)
-        else:
-            ok, _ = check(*make_run(args, tmp), args.dtype)
+    results = {}
+    for seed in range(args.seed, args.seed + args.seeds):
+        one = argparse.Namespace(**{**vars(args), "seed": seed})
+        if args.seeds > 1:
+            print(f"\n--- seed {seed}")
+        with tempfile.TemporaryDirectory() as tmp:
+            if args.record == 20:
+                run = speedrun20_check.make_run(one, tmp)
+                results[seed] = speedrun20_check.check(run, args.dtype)
+            else:
+                results[seed] = check(*make_run(one, tmp), args.dtype)
+    if args.seeds > 1 and args.dtype == "bfloat16" and all(f for _, f in results.values()):
+        print()
+        ok, _ = report_bf16_seeds({seed: figures for seed, (_, figures) in results.items()})
+    else:
+        ok = all(ok for ok, _ in results.values())
     return 0 if ok else 1
 
 

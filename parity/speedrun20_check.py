@@ -121,8 +121,8 @@ class TorchSide:
 
 
 def jax_side(run, dtype="float32"):
-    """train.py's step (parity.train_sides.JaxTrainer) in `dtype` (bf16: Newton-Schulz in bf16
-    too), its params named as the record's state dict."""
+    """train.py's step (parity.train_sides.JaxTrainer) in `dtype` (bf16: Newton-Schulz and the
+    embedding tables in bf16 too), its params named as the record's state dict."""
     from flax import nnx
 
     from parity.train_sides import JaxTrainer
@@ -134,7 +134,8 @@ def jax_side(run, dtype="float32"):
             return {k: np.asarray(v, np.float32) for k, v in to_record20_state(model).items()}
 
     ns = "bfloat16" if dtype == "bfloat16" else "float32"
-    return JaxSide(run._replace(c=dict(run.c, muon_ns_dtype=ns)), dtype)
+    # bf16: the record's bf16 embedding tables too
+    return JaxSide(run._replace(c=dict(run.c, muon_ns_dtype=ns, embed_dtype=dtype)), dtype)
 
 
 def settings(steps, seq_len, seed, attention="auto"):

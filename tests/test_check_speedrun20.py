@@ -92,3 +92,21 @@ def test_bad_input_is_one_line():
     """Record 20's 4 sequences a step do not split into 3 micro-batches."""
     with pytest.raises(UsageError, match="^4 rows per step do not split into --accum 3"):
         check_speedrun.parse_args(["--record", "20", "--accum", "3"])
+    with pytest.raises(UsageError, match="--seeds >= 1, got .* 0$"):
+        check_speedrun.parse_args(["--record", "20", "--seeds", "0"])
+
+
+def test_bf16_over_seeds_is_judged_by_the_medians(capsys):
+    """--seeds N in bf16: each seed's drift from fp32 side by side, judged by the medians (one
+    seed's own, ours or the record's, can be an outlier of 10x or more)."""
+
+    def figures(ours, theirs):
+        side = lambda x: dict.fromkeys(train_report.BF16_JUDGED, x)  # noqa: E731
+        return {"jax bf16": side(ours), "torch autocast-bf16": side(theirs)}
+
+    outlier_each = {0: figures(2.5e-4, 3e-5), 1: figures(3e-5, 1.2e-3), 2: figures(4e-5, 9e-5)}
+    ok, median = train_report.report_bf16_seeds(outlier_each)
+    assert ok and median["jax bf16"]["mean_loss_rel"] == 4e-5
+    assert "median" in capsys.readouterr().out
+    ours_worse = {0: figures(2.5e-4, 3e-5), 1: figures(1e-4, 4e-5), 2: figures(4e-5, 9e-5)}
+    assert not train_report.report_bf16_seeds(ours_worse)[0]  # 1e-4 > 2 x 4e-5

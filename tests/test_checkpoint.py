@@ -17,8 +17,10 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from helpers import REPO, fake_devices, run, settings, tiny_config
@@ -27,6 +29,7 @@ import checkpoint
 import checksums
 import export
 import sample
+import sharding
 import train
 import train_step
 from configurator import UsageError
@@ -234,6 +237,10 @@ BAD_META = {  # (what is changed, the one line's reason)
         {"model_args": {"n_head": 3}},
         "its model_args are no model: n_embd=32 must be divisible by n_head=3",
     ),
+    "an embed_dtype of no dtype": (
+        {"model_args": {"embed_dtype": "fp16"}},
+        "its model_args are no model: embed_dtype must be 'float32' or 'bfloat16', got 'fp16'",
+    ),
     "iter_num not an int": ({"iter_num": "2"}, "its meta's iter_num is '2', not an integer >= 0"),
     "best_val_loss not a number": (
         {"best_val_loss": None},
@@ -405,3 +412,41 @@ def test_the_best_checkpoint_outlives_blown_up_ones(dataset, tmp_path, monkeypat
     with open(tmp_path / "ckpt" / "2" / "metrics" / "metrics") as f:  # the val loss of its eval
         assert json.load(f) == {"val_loss": 2.0}
     assert "tracked_metric" not in caplog.text  # orbax's warning of a save without a val loss
+
+
+def test_bf16_tables_resume_in_either_embed_dtype(tmp_path):
+    """embed_dtype is the run's choice (model.RUNTIME_FIELDS): a checkpoint of record 20's bf16
+    tables and their Adam moments restores into float32 ones, value for value, and into bf16 bit
+    for bit; on the first device (sample.py's) and on train.py's mesh."""
+    from dataclasses import replace
+
+    from model import GPTConfig
+    from models import build
+    from settings import DEFAULTS
+
+    saved = GPTConfig(
+        arch="speedrun20", bias=False, n_layer=2, n_head=2, n_embd=32, block_size=128,
+        vocab_size=64, embed_dtype="bfloat16",
+    )  # fmt: skip
+    c = dict(DEFAULTS, arch="speedrun20", optimizer="muon20", lr_schedule="cooldown")
+    tx = train_step.make_optimizer(dict(c, beta1=0.8, weight_decay=0.0, muon_ns_dtype="float32"))
+    params = nnx.state(build(saved, nnx.Rngs(0)), nnx.Param)
+    grads = jax.tree.map(lambda p: (p * 0.5 + 0.25).astype(p.dtype), params)
+    updates, opt_state = tx.update(grads, tx.init(params), params)  # moments that are not zeros
+    params = optax.apply_updates(params, updates)
+    mngr = checkpoint.manager(tmp_path)
+    meta = checkpoint.meta_for(saved, {}, 1, 1.0, {})
+    checkpoint.save(mngr, 1, params, opt_state, meta)
+    mngr.wait_until_finished()
+    mngr.close()
+    bf16 = [x for x in jax.tree.leaves((params, opt_state)) if x.dtype == jnp.bfloat16]
+    assert len(bf16) == 4 * 3  # wte and 3 value tables, each with Adam's mu and nu
+    for embed_dtype in ("float32", "bfloat16"):
+        for mesh in (None, sharding.make_mesh()):
+            config = replace(saved, embed_dtype=embed_dtype)
+            got = checkpoint.restore_state(tmp_path, None, meta, config, tx, mesh)
+            assert all(x.dtype != jnp.bfloat16 for x in jax.tree.leaves(got)) == (
+                embed_dtype == "float32"
+            )
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((params, opt_state))):
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

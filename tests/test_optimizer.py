@@ -97,6 +97,11 @@ BAD = [
         ["--window_size=256"],
         "window_size is record 20's attention window: it needs arch='speedrun20'",
     ),
+    (
+        ["--embed_dtype=bfloat16"],
+        "embed_dtype is record 20's bf16 embedding tables: it needs arch='speedrun20'",
+    ),
+    (["--arch=speedrun20", "--embed_dtype=fp16"], "embed_dtype must be 'float32' or 'bfloat16'"),
     (["--val_tokens=-1"], "val_tokens must be >= 0"),
     (["--warmdown_iters=-1"], "warmdown_iters must be >= 0"),
 ]
@@ -110,7 +115,7 @@ def test_bad_setting_is_one_line(args, message):
     assert "\n" not in str(e.value)
 
 
-def test_start_up_says_how_the_fp8_head_multiplies():
+def test_start_up_says_how_the_fp8_head_multiplies_and_which_tables_are_bf16():
     import runlog
     import sharding
 
@@ -128,6 +133,8 @@ def test_start_up_says_how_the_fp8_head_multiplies():
     fp8 = "; FP8 head in training (the record's e4m3/e5m2 rounding, multiplied in bf16)"
     assert parameters_line("--fp8_head=True").endswith(f"cooldown schedule{fp8}")
     assert fp8 not in parameters_line()
+    tables = "; dtype auto, embedding tables bfloat16; Muon"
+    assert tables in parameters_line("--embed_dtype=bfloat16") and "tables" not in parameters_line()
 
 
 def test_checkpoint_fixes_arch():

@@ -235,3 +235,31 @@ def test_the_window_grows_as_the_records_to_window_size():
     assert model.final_window() == 1 and {b.attn.band for b in model.h if b.attn} == {1}
     logits, _ = model(jnp.asarray(with_documents((1, 256), every=10_000)))
     assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_bf16_tables_are_the_float32_ones_rounded_and_their_gradient_is_summed_in_float32():
+    """embed_dtype='bfloat16' (the record's .bfloat16() of its initialised tables): the token and
+    value embeddings in bf16, drawn as the float32 model's and rounded, every other param the same
+    float32 one; the loss and gradient those of the float32 model holding the rounded tables, the
+    tables' gradient its gradient rounded once (summed over the tokens in float32, as torch's CUDA
+    embedding backward sums it)."""
+    f32 = randomized(build(GPTConfig(**TINY20), nnx.Rngs(0)))
+    bf16 = build(GPTConfig(**TINY20, embed_dtype="bfloat16"), nnx.Rngs(0))
+    init = nnx.to_flat_state(nnx.state(bf16, nnx.Param))
+    assert {path[0] for path, x in init if x.dtype == jnp.bfloat16} == {"wte", "ve"}
+    assert all(x.dtype == jnp.float32 for path, x in init if path[0] not in ("wte", "ve"))
+    fresh = nnx.to_flat_state(nnx.state(build(GPTConfig(**TINY20), nnx.Rngs(0)), nnx.Param))
+    for (path, b), (_, a) in zip(init, fresh):
+        np.testing.assert_array_equal(a[...].astype(b.dtype), b[...], err_msg=str(path))
+    # the random weights into both, the tables rounded
+    nnx.update(bf16, jax.tree.map(lambda a, b: a.astype(b.dtype), nnx.state(f32), nnx.state(bf16)))
+    nnx.update(f32, jax.tree.map(lambda b: b.astype(jnp.float32), nnx.state(bf16)))
+    idx = jnp.asarray(with_documents((2, 257), every=50))  # each table row takes many tokens
+    x, y = idx[:, :-1], idx[:, 1:]
+    losses, grads = zip(
+        *(nnx.value_and_grad(lambda m: m.loss(x, y))(model) for model in (f32, bf16))
+    )
+    assert losses[0] == losses[1]
+    for (path, a), (_, b) in zip(*(nnx.to_flat_state(nnx.state(g)) for g in grads)):
+        assert b.dtype == (jnp.bfloat16 if path[0] in ("wte", "ve") else jnp.float32), path
+        np.testing.assert_array_equal(a[...].astype(b.dtype), b[...], err_msg=str(path))

@@ -155,6 +155,33 @@ def test_a_state_step_file_both_ways(pair, tmp_path):
         read_pretrained(str(tmp_path / "state_step000003.pt"), n_head=4)
 
 
+def test_the_records_bf16_tables_both_ways(tmp_path):
+    """The record's state_step*.pt holds its embedding tables in bf16: read with
+    embed_dtype='bfloat16' they are ours bit for bit; saved back, the record's GPT (bf16 tables)
+    loads them strictly, the same bits."""
+    torch.manual_seed(1)
+    theirs = record.GPT(**SHAPE)  # the record's dtypes
+    state = from_record20_state(theirs.state_dict())
+    config = GPTConfig(**record20_config(state, SHAPE["num_heads"]), embed_dtype="bfloat16")
+    ours = model_from(replace(config, block_size=T), state)
+    tables = {"embed.weight": ours.wte}
+    tables.update({f"value_embeds.embed.{i}.weight": ve for i, ve in enumerate(ours.ve)})
+    for name, table in tables.items():
+        assert table.embedding.dtype == jnp.bfloat16 and theirs.get_parameter(name).dtype == (
+            torch.bfloat16
+        )
+        np.testing.assert_array_equal(
+            np.asarray(table.embedding[...], np.float32),
+            theirs.get_parameter(name).detach().float(),
+        )
+    save_modded(ours, tmp_path / "state_step000001.pt", step=1)
+    saved = torch.load(tmp_path / "state_step000001.pt", weights_only=True)
+    back = record.GPT(**SHAPE)
+    back.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in saved["model"].items()})
+    for name, p in back.named_parameters():
+        assert torch.equal(p, theirs.get_parameter(name)), name
+
+
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_the_fp8_head_rounds_as_the_records(x_dtype):
     """layers.fp8_head against the record's lm_head_fp8 (torch._scaled_mm on a CPU): the logits and

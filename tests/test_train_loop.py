@@ -145,6 +145,7 @@ SPEEDRUN20_RECIPE = [
     "--grad_clip=0.0",
     "--dropout=0.0",
     "--block_size=128",
+    "--embed_dtype=bfloat16",  # the record's tables and their Adam state
 ]
 
 

@@ -8,6 +8,7 @@ tests/test_attention.py; a whole model: tests/test_speedrun20_model.py; flash's 
 compiled for an H100: tests/test_gpu.py."""
 
 import math
+import types
 from dataclasses import replace
 
 import jax
@@ -156,18 +157,27 @@ def test_each_setting_gets_its_kernel():
 
 
 def test_a_run_that_cannot_take_its_setting_stops_in_one_line():
-    """train.py's check before anything is written (window_attention.check_run), on a TPU's kind:
-    'flash' is a GPU kernel; 'splash' in bf16 on a TPU v3 is refused by its compiler."""
+    """The check train.py and bench/train.py make before anything is written (models.check_run:
+    record 20's window_attention.check_run, the other archs' attention.check_run), on a TPU's kind:
+    'flash' is a GPU kernel; 'splash' in bf16 on a TPU v3 is refused by its compiler. On an H100's
+    kind flash runs for record 20 only."""
     from model import GPTConfig
+    from models import check_run
 
     config = GPTConfig(arch="speedrun20", bias=False, n_embd=256, n_head=2, block_size=1024)
     v5e = accelerators.topology_devices("v5e:2x2")[0]
-    window_attention.check_run(config, v5e)  # 'auto': splash
+    check_run(config, v5e)  # 'auto': splash
     with pytest.raises(UsageError, match="^attention='flash' cannot run here: it is a GPU kernel"):
-        window_attention.check_run(replace(config, attention="flash"), v5e)
+        check_run(replace(config, attention="flash"), v5e)
     v3 = accelerators.topology_devices("v3:2x2")[0]
     with pytest.raises(UsageError, match="^attention='splash' cannot run here: TPU v3's kernel"):
-        window_attention.check_run(replace(config, attention="splash", dtype="bfloat16"), v3)
+        check_run(replace(config, attention="splash", dtype="bfloat16"), v3)
+    h100 = types.SimpleNamespace(
+        platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0"
+    )
+    check_run(replace(config, attention="flash", dtype="bfloat16"), h100)
+    with pytest.raises(UsageError, match="^attention='flash' cannot run here: it is record 20's"):
+        check_run(GPTConfig(attention="flash", dtype="bfloat16"), h100)
 
 
 def test_window_splash_compiles_for_tpu():
