@@ -157,17 +157,18 @@ def make_train_step(graphdef, tx, grad_clip, lr_schedule=None, windows=None, gra
             loss, grads = jax.value_and_grad(loss_fn)(params, x, y, key, window)
             return jax.tree.map(jnp.add, grad_sum, grads), loss
 
-        # the gradient sum takes the params' shardings, in float32: a bf16 param's (record 20's
-        # embed_dtype) gradient rounds once, to its dtype, after the sum
+        # the gradient sum takes the params' shardings, in float32 (record 20's bf16 tables too)
         zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
         grads, losses = jax.lax.scan(micro_step, zeros, (x, y, jax.random.split(key, accum)))
         # the loss is a mean over each micro-batch; the sum over micro-batches must become a mean
         # too (record 20: times grad_scale)
-        grads = jax.tree.map(lambda g, p: (g * (grad_scale / accum)).astype(p.dtype), grads, params)
+        grads = jax.tree.map(lambda g: g * (grad_scale / accum), grads)
         grad_norm = optax.tree.norm(grads)
         if grad_clip > 0.0:
             scale = jnp.minimum(1.0, grad_clip / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale, grads)
+        # each rounded once to its param's dtype (embed_dtype), as the optimizer takes it
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         metrics = {"loss": jnp.mean(losses), "grad_norm": grad_norm}
         if lr_schedule is not None:
             metrics["lr"] = lr_schedule(schedule_count(opt_state))

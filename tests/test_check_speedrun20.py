@@ -7,8 +7,6 @@ across the windows' growth, the momentum's warmup and the cooldown, in fp32, on 
 8 fake CPU devices as fsdp 4 x tensor 2; the long and short windows swapped fails; bad input is one
 line."""
 
-import argparse
-
 import pytest
 from helpers import one_torch_thread
 
@@ -26,16 +24,7 @@ def tiny(tmp_path_factory):
     equal to the record's) and the reference's results, once."""
     with one_torch_thread():
         pin_numerics()
-        args = argparse.Namespace(
-            seed=0,
-            steps=12,
-            seq_len=256,
-            accum=1,
-            devices=1,
-            fsdp=1,
-            tensor_parallel=1,
-            attention="auto",
-        )
+        args = check_speedrun.parse_args(["--record", "20", "--seq-len", "256"])  # 12 steps
         run = speedrun20_check.make_run(args, str(tmp_path_factory.mktemp("speedrun20")))
         batches = speedrun20_check.make_batches(run)
         reference = train_sides.train_side(
