@@ -22,6 +22,10 @@ The run crosses the zero-initialised projections' first steps and a warmdown to 
     python -m parity.check_speedrun --record 20 --fsdp 4 --tensor_parallel 2
     python -m parity.check_speedrun --record 20 --dtype bfloat16   # and the record's bf16
     python -m parity.check_speedrun --record 20 --dtype bfloat16 --seeds 6   # judged by medians
+    # the torch side: the record's own code from a modded-nanogpt checkout (parity/record_code.py)
+    python -m parity.check_speedrun --record 20 --own ../modded-nanogpt
+    python -m parity.check_speedrun --record 20 --own ../modded-nanogpt --record-init  # its start
+    python -m parity.check_speedrun --own ../modded-nanogpt   # record 5's train_gpt2.py
 
 Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input. The tolerances are
 check_train's (parity/train_report.py).
@@ -84,7 +88,7 @@ def make_batches(run, shards):
 
 
 class TorchSide:
-    """The record's model and training section (parity/speedrun_reference.py) from the
+    """The record's model and training section as parity/speedrun_reference.py has them, from the
     state_step.pt."""
 
     def __init__(self, path, c, autocast_bf16=False):
@@ -112,9 +116,9 @@ class JaxSide(JaxTrainer):
         return {k: np.asarray(v, np.float32) for k, v in state.items() if k != "lm_head.weight"}
 
 
-def make_run(args, tmp):
-    """(Run, the shards' tokens): the tiny record-5 model saved by the reference as a state_step.pt,
-    the shards."""
+def make_run(args, tmp, own=None):
+    """(Run, the shards' tokens): the tiny record-5 model saved by the reference (or by the
+    record's own code `own`, a parity.record_code.RecordCode) as a state_step.pt, the shards."""
     import torch
 
     from parity.speedrun_reference import GPT, GPTConfig
@@ -122,6 +126,8 @@ def make_run(args, tmp):
 
     torch.manual_seed(args.seed)
     model_path = os.path.join(tmp, "state_step000000.pt")
+    if own is not None:
+        GPT, GPTConfig = (own.run_definitions()[name] for name in ("GPT", "GPTConfig"))
     # as torch.compile's
     state = {f"_orig_mod.{k}": v for k, v in GPT(GPTConfig(**TINY)).state_dict().items()}
     torch.save(dict(step=0, model=state), model_path)
@@ -139,7 +145,10 @@ def make_run(args, tmp):
         dropout=0.0,
         optimizer="muon",
         learning_rate=TINY_RUN["learning_rate"],
-        muon_learning_rate=TINY_RUN["muon_learning_rate"],
+        # the record's own code sets Muon's rate to 0.1 of Adam's
+        muon_learning_rate=TINY_RUN["learning_rate"] / 10
+        if own
+        else TINY_RUN["muon_learning_rate"],
         muon_momentum=0.95,
         muon_ns_dtype="float32" if args.dtype == "float32" else "bfloat16",
         beta1=0.9,
@@ -175,12 +184,19 @@ def make_run(args, tmp):
     return run, shards
 
 
-def check(run, shards, dtype="float32"):
-    """Train both sides on the same batches; print the report; return (ok, figures)."""
+def check(run, shards, dtype="float32", own=None):
+    """Train both sides on the same batches; print the report; return (ok, figures). own (a
+    parity.record_code.RecordCode): the record's own code is the torch side, its loader checked
+    beside ours."""
     import jax
+
+    from parity import own_sides
 
     pin_numerics()
     batches = make_batches(run, shards)
+    if own is not None:
+        own_sides.print_changes(own)
+        own_sides.check_record5_loader(own, run.data_dir, batches)
     c = run.c
     print(
         f"{run.steps} steps of {run.rows} x {run.seq_len} tokens ({run.accum} micro-batch(es)), "
@@ -199,6 +215,8 @@ def check(run, shards, dtype="float32"):
         "torch": lambda: TorchSide(run.model_dir, dict(c, muon_ns_dtype="float32")),
         "jax": lambda: JaxSide(run, dtype),
     }
+    if own is not None:
+        sides["torch"] = lambda: own_sides.Record5Own(own, run.model_dir, TINY, run)
     if dtype == "bfloat16":  # the record's own bf16: autocast and Newton-Schulz in bf16
         sides["torch_bf16"] = lambda: TorchSide(run.model_dir, c, autocast_bf16=True)
     results = {side: train_side(make(), batches) for side, make in sides.items()}
@@ -236,8 +254,25 @@ def parse_args(argv=None):
         default=1,
         help="run seeds --seed.. --seed+N-1; bf16 is judged by their medians, fp32 by each",
     )
+    p.add_argument(
+        "--own",
+        metavar="CHECKOUT",
+        help="a modded-nanogpt checkout: the torch side is the record's own code from it (fp32)",
+    )
+    p.add_argument(
+        "--record-init",
+        action="store_true",
+        help="with --own --record 20: from the record's own init (zero projections and head), "
+        "beside its code in float64; steps 0-1 judged, the rest reported",
+    )
     add_step_args(p)
     args = p.parse_args(argv)
+    if args.own is not None and args.dtype != "float32":
+        raise UsageError("--own runs the record's code in fp32: drop --dtype bfloat16")
+    if args.record_init and (args.own is None or args.record != 20):
+        raise UsageError(
+            "--record-init is for --own --record 20 (record 5's check starts from its own init)"
+        )
     args.devices = args.devices or args.fsdp * args.tensor_parallel
     if (
         args.steps <= TINY_RUN["warmdown_iters"]
@@ -271,7 +306,10 @@ def main(argv=None):
         return rerun_with_fake_devices(
             argv, args.devices, jax.device_count(), module="parity.check_speedrun"
         )
+    from parity.record_code import RecordCode
+
     pin_numerics()
+    own = None if args.own is None else RecordCode(args.own, args.record)
     results = {}
     for seed in range(args.seed, args.seed + args.seeds):
         one = argparse.Namespace(**{**vars(args), "seed": seed})
@@ -279,10 +317,10 @@ def main(argv=None):
             print(f"\n--- seed {seed}")
         with tempfile.TemporaryDirectory() as tmp:
             if args.record == 20:
-                run = speedrun20_check.make_run(one, tmp)
-                results[seed] = speedrun20_check.check(run, args.dtype)
+                run = speedrun20_check.make_run(one, tmp, own)
+                results[seed] = speedrun20_check.check(run, args.dtype, own, args.record_init)
             else:
-                results[seed] = check(*make_run(one, tmp), args.dtype)
+                results[seed] = check(*make_run(one, tmp, own), args.dtype, own)
     if args.seeds > 1 and args.dtype == "bfloat16" and all(f for _, f in results.values()):
         print()
         ok, _ = report_bf16_seeds({seed: figures for seed, (_, figures) in results.items()})

@@ -27,6 +27,10 @@ import numpy as np
 # <|endoftext|>
 TINY20 = dict(vocab_size=50257, num_layers=8, num_heads=2, model_dim=32)
 RUN20 = dict(rows=4, seq_len=512, steps=12, warmup=6, cooldown_frac=0.4)
+# --own: the record's own code fixes 12 layers (its value-embedding and window lists) and its
+# momentum warmup's 300 steps
+OWN20 = dict(TINY20, num_layers=12)
+OWN_WARMUP = 300
 SHARD_TOKENS = 16_000  # a dozen steps of 4 x 512 cross a shard end
 EOT = 50256
 # the token ids the shards hold, besides <|endoftext|>: each embedding row a step sees takes many
@@ -85,7 +89,7 @@ class TorchSide:
         from parity.speedrun20_training import make_optimizers
 
         dtype = torch.bfloat16 if bf16 else torch.float32
-        self.model = GPT(**TINY20, embed_dtype=dtype)
+        self.model = GPT(**gpt_sizes(run.c), embed_dtype=dtype)
         state = torch.load(path, map_location="cpu", weights_only=True)["model"]
         state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
         self.model.load_state_dict(state)  # the tables' values cast to their dtype
@@ -108,7 +112,7 @@ class TorchSide:
             self.run.seq_len,
             world_size=self.world,
             cooldown_frac=RUN20["cooldown_frac"],
-            warmup_steps=RUN20["warmup"],
+            warmup_steps=self.run.c["muon_momentum_warmup"],
             grad_norms=norms,
         )
         self.it += 1
@@ -118,6 +122,16 @@ class TorchSide:
     def state_dict(self):
         # copies: the params train in place
         return {k: v.detach().float().numpy().copy() for k, v in self.model.state_dict().items()}
+
+
+def gpt_sizes(c):
+    """The record's GPT's arguments for train.py's settings c."""
+    return dict(
+        vocab_size=c["vocab_size"],
+        num_layers=c["n_layer"],
+        num_heads=c["n_head"],
+        model_dim=c["n_embd"],
+    )
 
 
 def jax_side(run, dtype="float32"):
@@ -138,17 +152,17 @@ def jax_side(run, dtype="float32"):
     return JaxSide(run._replace(c=dict(run.c, muon_ns_dtype=ns, embed_dtype=dtype)), dtype)
 
 
-def settings(steps, seq_len, seed, attention="auto"):
+def settings(steps, seq_len, seed, attention="auto", sizes=TINY20, warmup=RUN20["warmup"]):
     """train.py's settings for the tiny record-20 run: the record's rates, warmup scaled."""
     from settings import DEFAULTS
 
     return dict(
         DEFAULTS,
         arch="speedrun20",
-        n_layer=TINY20["num_layers"],
-        n_head=TINY20["num_heads"],
-        n_embd=TINY20["model_dim"],
-        vocab_size=TINY20["vocab_size"],
+        n_layer=sizes["num_layers"],
+        n_head=sizes["num_heads"],
+        n_embd=sizes["model_dim"],
+        vocab_size=sizes["vocab_size"],
         block_size=seq_len,
         bias=False,
         dropout=0.0,
@@ -161,7 +175,7 @@ def settings(steps, seq_len, seed, attention="auto"):
         muon_learning_rate=0.05,
         muon_momentum=0.95,
         muon_momentum_start=0.85,
-        muon_momentum_warmup=RUN20["warmup"],
+        muon_momentum_warmup=warmup,
         muon_ns_dtype="float32",
         beta1=0.8,
         beta2=0.95,
@@ -177,9 +191,11 @@ def settings(steps, seq_len, seed, attention="auto"):
     )
 
 
-def make_run(args, tmp):
-    """The tiny record-20 model as the record inits it, saved by the reference as a state_step.pt;
-    the shards; the Run."""
+def make_run(args, tmp, own=None):
+    """The tiny record-20 model as the record inits it (by the reference's GPT, or by the record's
+    own code `own`, a parity.record_code.RecordCode), saved as a state_step.pt; the shards; the
+    Run. The zero-initialised matrices are drawn as the others (see the docstring) unless
+    args.record_init."""
     import torch
 
     from parity.speedrun20_reference import GPT
@@ -187,10 +203,13 @@ def make_run(args, tmp):
 
     torch.manual_seed(args.seed)
     model_path = os.path.join(tmp, "state_step000000.pt")
-    model = GPT(**TINY20, embed_dtype=torch.float32)
-    with torch.no_grad():  # the zero-initialised matrices drawn as the others (see the docstring)
+    if own is None:
+        model = GPT(**TINY20, embed_dtype=torch.float32)
+    else:  # the record's tables are float32 until its main section's .bfloat16()
+        model = own.run_definitions()["GPT"](**OWN20)
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("c_proj.weight", "lm_head.weight")):
+            if name.endswith(("c_proj.weight", "lm_head.weight")) and not args.record_init:
                 p.uniform_(-1, 1).mul_(3**0.5 * 0.5 * p.size(1) ** -0.5)
     state = {f"_orig_mod.{k}": v for k, v in model.state_dict().items()}  # as torch.compile's
     torch.save(dict(step=0, model=state), model_path)
@@ -198,7 +217,10 @@ def make_run(args, tmp):
     os.makedirs(data_dir)
     write_shards(data_dir, seed=args.seed)
     seq_len = args.seq_len or RUN20["seq_len"]
-    c = settings(args.steps, seq_len, args.seed, args.attention)
+    if own is None:
+        c = settings(args.steps, seq_len, args.seed, args.attention)
+    else:
+        c = settings(args.steps, seq_len, args.seed, args.attention, OWN20, OWN_WARMUP)
     return Run(
         c,
         model_path,
@@ -213,11 +235,16 @@ def make_run(args, tmp):
     )
 
 
-def check(run, dtype="float32"):
+def check(run, dtype="float32", own=None, record_init=False):
     """Train both sides on the same steps; print the report; return (ok, figures). bf16: ours and
-    the record's own bf16 (TorchSide(bf16=True)), each against torch fp32."""
+    the record's own bf16 (TorchSide(bf16=True)), each against torch fp32. own (a
+    parity.record_code.RecordCode): the record's own code is the torch side (fp32), its loader
+    checked beside ours; with record_init, its float64 run too, and the report of the record's own
+    start."""
     import jax
+    import torch
 
+    from parity import own_sides
     from parity.common import pin_numerics
     from parity.train_report import report
     from parity.train_sides import train_side
@@ -225,23 +252,35 @@ def check(run, dtype="float32"):
     pin_numerics()
     batches = make_batches(run)
     world = run.devices // run.tensor_parallel  # the record's ranks: our batch shards
+    if own is not None:
+        own_sides.print_changes(own)
+        own_sides.check_record20_loader(own, run.data_dir, batches)
     print(
         f"record 20: {run.steps} steps of {run.rows} x {run.seq_len} tokens ({run.accum} "
         f"micro-batch(es)), {dtype}, the FP8 head off; torch on cpu as {world} rank(s), ours on "
         f"{run.devices} {jax.devices()[0].platform} device(s) (fsdp {run.fsdp}, tensor "
         f"{run.tensor_parallel}; attention {run.c['attention']}); the two loaders' steps equal"
     )
+    start = "the record's own init" if record_init else "its zero matrices drawn"
     print(
         "Adam (head 0.008, embeddings 0.6, scalars 0.04; betas 0.8, 0.95, eps 1e-10), Muon 0.05 "
-        f"(momentum 0.85 -> 0.95 over {RUN20['warmup']} steps, Newton-Schulz in {dtype} but the "
-        "fp32 reference's), cooldown "
-        f"over the last {RUN20['cooldown_frac']:.0%}, windows growing 1728 * step / {run.steps}"
+        f"(momentum 0.85 -> 0.95 over {run.c['muon_momentum_warmup']} steps, Newton-Schulz in "
+        f"{dtype} but the fp32 reference's), cooldown over the last {RUN20['cooldown_frac']:.0%}, "
+        f"windows growing 1728 * step / {run.steps}; {run.c['n_layer']} layers from {start}"
     )
-    sides = {
-        "torch": lambda: TorchSide(run.model_dir, run, world),
-        "jax": lambda: jax_side(run, dtype),
-    }
+    sides = {"torch": lambda: TorchSide(run.model_dir, run, world)}
+    if own is not None:
+        sides["torch"] = lambda: own_sides.Record20Own(
+            own, run.model_dir, gpt_sizes(run.c), run, world
+        )
+    sides["jax"] = lambda: jax_side(run, dtype)
     if dtype == "bfloat16":
         sides["torch_bf16"] = lambda: TorchSide(run.model_dir, run, world, bf16=True)
+    if record_init:
+        sides["torch_fp64"] = lambda: own_sides.Record20Own(
+            own, run.model_dir, gpt_sizes(run.c), run, world, torch.float64
+        )
     results = {side: train_side(make(), batches) for side, make in sides.items()}
+    if record_init:
+        return own_sides.report_record_start(results), {}
     return report(run, results, dtype)
