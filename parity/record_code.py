@@ -9,7 +9,9 @@ too: OneProcess, dense_flex_attention.
 """
 
 import ast
+import contextlib
 import os
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -161,7 +163,8 @@ class RecordCode:
         self.path, text = read_code(checkout, record)
         self.text = apply_edits(self.path, text, record)
         try:
-            self.tree = ast.parse(self.text, self.path)
+            with quiet_compiler():
+                self.tree = ast.parse(self.text, self.path)
         except SyntaxError as e:
             raise UsageError(
                 f"{self.path}: its code part does not parse ({e.msg}, line {e.lineno})"
@@ -204,7 +207,17 @@ class RecordCode:
         return self._compile(body[first : last + 1])
 
     def _compile(self, nodes):
-        return compile(ast.Module(body=nodes, type_ignores=[]), self.path, "exec")
+        with quiet_compiler():
+            return compile(ast.Module(body=nodes, type_ignores=[]), self.path, "exec")
+
+
+@contextlib.contextmanager
+def quiet_compiler():
+    """Python reading the record's text, without warnings about it (record 5's docstring has an
+    invalid escape, '\\s'): they are the record's, not ours."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
+        yield
 
 
 # ----------------------------------------------------------------------------- stand-ins

@@ -184,6 +184,25 @@ def test_a_short_window_one_block_longer_fails(own20, monkeypatch):
 
 @checkout
 @pytest.mark.slow
+def test_record5s_reference_is_its_own_code(tmp_path):
+    """parity/speedrun_reference.py trains as record 5's own train_gpt2.py does, to fp32's last
+    bits."""
+    with one_torch_thread():
+        pin_numerics()
+        code = RecordCode(CHECKOUT, 5)
+        run, shards = check_speedrun.make_run(check_speedrun.parse_args([]), str(tmp_path), code)
+        batches = check_speedrun.make_batches(run, shards)
+        theirs = own_sides.Record5Own(code, run.model_dir, check_speedrun.TINY, run)
+        reference = check_speedrun.TorchSide(run.model_dir, dict(run.c, muon_ns_dtype="float32"))
+        theirs, reference = (train_sides.train_side(s, batches) for s in (theirs, reference))
+    for name, value in theirs["final"].items():
+        assert_close(reference["final"][name], value, atol=2e-7, what=name)
+    for r, t in zip(reference["records"], theirs["records"]):
+        assert abs(r["loss"] - t["loss"]) <= 1e-6 * t["loss"]
+
+
+@checkout
+@pytest.mark.slow
 def test_record5_equals_its_own_code_on_a_mesh(capfd):
     """main(): record 5's own train_gpt2.py against ours on 8 fake CPU devices (fsdp 4 x tensor 2,
     2 micro-batches); the edits printed."""
