@@ -4,11 +4,13 @@ Docs that cannot rot: in README.md and docs/*.md every relative link resolves (a
 markdown is read as GitHub renders it: shell code blocks (fenced or indented) and inline code apart
 from the prose, each heading's anchor, and the `python SCRIPT ...` and `python -m MODULE ...`
 commands of a shell line (each checked to name a script of this repository and options it
-accepts: test_docs_commands.py).
+accepts: test_docs_commands.py). docs/files.md names every Python file.
 """
 
+import fnmatch
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -222,3 +224,33 @@ def test_the_markdown_reading():
     )
     line = 'gcloud --command="cd x && .venv/bin/python train.py --a=1" && srun python -m m.n --b 2'
     assert python_commands(line) == [("train.py", ["--a=1"]), ("-m m.n", ["--b", "2"])]
+
+
+def names_file(name, path):
+    """Does `name` (in backticks in docs/files.md) name the file at `path`: its path or a pattern of
+    it, or, for a file in a folder, its name, its stem or a pattern of its name?"""
+    folder, _, base = path.rpartition("/")
+    return (
+        fnmatch.fnmatch(path, name)
+        or bool(folder)
+        and (fnmatch.fnmatch(base, name) or name == base.removesuffix(".py"))
+    )
+
+
+def test_files_md_names_every_python_file():
+    """docs/files.md is the map of the house: every Python file outside tests/ is named there."""
+    named = re.findall(r"`([^`\s]+)`", (ROOT / "docs" / "files.md").read_text())
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    unnamed = [
+        path
+        for path in tracked
+        if not path.startswith("tests/")
+        and not path.endswith("__init__.py")
+        and not any(names_file(name, path) for name in named)
+    ]
+    assert not unnamed, f"docs/files.md does not name {unnamed}"
+    assert not names_file("model", "model.py") and names_file(
+        "eval_gpt2*.py", "config/eval_gpt2.py"
+    )
