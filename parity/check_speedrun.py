@@ -147,7 +147,7 @@ def make_run(args, tmp, own=None):
         learning_rate=TINY_RUN["learning_rate"],
         # the record's own code sets Muon's rate to 0.1 of Adam's
         muon_learning_rate=TINY_RUN["learning_rate"] / 10
-        if own
+        if own is not None
         else TINY_RUN["muon_learning_rate"],
         muon_momentum=0.95,
         muon_ns_dtype="float32" if args.dtype == "float32" else "bfloat16",

@@ -203,10 +203,11 @@ def make_run(args, tmp, own=None):
 
     torch.manual_seed(args.seed)
     model_path = os.path.join(tmp, "state_step000000.pt")
+    sizes, warmup = (TINY20, RUN20["warmup"]) if own is None else (OWN20, OWN_WARMUP)
     if own is None:
-        model = GPT(**TINY20, embed_dtype=torch.float32)
+        model = GPT(**sizes, embed_dtype=torch.float32)
     else:  # the record's tables are float32 until its main section's .bfloat16()
-        model = own.run_definitions()["GPT"](**OWN20)
+        model = own.run_definitions()["GPT"](**sizes)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("c_proj.weight", "lm_head.weight")) and not args.record_init:
@@ -217,10 +218,7 @@ def make_run(args, tmp, own=None):
     os.makedirs(data_dir)
     write_shards(data_dir, seed=args.seed)
     seq_len = args.seq_len or RUN20["seq_len"]
-    if own is None:
-        c = settings(args.steps, seq_len, args.seed, args.attention)
-    else:
-        c = settings(args.steps, seq_len, args.seed, args.attention, OWN20, OWN_WARMUP)
+    c = settings(args.steps, seq_len, args.seed, args.attention, sizes, warmup)
     return Run(
         c,
         model_path,
