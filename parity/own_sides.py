@@ -20,7 +20,7 @@ from parity.record_code import (
     dense_flex_attention,
     plain_head,
 )
-from parity.speedrun20_training import grad_norm
+from parity.speedrun20_training import gpt_sizes, grad_norm
 from parity.train_report import LOSS_TOL, rel
 
 
@@ -85,14 +85,14 @@ def load_state(model, path):
 
 
 class Record20Own(OwnSide):
-    """Record 20's GPT (sizes: GPT's keyword arguments), Adam and Muon groups, cooldown and window
-    schedules and loop body, run in `dtype` as one process standing for `world` ranks."""
+    """Record 20's GPT (at run.c's sizes), Adam and Muon groups, cooldown and window schedules and
+    loop body, run in `dtype` as one process standing for `world` ranks."""
 
-    def __init__(self, code, path, sizes, run, world, dtype=torch.float32):
+    def __init__(self, code, path, run, world, dtype=torch.float32):
         namespace = code.run_definitions(
             flex_attention=dense_flex_attention, lm_head_fp8=plain_head, dist=OneProcess(world)
         )
-        model = load_state(namespace["GPT"](**sizes), path).to(dtype)
+        model = load_state(namespace["GPT"](**gpt_sizes(run.c)), path).to(dtype)
         args = SimpleNamespace(
             num_iterations=run.steps, cooldown_frac=run.c["cooldown_frac"], seq_len=run.seq_len
         )

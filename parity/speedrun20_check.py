@@ -86,7 +86,7 @@ class TorchSide:
         import torch
 
         from parity.speedrun20_reference import GPT
-        from parity.speedrun20_training import make_optimizers
+        from parity.speedrun20_training import gpt_sizes, make_optimizers
 
         dtype = torch.bfloat16 if bf16 else torch.float32
         self.model = GPT(**gpt_sizes(run.c), embed_dtype=dtype)
@@ -122,16 +122,6 @@ class TorchSide:
     def state_dict(self):
         # copies: the params train in place
         return {k: v.detach().float().numpy().copy() for k, v in self.model.state_dict().items()}
-
-
-def gpt_sizes(c):
-    """The record's GPT's arguments for train.py's settings c."""
-    return dict(
-        vocab_size=c["vocab_size"],
-        num_layers=c["n_layer"],
-        num_heads=c["n_head"],
-        model_dim=c["n_embd"],
-    )
 
 
 def jax_side(run, dtype="float32"):
@@ -268,15 +258,13 @@ def check(run, dtype="float32", own=None, record_init=False):
     )
     sides = {"torch": lambda: TorchSide(run.model_dir, run, world)}
     if own is not None:
-        sides["torch"] = lambda: own_sides.Record20Own(
-            own, run.model_dir, gpt_sizes(run.c), run, world
-        )
+        sides["torch"] = lambda: own_sides.Record20Own(own, run.model_dir, run, world)
     sides["jax"] = lambda: jax_side(run, dtype)
     if dtype == "bfloat16":
         sides["torch_bf16"] = lambda: TorchSide(run.model_dir, run, world, bf16=True)
     if record_init:
         sides["torch_fp64"] = lambda: own_sides.Record20Own(
-            own, run.model_dir, gpt_sizes(run.c), run, world, torch.float64
+            own, run.model_dir, run, world, torch.float64
         )
     results = {side: train_side(make(), batches) for side, make in sides.items()}
     if record_init:

@@ -69,6 +69,16 @@ class Muon(torch.optim.Optimizer):
 
 
 # ----------------------------------------------------------------------------- training
+def gpt_sizes(c):
+    """The record's GPT's arguments for train.py's settings c."""
+    return dict(
+        vocab_size=c["vocab_size"],
+        num_layers=c["n_layer"],
+        num_heads=c["n_head"],
+        model_dim=c["n_embd"],
+    )
+
+
 def make_optimizers(model, ns_dtype=torch.bfloat16):
     """[Adam, Muon] with the record's groups: Adam (fused; betas (0.8, 0.95), eps 1e-10 by
     @YouJiacheng) on the head (lr 0.008), the embeddings (0.6) and every param of ndim < 2 (0.04);

@@ -132,8 +132,7 @@ def own20(tmp_path_factory):
         run = speedrun20_check.make_run(args, str(tmp_path_factory.mktemp("own20")), code)
         batches = speedrun20_check.make_batches(run)
         own_sides.check_record20_loader(code, run.data_dir, batches)
-        sizes = speedrun20_check.gpt_sizes(run.c)
-        side = own_sides.Record20Own(code, run.model_dir, sizes, run, 1)
+        side = own_sides.Record20Own(code, run.model_dir, run, 1)
         theirs = train_sides.train_side(side, batches)
     return run, batches, theirs
 
