@@ -120,6 +120,22 @@ def matmul_precision_of_the_module():
 
 
 @pytest.fixture(scope="module")
+def examples():
+    """HellaSwag's test fixture as we render it (helpers/hellaswag.py), once a module."""
+    from helpers import hellaswag
+
+    return hellaswag.examples()
+
+
+@pytest.fixture(scope="module")
+def reference_rows():
+    """HellaSwag's test fixture as build-nanogpt's reference renders it, once a module."""
+    from helpers import hellaswag
+
+    return hellaswag.reference_rows()
+
+
+@pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     """A small character-level dataset: train.bin, val.bin, meta.pkl (64 characters)."""
     d = tmp_path_factory.mktemp("data")

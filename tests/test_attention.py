@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close, equations, fake_devices, tiny_config
+from helpers.attention import causal_forward_and_grads, window_inputs
+from helpers.attention import forward_and_grads as window_grads
 from jax._src import config as jax_config
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_window_attention import forward_and_grads as window_grads
-from test_window_attention import window_inputs
 
 import accelerators
 import attention
@@ -37,22 +37,15 @@ def qkv_and_cotangent(B, T, nh, hs, seed=0):
     return [jnp.asarray(rng.standard_normal((B, T, nh, hs)), jnp.float32) for _ in range(4)]
 
 
-def forward_and_grads(implementation, q, k, v, g):
-    """y and the gradients of sum(y * g) wrt q, k, v."""
-
-    def f(q, k, v):
-        y, vjp = jax.vjp(lambda *a: causal_attention(*a, implementation), q, k, v)
-        return (y, *vjp(g))
-
-    return jax.jit(f)(q, k, v)
-
-
 @pytest.mark.parametrize("B, T", [(2, 384), (1, 1024)])
 def test_splash_matches_xla(B, T):
     """fp32: T = 384 runs 128-tiles (3 x 3, the upper ones skipped), T = 1024 512-tiles. Measured:
     max abs diff <= 1.4e-6 of the reference's largest value, forward and every gradient."""
     q, k, v, g = qkv_and_cotangent(B, T, 2, 64)
-    splash, xla = forward_and_grads("splash", q, k, v, g), forward_and_grads("xla", q, k, v, g)
+    splash, xla = (
+        causal_forward_and_grads("splash", q, k, v, g),
+        causal_forward_and_grads("xla", q, k, v, g),
+    )
     for name, a, b in zip(("y", "dq", "dk", "dv"), splash, xla):
         assert a.dtype == b.dtype == jnp.float32
         assert_close(a, b, atol=1e-5 * np.abs(b).max(), what=name)
@@ -282,7 +275,7 @@ import sys
 import jax
 import numpy as np
 import attention, sharding
-from test_attention import forward_and_grads
+from helpers.attention import causal_forward_and_grads
 inputs = dict(np.load(sys.argv[1]))
 out = {}
 for name, (fsdp, tp) in {"data2_fsdp2_tp2": (2, 2), "fsdp8": (8, 1)}.items():
@@ -290,10 +283,10 @@ for name, (fsdp, tp) in {"data2_fsdp2_tp2": (2, 2), "fsdp8": (8, 1)}.items():
         jaxpr = str(jax.make_jaxpr(attention.causal_attention, static_argnums=3)(
             inputs["q"], inputs["k"], inputs["v"], "splash"))
         assert "shard_map" in jaxpr, jaxpr
-        for key, a in zip(("y", "dq", "dk", "dv"), forward_and_grads("splash", *(inputs[n] for n in "qkvg"))):
+        for key, a in zip(("y", "dq", "dk", "dv"), causal_forward_and_grads("splash", *(inputs[n] for n in "qkvg"))):
             out[f"{name} {key}"] = np.asarray(a)
 # record 20's splash (window_attention.py): each device on its row and head
-from test_window_attention import forward_and_grads as window_grads, window_inputs
+from helpers.attention import forward_and_grads as window_grads, window_inputs
 from window_attention import window_flash_attention, window_splash_attention
 q, k, v, g, docs = window_inputs(B=4, T=512)
 kernels = {
@@ -327,7 +320,10 @@ def test_splash_under_a_mesh(tmp_path):
     )
     assert p.returncode == 0, p.stderr[-3000:]
     out = np.load(tmp_path / "out.npz")
-    one, xla = forward_and_grads("splash", q, k, v, g), forward_and_grads("xla", q, k, v, g)
+    one, xla = (
+        causal_forward_and_grads("splash", q, k, v, g),
+        causal_forward_and_grads("xla", q, k, v, g),
+    )
     for mesh in ("data2_fsdp2_tp2", "fsdp8"):
         for key, a, b in zip(("y", "dq", "dk", "dv"), one, xla):
             assert_close(

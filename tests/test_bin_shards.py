@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import pytest
+from helpers import FIX, write_shards
 
 from configurator import InputNotFound, RunStopped, UsageError
 from dataloader import (
@@ -24,22 +25,11 @@ from dataloader import (
 from parity.check_speedrun import write_datafile
 from prefetch import Prefetcher
 
-FIX = "the run stopped; restore the file and resume with --init_from=resume"
 # the record's processes, rows per process, sequence length: a global batch is 48 tokens (+1)
 W, B, T = 2, 3, 8
 # batches per shard: 2 (tail of 30 dropped), 1 (exactly one batch + 1 token), 4 (tail of 28
 # dropped); 7 in all
 TRAIN_SIZES = [126, 49, 220]
-
-
-def write_shards(folder, sizes, split="train", seed=0):
-    """Random uint16 shards named as the record's (fineweb_train_000001.bin, ...; val from 000000);
-    their tokens."""
-    rng, arrays = np.random.default_rng(seed), []
-    for i, n in enumerate(sizes):
-        arrays.append(rng.integers(0, 2**16, n, dtype=np.uint16))
-        write_datafile(folder / f"fineweb_{split}_{i + (split == 'train'):06d}.bin", arrays[-1])
-    return arrays
 
 
 class RecordLoader:

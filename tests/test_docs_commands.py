@@ -1,9 +1,9 @@
 """python -m pytest tests/test_docs_commands.py -q
 
 Docs that cannot rot, their commands: every `python SCRIPT ...` and `python -m MODULE ...` in a code
-block or inline code of README.md and docs/*.md (test_docs.py reads them) names a script of this
-repository, and every `--key=value` or `--flag` given to it is a setting or option that script
-accepts.
+block or inline code of README.md and docs/*.md (as helpers/markdown.py reads them) names a script
+of this repository, and every `--key=value` or `--flag` given to it is a setting or option that
+script accepts.
 
 Each script's options are read from its source with `ast`, not by importing it: the scripts import
 jax, torch and lm-eval at the top, and this whole file has to run in a few seconds. A script either
@@ -21,7 +21,7 @@ import re
 from ast import literal_eval
 
 import pytest
-from test_docs import DOCS, ROOT, doc_commands
+from helpers.markdown import DOCS, ROOT, doc_commands
 
 from configurator import ConfigError, configure
 

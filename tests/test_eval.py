@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import REPO, fake_devices, run, transpose_c_proj_on_restore
+from helpers import REPO, TASKS, fake_devices, run, transpose_c_proj_on_restore
 from lm_eval.api.instance import Instance
 
 import eval as lm_eval_py
@@ -31,7 +31,6 @@ from parity import nanogpt_reference as nanogpt
 from parity.common import save_random_hf_model
 from tokenizer import get_encoding
 
-TASKS = os.path.join(REPO, "eval_tasks")
 TINY_HF = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64)
 
 

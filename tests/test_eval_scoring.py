@@ -15,9 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import REPO
+from helpers import REPO, TASKS
 from lm_eval.api.instance import Instance
-from test_eval import TASKS
 
 import eval as lm_eval_py
 import eval_lm

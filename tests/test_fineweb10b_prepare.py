@@ -9,8 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import exit_line, prepare_script
-from test_bin_shards import write_shards
+from helpers import exit_line, prepare_script, write_shards
 
 from dataloader import BinShardLoader, make_loader
 from parity.check_speedrun import write_datafile

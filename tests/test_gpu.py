@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from helpers import assert_memory_lines, tiny_config
-from test_tpu import (
+from helpers.compile_only import (
     T,
     abstract_model,
     compile_generate,

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import HELLASWAG_FIXTURE, assert_close, fake_devices, transpose_c_proj_on_restore
+from helpers import assert_close, fake_devices, transpose_c_proj_on_restore
+from helpers.hellaswag import BLOCK, FIXTURE
 
 import hellaswag
 import hellaswag_data
@@ -24,8 +25,7 @@ import sharding
 from parity import check_hellaswag
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURE = Path(HELLASWAG_FIXTURE)
-TINY = dict(n_layer=2, n_head=2, n_embd=64, n_positions=128)  # vocab 50257: real BPE tokens
+TINY = dict(n_layer=2, n_head=2, n_embd=64, n_positions=BLOCK)  # vocab 50257: real BPE tokens
 LOSS_RTOL = 1e-5  # fp32, relative, per ending loss (the issue's bar)
 
 
@@ -41,22 +41,6 @@ def model(hf_dir):
     from model import GPT
 
     return GPT.from_pretrained(hf_dir)
-
-
-@pytest.fixture(scope="module")
-def examples():
-    return hellaswag_data.load_examples(str(FIXTURE), max_len=TINY["n_positions"])
-
-
-@pytest.fixture(scope="module")
-def reference_rows():
-    """build-nanogpt's (tokens, mask, label) of each fixture example, by the reference's own
-    code."""
-    enc = check_hellaswag.reference_encoding()
-    return [
-        check_hellaswag.render_example(ex, enc, TINY["n_positions"])
-        for _, ex in check_hellaswag.iterate_examples(str(FIXTURE))
-    ]
 
 
 @pytest.fixture(scope="module")

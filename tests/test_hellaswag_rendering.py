@@ -4,24 +4,18 @@ HellaSwag without a model: the fixture file in the real format; build-nanogpt's 
 and mask, by the reference's own code), a long context cut from the left (from a file too, as
 train.py and hellaswag.py read it); the length buckets, and batches that score only ending tokens;
 the accuracies and the parity check's figures worked by hand (the scorer and the command lines:
-test_hellaswag.py)."""
+test_hellaswag.py; the fixture's examples rendered: helpers/hellaswag.py)."""
 
 import json
 import re
 
 import numpy as np
 import pytest
-import test_hellaswag
-from test_hellaswag import FIXTURE
+from helpers.hellaswag import FIXTURE
 
 import hellaswag
 import hellaswag_data
 from parity import check_hellaswag
-
-# the fixture's examples, rendered by us and by the reference: test_hellaswag.py's module fixtures
-# (made again for this module: 20 examples tokenized)
-examples, reference_rows = test_hellaswag.examples, test_hellaswag.reference_rows
-
 
 # ------------------------------------------------------------------------------------------------
 # reading and rendering

@@ -17,27 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REPO, assert_close, fake_devices
+from helpers import MUON_SETTINGS, REPO, assert_close, fake_devices
 
 import muon
 import train_step
-from settings import DEFAULTS
 
 C, V = 32, 64  # n_embd, vocab
-SETTINGS = dict(
-    DEFAULTS,
-    optimizer="muon",
-    arch="speedrun",
-    bias=False,
-    learning_rate=0.01,
-    muon_learning_rate=0.02,
-    lr_schedule="trapezoid",
-    max_iters=6,
-    warmup_iters=2,
-    warmdown_iters=3,
-    weight_decay=0.0,
-    muon_ns_dtype="float32",
-)
 STEPS = 6  # the schedule's multipliers 0.5, 1, 1, 1, 2/3, 1/3
 KERNELS = {
     "attn.c_attn": (C, 3 * C),
@@ -160,7 +145,7 @@ def run():
         params,
         grads,
         torch_layout(params),
-        train_reference(SETTINGS, params, grads, torch.float32),
+        train_reference(MUON_SETTINGS, params, grads, torch.float32),
     )
 
 
@@ -168,7 +153,9 @@ def test_muon_and_adam_steps_equal_the_record_in_float32(run):
     """Every kernel shape, the fused QKV as three matrices, momentum and Nesterov over 6 steps of
     the trapezoid."""
     params, grads, start, reference = run
-    diffs = step_diffs(map(torch_layout, train_ours(SETTINGS, params, grads)), reference, start)
+    diffs = step_diffs(
+        map(torch_layout, train_ours(MUON_SETTINGS, params, grads)), reference, start
+    )
     print(
         "\nfloat32 Newton-Schulz, worst step:",
         {k: f"{max(d[k] for d in diffs):.1e}" for k in diffs[0]},
@@ -183,7 +170,9 @@ def test_qkv_orthogonalised_whole_is_caught(run, monkeypatch):
     scaled by sqrt(3C), where the record has three (C, C) matrices."""
     params, grads, start, reference = run
     monkeypatch.setattr(muon, "FUSED_QKV", muon.re.compile("no such param"))
-    diffs = step_diffs(map(torch_layout, train_ours(SETTINGS, params, grads)), reference, start)
+    diffs = step_diffs(
+        map(torch_layout, train_ours(MUON_SETTINGS, params, grads)), reference, start
+    )
     assert min(diffs[0][k] for k in ("attn.c_q", "attn.c_k", "attn.c_v")) > 0.1, diffs[0]
     assert diffs[-1]["mlp.c_fc"] < 1e-5
 
@@ -211,10 +200,10 @@ def test_bfloat16_newton_schulz_is_as_close_to_float32_as_the_records(run):
     ours = off_float32(
         [
             torch_layout(p)
-            for p in train_ours(dict(SETTINGS, muon_ns_dtype="bfloat16"), params, grads)
+            for p in train_ours(dict(MUON_SETTINGS, muon_ns_dtype="bfloat16"), params, grads)
         ]
     )
-    record = off_float32(train_reference(SETTINGS, params, grads, torch.bfloat16))
+    record = off_float32(train_reference(MUON_SETTINGS, params, grads, torch.bfloat16))
     print(
         "\nbfloat16 Newton-Schulz off float32 (ours, the reference's):",
         {k: f"{ours[k]:.1e}, {record[k]:.1e}" for k in ours},
@@ -240,8 +229,8 @@ def test_stacked_kernels_step_as_each_layer():
             "wte": tree["wte"],
         }
 
-    ours = train_ours(SETTINGS, stacked, grads)[-1]
-    layers = train_ours(SETTINGS, per_layer(stacked), [per_layer(g) for g in grads])[-1]
+    ours = train_ours(MUON_SETTINGS, stacked, grads)[-1]
+    layers = train_ours(MUON_SETTINGS, per_layer(stacked), [per_layer(g) for g in grads])[-1]
     for (path, a), b in zip(
         jax.tree_util.tree_leaves_with_path(per_layer(ours)), jax.tree.leaves(layers)
     ):
@@ -300,7 +289,7 @@ def test_a_mesh_steps_as_one_device():
     """fsdp 4 x tensor 2 and data 2 x fsdp 2 x tensor 2: every param as one device computes it, the
     momentum split like its param. In the record's bfloat16, where XLA's own split of
     Newton-Schulz's matmuls (partial sums rounded to bf16) is 10^4-10^5 ulp off."""
-    settings = dict(SETTINGS, muon_ns_dtype="bfloat16")
+    settings = dict(MUON_SETTINGS, muon_ns_dtype="bfloat16")
     p = subprocess.run(
         [sys.executable, "-c", MESH_RUN, json.dumps(settings), json.dumps([[4, 2], [2, 2]])],
         cwd=REPO,

@@ -14,8 +14,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_close
-from test_muon import SETTINGS
+from helpers import MUON_SETTINGS, assert_close
 
 import train_step
 from configurator import UsageError, configure
@@ -28,7 +27,7 @@ from settings import DEFAULTS, fixed_by_checkpoint, validate
 def test_trapezoid_equals_the_records_schedule_at_every_step(warmup, warmdown):
     from parity.speedrun_reference import get_lr
 
-    c = dict(SETTINGS, max_iters=20, warmup_iters=warmup, warmdown_iters=warmdown)
+    c = dict(MUON_SETTINGS, max_iters=20, warmup_iters=warmup, warmdown_iters=warmdown)
     for it in range(c["max_iters"] + 1):
         multiplier = get_lr(it, c["max_iters"], warmup, c["warmdown_iters"])
         assert_close(
@@ -48,7 +47,7 @@ def test_trapezoid_equals_the_records_schedule_at_every_step(warmup, warmdown):
 
 
 def test_cosine_schedule_scales_muons_rate_alike():
-    c = dict(SETTINGS, lr_schedule="cosine", warmup_iters=2, lr_decay_iters=5, min_lr=0.001)
+    c = dict(MUON_SETTINGS, lr_schedule="cosine", warmup_iters=2, lr_decay_iters=5, min_lr=0.001)
     for it in range(7):
         assert_close(
             train_step.get_muon_lr(it, c),

@@ -15,7 +15,7 @@ import pytest
 import torch
 from flax import nnx
 from helpers import rel_diff, save_ours, tiny_config
-from test_speedrun_model import (
+from helpers.record5 import (
     RECORD,
     highest_precision,  # noqa: F401 (autouse: fp32 matmuls as written, on both sides)
     ours_of,

@@ -17,66 +17,26 @@ import torch
 import torch.nn.functional as F
 from flax import nnx
 from helpers import assert_close, rel_diff, tiny_config
+from helpers.record5 import (
+    RECORD,
+    highest_precision,  # noqa: F401 (autouse: fp32 matmuls as written, on both sides)
+    ours_of,
+    random_record,
+    record_logits,
+    tokens,
+)
 
 import attention
 import sharding
 from layers import rms_norm, rotary, rotary_tables
-from model import GPTConfig
 from models import build, check_config, model_from
 from parity import speedrun_reference as record
 from parity.check_generate import CACHE_LOGITS_TOL
 from parity.check_logits import FP32_LOSS_TOL, FP32_MAX_REL_TOL
-from pretrained import from_modded_state, modded_config, to_modded_state
+from pretrained import to_modded_state
 from weights import state_dict
 
 SPEEDRUN = dict(arch="speedrun", bias=False)
-# tiny_config's shape, in the record's fields
-RECORD = dict(vocab_size=128, n_layer=2, n_head=2, n_embd=64)
-
-
-@pytest.fixture(autouse=True)
-def highest_precision():
-    """fp32 matmuls as they are written, on both sides (no TF32, no bf16 passes)."""
-    torch.set_float32_matmul_precision("highest")
-    with jax.default_matmul_precision("highest"):
-        yield
-
-
-def random_record(seed=0):
-    """The record's GPT with every matrix random: its zero-initialised projections would hide a
-    wrong mapping."""
-    torch.manual_seed(seed)
-    ref = record.GPT(record.GPTConfig(**RECORD))
-    with torch.no_grad():
-        for p in ref.parameters():  # lm_head.weight is transformer.wte.weight: one tensor
-            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
-    return ref.eval()
-
-
-def ours_of(ref, **settings):
-    """Our GPT holding the record's weights, through weights.py's state_step*.pt mapping."""
-    state = from_modded_state(ref.state_dict())
-    return model_from(
-        GPTConfig(
-            **{**modded_config(state, n_head=RECORD["n_head"]), "block_size": 32, **settings}
-        ),
-        state,
-    )
-
-
-def record_logits(ref, tokens, targets=None):
-    with torch.no_grad():
-        logits, loss = ref(
-            torch.from_numpy(np.asarray(tokens, np.int64)),
-            None if targets is None else torch.from_numpy(np.asarray(targets, np.int64)),
-        )
-    return logits.numpy(), None if loss is None else loss.item()
-
-
-def tokens(batch=2, T=32, seed=0):
-    return np.random.default_rng(seed).integers(0, RECORD["vocab_size"], (batch, T))
-
-
 # --- the pieces
 # -------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 import pytest
-from test_bin_shards import FIX
+from helpers import FIX
 
 import storage
 import token_files

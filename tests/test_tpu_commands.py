@@ -17,7 +17,7 @@ import helpers
 import jax
 import pytest
 from helpers import REPO
-from test_tpu import (
+from helpers.compile_only import (
     TOPOLOGY,
     no_cache_entries,  # noqa: F401 (autouse: keeps the TPU executables out of the cache)
 )

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close
+from helpers.attention import forward_and_grads, window_inputs
 from jax._src import config as jax_config
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -30,21 +31,6 @@ from window_attention import (
     window_mask,
     window_splash_attention,
 )
-
-
-def window_inputs(B=2, T=1024, seed=0):
-    """q, k, v, a cotangent (B, T, 2, 32) and document numbers: row 0 one document, the others
-    three, their starts inside blocks."""
-    rng = np.random.default_rng(seed)
-    q, k, v, g = (jnp.asarray(rng.standard_normal((B, T, 2, 32)), jnp.float32) for _ in range(4))
-    starts = np.zeros((B, T), np.int32)
-    starts[1:, [T // 3 + 5, T // 2 + 70]] = 1
-    return q, k, v, g, jnp.asarray(np.cumsum(starts, axis=1))
-
-
-def forward_and_grads(attend, q, k, v, g):
-    y, vjp = jax.vjp(attend, q, k, v)
-    return (y, *vjp(g))
 
 
 def assert_the_masked_kernel(kernel, window):

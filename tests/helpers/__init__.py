@@ -15,6 +15,7 @@ import pytest
 
 import train
 from configurator import command_line_keys, configure, exit_on_bad_input
+from parity.common import write_datafile
 from settings import DEFAULTS
 
 
@@ -97,9 +98,11 @@ def tiny_config(**kw):
     )
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # 20 HellaSwag examples
 HELLASWAG_FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_small.jsonl")
+# eval.py's local lm-eval tasks (test_eval.py, test_eval_scoring.py)
+TASKS = os.path.join(REPO, "eval_tasks")
 TINY = [
     "--n_layer=2",
     "--n_head=2",
@@ -288,3 +291,33 @@ def python_in_c_locale(script, timeout=120):
         env={**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0"},
         timeout=timeout,
     )
+
+
+# record 5's recipe at a tiny size (test_muon.py, test_optimizer.py)
+MUON_SETTINGS = dict(
+    DEFAULTS,
+    optimizer="muon",
+    arch="speedrun",
+    bias=False,
+    learning_rate=0.01,
+    muon_learning_rate=0.02,
+    lr_schedule="trapezoid",
+    max_iters=6,
+    warmup_iters=2,
+    warmdown_iters=3,
+    weight_decay=0.0,
+    muon_ns_dtype="float32",
+)
+
+# what a token file's error tells the user to do (test_bin_shards.py, test_token_files.py)
+FIX = "the run stopped; restore the file and resume with --init_from=resume"
+
+
+def write_shards(folder, sizes, split="train", seed=0):
+    """Random uint16 shards named as the record's (fineweb_train_000001.bin, ...; val from 000000);
+    their tokens."""
+    rng, arrays = np.random.default_rng(seed), []
+    for i, n in enumerate(sizes):
+        arrays.append(rng.integers(0, 2**16, n, dtype=np.uint16))
+        write_datafile(folder / f"fineweb_{split}_{i + (split == 'train'):06d}.bin", arrays[-1])
+    return arrays
