@@ -230,7 +230,8 @@ def help_text(defaults):
 
 def defining_module(defaults):
     """(module, name) of the loaded module whose source assigns `defaults` (this very dict) at its
-    top: settings.py for train.py's DEFAULTS, which train.py imports too; (None, None) if none."""
+    top: run/settings.py for train.py's DEFAULTS, which train.py imports too; (None, None) if
+    none."""
     for module in list(sys.modules.values()):
         for name, value in list(getattr(module, "__dict__", {}).items()):
             if value is defaults and dict_node(read_source(module), name) is not None:

@@ -1,7 +1,7 @@
 """
 Any lm-evaluation-harness task on our model: lm-eval does the tasks, prompts, few-shot and metrics;
-eval_lm.py is the model side (loglikelihood, loglikelihood_rolling, generate_until), batched on the
-mesh; this file is the command.
+run/eval_lm.py is the model side (loglikelihood, loglikelihood_rolling, generate_until), batched on
+the mesh; this file is the command.
 
     # hub tasks: online
     python eval.py --init_from=gpt2 --tasks=hellaswag,arc_easy,piqa,lambada_openai
@@ -24,13 +24,13 @@ import time
 
 import jax
 
-import sharding
-from checkpoint import load_bpe_model
+from compute import sharding
 from configurator import UsageError, configure, exit_on_bad_input, require_extras
+from dataio.weights import HF_NAMES, hf_directory
 from hellaswag import check_bpe
-from runlog import check_results_file, write_results
-from settings import resolve_dtype
-from weights import HF_NAMES, hf_directory
+from run.checkpoint import load_bpe_model
+from run.runlog import check_results_file, write_results
+from run.settings import resolve_dtype
 
 defaults = dict(
     # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory, a ckpt.pt
@@ -141,7 +141,7 @@ def main(argv=None):
         hf_directory(cfg["init_from"])  # downloaded now, read from the cache below
     from lm_eval.utils import handle_non_serializable, make_table
 
-    from eval_lm import JaxLM
+    from run.eval_lm import JaxLM
 
     manager = task_manager(cfg["tasks"].split(","), cfg["include_path"])
     cfg["dtype"] = resolve_dtype(cfg["dtype"], jax.default_backend())

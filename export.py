@@ -27,10 +27,10 @@ import os
 import sys
 import tempfile
 
-import storage
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
-from runlog import nearest_existing
-from tokenizer import VOCAB_FILES, CharCodec, codec_for, save_vocab
+from dataio import storage
+from dataio.tokenizer import VOCAB_FILES, CharCodec, codec_for, save_vocab
+from run.runlog import nearest_existing
 
 FORMATS = ("hf", "nanogpt", "modded")
 defaults = dict(
@@ -108,10 +108,9 @@ def main(argv=None):
     cfg = configure(defaults, sys.argv[1:] if argv is None else argv)
     path, earlier = target(cfg)
     # here, once the settings are checked: jax, flax and orbax take seconds to import
-    import checkpoint
-    import pretrained
-    import sharding
-    import weights
+    from compute import sharding
+    from dataio import pretrained, weights
+    from run import checkpoint
 
     sharding.start_backend()
     model, meta = checkpoint.load_checkpoint_model(

@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from configurator import InputNotFound, UsageError, exit_on_bad_input, require_extras
-from tokenizer import EOT, get_encoding
+from dataio.tokenizer import EOT, get_encoding
 
 PROGRESS = "progress.json"
 # temp files: hidden, no "train"/"val" in the name, so no shard loader picks one up

@@ -14,8 +14,8 @@ parity/check_hellaswag.py. Reference numbers: docs/evaluation.md. (EleutherAI's 
 multiple-choice style: other numbers.)
 
 From train.py: examples = hellaswag_data.load_examples(path, max_len=block_size) once (the jsonl
-read, checked and rendered to tokens: hellaswag_data.py), then evaluate(model, examples, mesh) ->
-Score(acc, acc_norm, count, results) at each eval. Exit code: 0 scored, 2 bad input.
+read, checked and rendered to tokens: dataio/hellaswag_data.py), then evaluate(model, examples,
+mesh) -> Score(acc, acc_norm, count, results) at each eval. Exit code: 0 scored, 2 bad input.
 """
 
 import argparse
@@ -34,16 +34,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-import checkpoint
-import hellaswag_data
-import pretrained
-import sharding
-import tokenizer
-import weights
+from compute import sharding
+from compute.layers import cross_entropy_terms
 from configurator import UsageError, exit_on_bad_input
-from layers import cross_entropy_terms
-from runlog import check_results_file, write_results
-from tokenizer import GPT2_VOCAB
+from dataio import hellaswag_data, pretrained, tokenizer, weights
+from dataio.tokenizer import GPT2_VOCAB
+from run import checkpoint
+from run.runlog import check_results_file, write_results
 
 # right padding: causal attention keeps it out of every real position, and it is never scored
 PAD = 0
@@ -197,8 +194,8 @@ def _jitted_ending_losses(mesh):
 
 
 def make_mesh(devices=None):
-    """The scorer's mesh (sharding.py's): train.py's mesh as it is, its params already in their
-    shards; else a data-parallel one over `devices` (a list; default all)."""
+    """The scorer's mesh (compute/sharding.py's): train.py's mesh as it is, its params already in
+    their shards; else a data-parallel one over `devices` (a list; default all)."""
     return devices if isinstance(devices, Mesh) else sharding.make_mesh(devices=devices)
 
 

@@ -1,8 +1,9 @@
 """
 GPT-2 in JAX (flax nnx), numerically GPT-2's: tanh GELU (or nanoGPT's exact one), LayerNorm eps
-1e-5, tied lm_head. The speedrun's records are in speedrun_model.py; models.py builds either from a
-GPTConfig. Platform choices and sharding constraints are not here: attention.py picks the kernel,
-layers.py runs the stack of blocks and holds the Linear that sharding.py lays out.
+1e-5, tied lm_head. The speedrun's records are in archs/speedrun_model.py; archs/models.py builds
+either from a GPTConfig. Platform choices and sharding constraints are not here:
+compute/attention.py picks the kernel, compute/layers.py runs the stack of blocks and holds the
+Linear that compute/sharding.py lays out.
 References:
 1) OpenAI's GPT-2 TensorFlow implementation:
    https://github.com/openai/gpt-2/blob/master/src/model.py
@@ -18,12 +19,8 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-import attention
-import generate
-import pretrained
-import weights
-from configurator import UsageError
-from layers import (
+from compute import attention, generate
+from compute.layers import (
     REMAT,
     apply_block,
     block_fn,
@@ -36,6 +33,8 @@ from layers import (
     stack_blocks,
     tied_head,
 )
+from configurator import UsageError
+from dataio import pretrained, weights
 
 
 @dataclass
@@ -53,7 +52,7 @@ class GPTConfig:
     # record 20's embedding tables (and their Adam moments), stored in this dtype (the record: bf16)
     embed_dtype: str = "float32"
     # 'gpt2' | 'speedrun': modded-nanogpt's record 5 | 'speedrun20': its record 20
-    # (speedrun_model.py; models.py builds each)
+    # (archs/speedrun_model.py; archs/models.py builds each)
     arch: str = "gpt2"
     # how the run computes, not what it computes (a checkpoint's are ignored on restore, see
     # RUNTIME_FIELDS): 'xla' | 'cudnn' (NVIDIA) | 'splash' (TPU) | 'auto': the fused kernel where it
@@ -402,7 +401,8 @@ class GPT(nnx.Module):
         HF cache is used when present), a local HF directory (as `save_pretrained` writes it) or a
         nanoGPT ckpt.pt (the file or its out_dir); on speedrun_model's classes, a modded-nanogpt
         state_step*.pt (n_head: see pretrained.read_modded). No torch, except for a .pt or a
-        pytorch_model.bin (pretrained.py). settings: GPTConfig's run choices (RUNTIME_FIELDS)."""
+        pytorch_model.bin (dataio/pretrained.py). settings: GPTConfig's run choices
+        (RUNTIME_FIELDS)."""
         config_args, state, _ = pretrained.read_pretrained(name_or_path, n_head=n_head)
         return cls.from_state(replace(GPTConfig(**config_args), **settings), state, mesh)
 

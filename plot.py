@@ -18,8 +18,8 @@ import argparse
 import json
 import os
 
-import storage
 from configurator import InputNotFound, UsageError, exit_on_bad_input, require_extras
+from dataio import storage
 
 # Reference lines, OpenAI's GPT-2 (124M) checkpoint evaluated on the same data as the run:
 BASELINES = {

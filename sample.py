@@ -27,11 +27,11 @@ import time
 import jax
 import numpy as np
 
-import sharding
-from checkpoint import load_with_codec
+from compute import sharding
+from compute.generate import check_sampling
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
-from generate import check_sampling
-from settings import resolve_dtype
+from run.checkpoint import load_with_codec
+from run.settings import resolve_dtype
 
 defaults = dict(
     # 'resume' (from out_dir), gpt2 | gpt2-medium | gpt2-large | gpt2-xl, an HF directory, a nanoGPT

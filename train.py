@@ -1,6 +1,6 @@
 """
 nanoGPT's training script in JAX. It runs on one CPU, one GPU, or every device of every host, on the
-mesh ('data', 'fsdp', 'tensor') of sharding.py: the batch is split over data x fsdp; params,
+mesh ('data', 'fsdp', 'tensor') of compute/sharding.py: the batch is split over data x fsdp; params,
 gradients and optimizer state over fsdp (ZeRO-3) and tensor (Megatron), replicated over data. XLA
 inserts the collectives.
 
@@ -27,19 +27,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import auto_settings
-import checkpoint
 import hellaswag
-import hellaswag_data
-import models
-import runlog
-import sharding
-import train_setup
+from archs import models
+from compute import sharding
 from configurator import command_line_keys, configure, exit_on_bad_input
-from dataloader import data_dir_for, data_meta, val_batches_for
+from dataio import hellaswag_data
+from dataio.dataloader import data_dir_for, data_meta, val_batches_for
+from dataio.prefetch import Prefetcher
 from model import RUNTIME_FIELDS
-from prefetch import Prefetcher
-from settings import (
+from run import auto_settings, checkpoint, runlog, train_setup
+from run.settings import (
     DEFAULTS,
     accumulation_steps,
     profile_range,
@@ -47,7 +44,7 @@ from settings import (
     resolve_scan_layers,
     validate,
 )
-from train_step import (
+from run.train_step import (
     all_finite,
     eval_window,
     first_nonfinite,

@@ -31,15 +31,13 @@ from contextlib import contextmanager
 import jax
 import optax
 
-import checkpoint
-import checksums
-import settings
-import sharding
-import train_step
 from bench.train import PRESETS
+from compute import sharding
 from configurator import UsageError, configure, exit_on_bad_input
+from dataio import checksums
 from model import GPTConfig
 from parity.common import print_table
+from run import checkpoint, settings, train_step
 
 
 @contextmanager

@@ -32,7 +32,7 @@ def requests(n_docs, seed=0):
     (uniform in log), 4 continuations of 1..24 tokens each."""
     from lm_eval.api.instance import Instance
 
-    from tokenizer import get_encoding
+    from dataio.tokenizer import get_encoding
 
     enc = get_encoding()
     path = os.path.join(
@@ -87,10 +87,10 @@ def main(argv=None):
 
     import jax
 
-    import sharding
-    from eval_lm import JaxLM
-    from models import load_pretrained
+    from archs.models import load_pretrained
+    from compute import sharding
     from parity.check_eval import LOGLIKELIHOOD_TOL, hf_lm
+    from run.eval_lm import JaxLM
 
     sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is
     pin_numerics()

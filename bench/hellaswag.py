@@ -23,9 +23,9 @@ import jax
 import numpy as np
 
 import hellaswag
-import hellaswag_data
-import sharding
+from compute import sharding
 from configurator import UsageError, exit_on_bad_input
+from dataio import hellaswag_data
 from parity.check_hellaswag import LOSS_RTOL, agree, compare, evaluate_torch, load_models
 from parity.common import HF_SIZES, pin_numerics, print_table, save_random_hf_model, verdict
 

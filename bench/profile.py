@@ -118,8 +118,8 @@ def as_before(logits, loss):
     import jax
     import jax.numpy as jnp
 
-    import layers
     import model
+    from compute import layers
 
     if logits == "float32":
         head = layers.tied_head
@@ -166,9 +166,9 @@ def three_projections():
 
 
 def main():
-    import auto_settings
     from bench import train as bench_train
     from bench.train_workers import bench_jax
+    from run import auto_settings
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     bench_train.step_options(p)

@@ -111,7 +111,7 @@ SAMPLE_ARGS = ["--max_new_tokens=200", "--num_samples=1", "--temperature=1.0", "
 TRANSFORMERS_SCRIPT = """
 import sys, torch
 from transformers import GPT2LMHeadModel
-from tokenizer import get_encoding
+from dataio.tokenizer import get_encoding
 
 # jax, and our modules on it, are imported in the functions that use them: bad arguments fail
 # before jax loads
@@ -185,9 +185,7 @@ def memory(args):
     import jax.numpy as jnp
     from flax import nnx
 
-    import accelerators
-    import generate
-    import sharding
+    from compute import accelerators, generate, sharding
     from model import GPT, GPTConfig
 
     if args.gpu:
@@ -275,7 +273,7 @@ def main(argv=None):
         raise UsageError(
             "--memory compiles for a device it need not have: give --gpu=NAME or --topology=T"
         )
-    import sharding
+    from compute import sharding
 
     sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is
     if args.memory:
@@ -332,8 +330,8 @@ def compare(size, batches, new_tokens, nocache_steps=1, echo=False):
     import transformers
     from transformers import GPT2LMHeadModel
 
+    from dataio.tokenizer import get_encoding
     from model import GPT
-    from tokenizer import get_encoding
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()

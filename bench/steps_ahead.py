@@ -18,10 +18,10 @@ import statistics
 import tempfile
 import time
 
-import sharding
 import train
+from compute import sharding
 from configurator import configure, exit_on_bad_input
-from settings import DEFAULTS
+from run.settings import DEFAULTS
 
 MAIN = ["config/train_shakespeare_char.py", "config/cpu.py"]
 BOUNDS = {"bounded": train.STEPS_AHEAD, "unbounded": 10**9}

@@ -30,11 +30,11 @@ import time
 
 import numpy as np
 
-import storage
 from configurator import UsageError, exit_on_bad_input
-from dataloader import LLMC_HEADER, LLMC_MAGIC, LLMC_VERSION, make_loader
+from dataio import storage
+from dataio.dataloader import LLMC_HEADER, LLMC_MAGIC, LLMC_VERSION, make_loader
+from dataio.prefetch import Prefetcher
 from parity.common import print_table
-from prefetch import Prefetcher
 from tools import gcs_emulator  # the tests' emulator, the one the suite runs against
 
 FORMATS = ("npy", "bin", "raw")
@@ -154,14 +154,12 @@ def measure_checkpoints(places, args):
 
     import jax
 
-    import checkpoint
-    import settings
-    import sharding
-    import train_step
     from bench.checkpoint import save_and_restore, training_state
     from bench.train import PRESETS
+    from compute import sharding
     from configurator import configure
     from model import GPTConfig
+    from run import checkpoint, settings, train_step
 
     sharding.use_compilation_cache()
     logging.getLogger("absl").setLevel(logging.ERROR)

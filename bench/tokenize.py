@@ -27,8 +27,8 @@ import tiktoken
 
 import fineweb
 from configurator import UsageError, exit_on_bad_input
+from dataio.tokenizer import get_encoding
 from parity.common import print_table
-from tokenizer import get_encoding
 
 
 def make_docs(path, mb, doc_chars):

@@ -114,8 +114,8 @@ SCAN_LAYERS = {"on": True, "off": False, "auto": "auto"}  # --scan_layers: train
 def step_options(p):
     """The options that choose the step, on `p`: preset, batch size, dtype, train.py's compute
     settings."""
-    import attention
-    from layers import REMAT
+    from compute import attention
+    from compute.layers import REMAT
 
     p.add_argument("--preset", default="baby", choices=PRESETS)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -152,7 +152,7 @@ def step_settings(args, **extra):
     }
     path = PRESET_CONFIGS[args.preset] if None in compute.values() else None
     if path:
-        from settings import DEFAULTS
+        from run.settings import DEFAULTS
 
         # scan_layers may be 'auto': resolved where the step compiles
         config = configure(DEFAULTS, [path])
@@ -181,8 +181,8 @@ def memory(args):
         gpu=args.gpu,
     )
     if args.topology or args.gpu:
-        import accelerators
-        import models
+        from archs import models
+        from compute import accelerators
 
         # a bad name: one line, before any worker
         devices = (

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from dataloader import data_meta
+from dataio.dataloader import data_meta
 
 # jax, and our modules on it, are imported in the functions that use them: a torch worker's peak RSS
 # must be torch's own
@@ -33,10 +33,8 @@ def bench_jax(s):
     import jax
     from flax import nnx
 
-    import auto_settings
-    import sharding
-    import step_clock
-    import train_step
+    from compute import sharding
+    from run import auto_settings, step_clock, train_step
 
     sharding.start_backend()
     sharding.keep_freed_memory()  # as train.py's main does
@@ -94,9 +92,9 @@ def bench_jax(s):
 def model_config(s, platform):
     """The GPTConfig of the preset's shape and our settings, scan_layers resolved for `platform` as
     train.py does."""
-    import auto_settings
     from model import GPTConfig
-    from settings import resolve_scan_layers
+    from run import auto_settings
+    from run.settings import resolve_scan_layers
 
     fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dtype", "attention")
     fields += tuple(k for k in ("fp8_head", "embed_dtype") if k in s)  # record 20's
@@ -114,7 +112,7 @@ def model_config(s, platform):
 
 def optimizer_settings(s, **c):
     """train.py's settings for the preset's optimizer: AdamW, or the speedrun's Muon + Adam."""
-    from settings import DEFAULTS
+    from run.settings import DEFAULTS
 
     return dict(DEFAULTS, **c, **{k: s[k] for k in OPTIMIZER_KEYS if k in s})
 
@@ -127,10 +125,8 @@ def bench_memory(s):
     XLA:GPU compiles it for that GPU's spec (accelerators.GPUS)."""
     import jax
 
-    import accelerators
-    import auto_settings
-    import sharding
-    import train_step
+    from compute import accelerators, sharding
+    from run import auto_settings, train_step
 
     if s["topology"] or s["gpu"]:  # compile-only devices
         devices = (
@@ -217,7 +213,7 @@ def torch_mfu(model, s, dt, device_name):
     """nanoGPT's estimate_mfu for a torch model over the device's bf16 peak
     (step_clock.PEAK_BF16_FLOPS); None where the peak is unknown (CPU)."""
     from model import flops_per_token
-    from step_clock import peak_flops_of
+    from run.step_clock import peak_flops_of
 
     if (peak := peak_flops_of(device_name)) is None:
         return None

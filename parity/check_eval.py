@@ -42,7 +42,7 @@ EVAL_TASKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 def gpt2_tokenizer():
     """GPT-2's tokenizer for transformers, made offline once per process (the conversion takes
     seconds)."""
-    from tokenizer import save_hf_tokenizer
+    from dataio.tokenizer import save_hf_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         return save_hf_tokenizer(tmp)
@@ -177,9 +177,9 @@ def main(argv=None):
     import jax
 
     import eval as ours
-    import sharding
-    from checkpoint import load_bpe_model
-    from eval_lm import JaxLM
+    from compute import sharding
+    from run.checkpoint import load_bpe_model
+    from run.eval_lm import JaxLM
 
     tasks = args.tasks.split(",")
     manager = ours.task_manager(tasks, args.include_path)

@@ -279,7 +279,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     require_extras("parity")
-    import sharding  # here: jax is imported only once the arguments are good
+    from compute import sharding  # here: jax is imported only once the arguments are good
 
     sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is
     pin_numerics()

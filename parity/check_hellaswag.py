@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 import hellaswag
-import sharding
+from compute import sharding
 from configurator import UsageError, exit_on_bad_input, require_extras
 from parity import torch_side
 from parity.common import pin_numerics, print_table, verdict
@@ -46,7 +46,7 @@ PAD = 0  # build-nanogpt's right padding; the mask keeps it out of every loss
 def reference_encoding():
     """GPT-2's BPE with tiktoken's own GPT-2 settings (its r50k split pattern and <|endoftext|>) on
     the shipped ranks: tiktoken.get_encoding("gpt2") without the download, and none of
-    tokenizer.py's code."""
+    dataio/tokenizer.py's code."""
     import tiktoken
     from tiktoken_ext import openai_public
 

@@ -44,7 +44,7 @@ BF16_FACTOR = 1.5
 
 def make_tokens(text, seq_len, batch, vocab_size, seed):
     """Row 0 starts with the encoded text; everything else is uniform random token ids."""
-    from tokenizer import get_encoding
+    from dataio.tokenizer import get_encoding
 
     tokens = np.random.default_rng(seed).integers(0, min(vocab_size, 50257), (batch, seq_len))
     prompt = get_encoding().encode_ordinary(text)[:seq_len] if text else []
@@ -111,8 +111,8 @@ def check(
     figures)."""
     import jax
 
+    from dataio.weights import load_hf_model
     from model import GPT
-    from weights import load_hf_model
 
     pin_numerics()
     hf_model = load_hf_model(model_path)
@@ -188,7 +188,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     require_extras("parity")
-    import sharding  # here: jax is imported only once the arguments are good
+    from compute import sharding  # here: jax is imported only once the arguments are good
 
     sharding.start_backend()  # libtpu's banner kept off the terminal where no TPU is
 

@@ -4,7 +4,7 @@ record 5 in PyTorch
 (parity/speedrun_reference.py: its GPT, Muon on the blocks and Adam on the tied head, the trapezoid
 schedule, its sequential shard loader) against train.py's own jitted step with arch='speedrun',
 optimizer='muon', lr_schedule='trapezoid' (train_step's make_optimizer, init_state and
-make_train_step on sharding.py's mesh), from the same weights (a state_step.pt the reference
+make_train_step on compute/sharding.py's mesh), from the same weights (a state_step.pt the reference
 writes, read by ours as --init_from reads it) on the same llm.c .bin shards (each side reads them
 with its own loader): loss, grad norm and lr at every step, every parameter at the end.
 The run crosses the zero-initialised projections' first steps and a warmdown to 0.
@@ -70,7 +70,7 @@ def make_batches(run, shards):
     """run.steps batches (x, y), each (accum, rows / accum, T): ours from train.py's loader,
     asserted equal to the record's loader's on the same shards (one process holding the record's
     ranks' rows)."""
-    from dataloader import make_loader
+    from dataio.dataloader import make_loader
     from parity.speedrun_reference import SequentialLoader
 
     B = run.rows // run.accum
@@ -110,7 +110,7 @@ class JaxSide(JaxTrainer):
     def state_dict(self):
         from flax import nnx
 
-        from pretrained import to_modded_state
+        from dataio.pretrained import to_modded_state
 
         state = to_modded_state(nnx.merge(self.graphdef, self.defs[0].unflatten(self.state[0])))
         return {k: np.asarray(v, np.float32) for k, v in state.items() if k != "lm_head.weight"}
@@ -122,7 +122,7 @@ def make_run(args, tmp, own=None):
     import torch
 
     from parity.speedrun_reference import GPT, GPTConfig
-    from settings import DEFAULTS
+    from run.settings import DEFAULTS
 
     torch.manual_seed(args.seed)
     model_path = os.path.join(tmp, "state_step000000.pt")
@@ -299,7 +299,7 @@ def main(argv=None):
     require_extras("parity")
     import jax
 
-    import sharding
+    from compute import sharding
 
     sharding.start_backend()
     if args.devices > jax.device_count():

@@ -2,7 +2,7 @@
 Training parity: nanoGPT's training step in PyTorch (parity/torch_reference.py: transformers'
 GPT2LMHeadModel, AdamW with nanoGPT's two parameter groups, get_lr, accumulation by loss / K,
 clipping) against train.py's own jitted step (make_optimizer, init_state and make_train_step on
-sharding.py's mesh, as train.py uses them), from the same weights on the same batches: loss,
+compute/sharding.py's mesh, as train.py uses them), from the same weights on the same batches: loss,
 pre-clip grad norm and lr at every step, every parameter at the end. The two sides are
 parity/train_sides.py's, the judgement parity/train_report.py's.
 
@@ -39,7 +39,7 @@ import tempfile
 import numpy as np
 
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input, require_extras
-from dataloader import data_dir_for, data_meta
+from dataio.dataloader import data_dir_for, data_meta
 from parity.common import HF_SIZES, add_step_args, pin_numerics, random_hf_model
 from parity.train_report import report
 from parity.train_sides import (
@@ -122,7 +122,7 @@ def config_path(name):
 def make_run(args, tmp):
     """The Run for the parsed arguments, with the model directory and data it needs written under
     tmp."""
-    from settings import DEFAULTS
+    from run.settings import DEFAULTS
 
     model_dir = os.path.join(tmp, "model")
     if args.config:
@@ -290,7 +290,7 @@ def main(argv=None):
     require_extras("parity")
     import jax
 
-    import sharding
+    from compute import sharding
 
     sharding.start_backend()
     if args.devices > jax.device_count():

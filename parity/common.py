@@ -132,7 +132,7 @@ def write_datafile(path, tokens, magic=None, version=None, count=None):
     """As llm.c's write_datafile: a header of 256 int32 (magic 20240520, version 1, the token count,
     zeros), then the tokens as uint16. magic, version, count: other values, for tests of bad
     shards."""
-    from dataloader import LLMC_HEADER, LLMC_MAGIC, LLMC_VERSION
+    from dataio.dataloader import LLMC_HEADER, LLMC_MAGIC, LLMC_VERSION
 
     header = np.zeros(LLMC_HEADER // 4, "<i4")
     header[:3] = (

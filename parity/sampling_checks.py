@@ -96,7 +96,7 @@ def check_filters(logits=None):
     import jax
     import jax.numpy as jnp
 
-    from generate import filter_logits
+    from compute.generate import filter_logits
 
     logits = filter_test_logits() if logits is None else logits
     tie_free = np.array([len(np.unique(r)) == len(r) for r in logits])

@@ -3,14 +3,14 @@ Training parity for modded-nanogpt's record 20 (`python -m parity.check_speedrun
 record in PyTorch (parity/speedrun20_reference.py's GPT, parity/speedrun20_training.py's Muon, Adam
 groups, schedules, train_step and loader) against train.py's own jitted step with
 arch='speedrun20', optimizer='muon20', lr_schedule='cooldown' (train_step's make_optimizer,
-init_state and make_train_step with record20_step, on sharding.py's mesh), from the same weights (a
-state_step.pt the reference writes, read by ours as --init_from reads it) on the same llm.c shards,
-each side reading them with its own loader. fp32 (Newton-Schulz in fp32), or --dtype bfloat16
-(ours and the record's own bf16, each against fp32); the FP8 head off on both sides. 12 steps of 4
-sequences of 512 tokens (4 blocks, documents split at <|endoftext|>) cross the windows' growth (the
-long one reaches the sequence at step 4, the short one at 7), the momentum's warmup (6 steps, the
-record's 300 scaled) and the cooldown (the last 40%). Not a module to run: check_speedrun runs
-it.
+init_state and make_train_step with record20_step, on compute/sharding.py's mesh), from the same
+weights (a state_step.pt the reference writes, read by ours as --init_from reads it) on the same
+llm.c shards, each side reading them with its own loader. fp32 (Newton-Schulz in fp32), or --dtype
+bfloat16 (ours and the record's own bf16, each against fp32); the FP8 head off on both sides. 12
+steps of 4 sequences of 512 tokens (4 blocks, documents split at <|endoftext|>) cross the windows'
+growth (the long one reaches the sequence at step 4, the short one at 7), the momentum's warmup (6
+steps, the record's 300 scaled) and the cooldown (the last 40%). Not a module to run: check_speedrun
+runs it.
 
 The weights are the record's init but for its zero-initialised projections and head, drawn as its
 other matrices: with them at zero every block adds nothing, and the final RMSNorm is blind to the
@@ -54,7 +54,7 @@ def write_shards(data_dir, n_shards=2, seed=0):
 def make_batches(run):
     """run.steps batches (x, y), each (accum, rows / accum, T), from train.py's record-20 loader,
     asserted equal to the record's distributed_data_generator's steps on the same shards."""
-    from dataloader import make_loader
+    from dataio.dataloader import make_loader
     from parity.speedrun20_training import data_generator
 
     ours = make_loader(
@@ -129,8 +129,8 @@ def jax_side(run, dtype="float32"):
     embedding tables in bf16 too), its params named as the record's state dict."""
     from flax import nnx
 
+    from dataio.pretrained import to_record20_state
     from parity.train_sides import JaxTrainer
-    from pretrained import to_record20_state
 
     class JaxSide(JaxTrainer):
         def state_dict(self):
@@ -144,7 +144,7 @@ def jax_side(run, dtype="float32"):
 
 def settings(steps, seq_len, seed, attention="auto", sizes=TINY20, warmup=RUN20["warmup"]):
     """train.py's settings for the tiny record-20 run: the record's rates, warmup scaled."""
-    from settings import DEFAULTS
+    from run.settings import DEFAULTS
 
     return dict(
         DEFAULTS,

@@ -63,7 +63,7 @@ class TorchTrainer:
     iteration."""
 
     def __init__(self, model_dir, c, autocast_bf16=False):
-        from weights import load_hf_model
+        from dataio.weights import load_hf_model
 
         self.c, self.autocast_bf16 = c, autocast_bf16
         # float32; c["dropout"] must be 0: RNGs differ across frameworks

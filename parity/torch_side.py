@@ -1,7 +1,7 @@
 """
 The torch side's own way to the weights: transformers' GPT2LMHeadModel from any source a parity
-check takes, by a path that shares no code with ours (checkpoint.py, pretrained.py, weights.py), so
-that a bug in our loaders shows as a mismatch instead of being on both sides.
+check takes, by a path that shares no code with ours (run/checkpoint.py, dataio/pretrained.py,
+dataio/weights.py), so that a bug in our loaders shows as a mismatch instead of being on both sides.
 
 - a hub name or an HF directory: transformers' own from_pretrained;
 - a nanoGPT ckpt.pt (the file, or the out_dir holding it): torch.load, then nanoGPT's names -> HF's

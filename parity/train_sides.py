@@ -1,15 +1,15 @@
 """
 The two sides of training parity, for check_train and check_speedrun: train.py's optimizer, state
-and jitted step on sharding.py's mesh (JaxTrainer) beside parity/torch_reference.py's TorchTrainer,
-each trained on the same batches from train.py's loader (make_batches, train_side). Not a check to
-run: `python -m parity.check_train` runs them.
+and jitted step on compute/sharding.py's mesh (JaxTrainer) beside parity/torch_reference.py's
+TorchTrainer, each trained on the same batches from train.py's loader (make_batches, train_side).
+Not a check to run: `python -m parity.check_train` runs them.
 """
 
 import time
 from typing import NamedTuple
 
 from configurator import UsageError
-from dataloader import make_loader
+from dataio.dataloader import make_loader
 
 # jax, and our modules on it (model, sharding, train_step, weights), are imported where they are
 # used: check_train's bad arguments fail before jax loads, in a fraction of a second (parse_args)
@@ -32,17 +32,17 @@ class Run(NamedTuple):
 
 
 class JaxTrainer:
-    """train.py's optimizer, state and jitted step, in `dtype`, on sharding.py's mesh over
+    """train.py's optimizer, state and jitted step, in `dtype`, on compute/sharding.py's mesh over
     run.devices: params and optimizer state from train_step.init_state (split by
     sharding.PARAM_SPECS), the batch's rows over data x fsdp."""
 
     def __init__(self, run, dtype):
         import jax
 
-        import sharding
-        import train_step
+        from compute import sharding
+        from dataio.pretrained import read_pretrained
         from model import RUNTIME_FIELDS, GPTConfig
-        from pretrained import read_pretrained
+        from run import train_step
 
         c = dict(run.c, dtype=dtype)
         # a .pt of the record's: its heads
@@ -70,7 +70,7 @@ class JaxTrainer:
     def step(self, x, y):
         import jax
 
-        import train_step
+        from run import train_step
 
         # the lr of this update: train_step.get_lr at the optimizer's own schedule count
         lr = float(
@@ -88,7 +88,7 @@ class JaxTrainer:
     def state_dict(self):
         from flax import nnx
 
-        from weights import state_dict
+        from dataio.weights import state_dict
 
         return state_dict(nnx.merge(self.graphdef, self.defs[0].unflatten(self.state[0])))
 
@@ -152,6 +152,6 @@ def check_rows(rows, accum, devices, tensor_parallel):
 
 
 def hf_vocab_size(model_dir):
-    from weights import hf_directory, read_hf_config
+    from dataio.weights import hf_directory, read_hf_config
 
     return read_hf_config(hf_directory(model_dir))["vocab_size"]

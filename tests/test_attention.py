@@ -1,10 +1,10 @@
 """python -m pytest tests/test_attention.py -q
 
-attention.py: the splash kernel (Pallas interpret mode on this CPU) against XLA's attention, forward
-and gradients (fp32); which kernel each setting, platform and shape gets, and the one-line errors;
-splash under a mesh on 8 fake CPU devices, each on its own rows and heads; and splash compiled for a
-TPU (v5e 2x2, fsdp 2 x tensor 2) from this CPU by libtpu's ahead-of-time compiler. Record 20's
-splash and flash (tests/test_window_attention.py) under the same mesh."""
+compute/attention.py: the splash kernel (Pallas interpret mode on this CPU) against XLA's attention,
+forward and gradients (fp32); which kernel each setting, platform and shape gets, and the one-line
+errors; splash under a mesh on 8 fake CPU devices, each on its own rows and heads; and splash
+compiled for a TPU (v5e 2x2, fsdp 2 x tensor 2) from this CPU by libtpu's ahead-of-time compiler.
+Record 20's splash and flash (tests/test_window_attention.py) under the same mesh."""
 
 import math
 import os
@@ -23,11 +23,9 @@ from jax._src import config as jax_config
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import accelerators
-import attention
-import sharding
-from attention import causal_attention, check_setting, choose
-from window_attention import window_flash_attention, window_splash_attention
+from archs.window_attention import window_flash_attention, window_splash_attention
+from compute import accelerators, attention, sharding
+from compute.attention import causal_attention, check_setting, choose
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -274,7 +272,8 @@ MESH_RUNS = r"""
 import sys
 import jax
 import numpy as np
-import attention, sharding
+from compute import attention
+from compute import sharding
 from helpers.attention import causal_forward_and_grads
 inputs = dict(np.load(sys.argv[1]))
 out = {}
@@ -285,9 +284,9 @@ for name, (fsdp, tp) in {"data2_fsdp2_tp2": (2, 2), "fsdp8": (8, 1)}.items():
         assert "shard_map" in jaxpr, jaxpr
         for key, a in zip(("y", "dq", "dk", "dv"), causal_forward_and_grads("splash", *(inputs[n] for n in "qkvg"))):
             out[f"{name} {key}"] = np.asarray(a)
-# record 20's splash (window_attention.py): each device on its row and head
+# record 20's splash (archs/window_attention.py): each device on its row and head
 from helpers.attention import forward_and_grads as window_grads, window_inputs
-from window_attention import window_flash_attention, window_splash_attention
+from archs.window_attention import window_flash_attention, window_splash_attention
 q, k, v, g, docs = window_inputs(B=4, T=512)
 kernels = {
     "splash": lambda *a: window_splash_attention(*a, docs, jax.numpy.int32(2), 3, 0.12, 128),

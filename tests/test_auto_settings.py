@@ -13,12 +13,10 @@ import pytest
 from flax import nnx
 from helpers import read_log, run, settings, tiny_config
 
-import accelerators
-import auto_settings
-import sharding
-import train_step
+from compute import accelerators, sharding
 from configurator import UsageError
-from settings import validate
+from run import auto_settings, train_step
+from run.settings import validate
 
 # a model whose loss chunks (block_size 256 > 128) and whose logits weigh something beside its
 # activations

@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 from helpers import REPO, tiny_config
 
-import layers
 import model as model_lib
 from bench import profile as bench_profile
+from compute import layers
 from model import GPT
 
 

@@ -15,15 +15,15 @@ import pytest
 from helpers import FIX, write_shards
 
 from configurator import InputNotFound, RunStopped, UsageError
-from dataloader import (
+from dataio.dataloader import (
     BinLoader,
     BinShardLoader,
     ShardLoader,
     make_loader,
     val_batches_for,
 )
+from dataio.prefetch import Prefetcher
 from parity.check_speedrun import write_datafile
-from prefetch import Prefetcher
 
 # the record's processes, rows per process, sequence length: a global batch is 48 tokens (+1)
 W, B, T = 2, 3, 8

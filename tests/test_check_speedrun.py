@@ -13,7 +13,7 @@ import jax
 import pytest
 from helpers import one_torch_thread
 
-import muon
+from archs import muon
 from parity import check_speedrun, check_train, train_report, train_sides
 
 # as test_check_train: held to check_train's tolerances at XLA's defaults

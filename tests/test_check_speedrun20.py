@@ -10,7 +10,7 @@ line."""
 import pytest
 from helpers import one_torch_thread
 
-import speedrun_model
+from archs import speedrun_model
 from configurator import UsageError
 from parity import check_speedrun, speedrun20_check, train_report, train_sides
 from parity.common import pin_numerics

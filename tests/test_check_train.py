@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import pytest
 from helpers import assert_close, one_torch_thread
 
-import train_step
 from parity import check_train, train_report, train_sides
+from run import train_step
 
 # conftest: quick compilation moves 10 steps to the edge of the tolerances
 pytestmark = pytest.mark.xla_defaults

@@ -25,15 +25,14 @@ import pytest
 from flax import nnx
 from helpers import REPO, fake_devices, run, settings, tiny_config
 
-import checkpoint
-import checksums
 import export
 import sample
-import sharding
 import train
-import train_step
+from compute import sharding
 from configurator import UsageError
+from dataio import checksums
 from model import GPT
+from run import checkpoint, train_step
 
 
 def flip_bit(path, offset, bit):
@@ -111,7 +110,8 @@ DIGESTS_ON_MESHES = r"""
 import json, pickle, sys
 import jax, ml_dtypes  # ml_dtypes: the pickled bfloat16 array's dtype
 from jax.sharding import NamedSharding, PartitionSpec as P
-import checksums, sharding
+from dataio import checksums
+from compute import sharding
 with open(sys.argv[1], "rb") as f:
     values = pickle.load(f)
 out = {}
@@ -420,9 +420,9 @@ def test_bf16_tables_resume_in_either_embed_dtype(tmp_path):
     for bit; on the first device (sample.py's) and on train.py's mesh."""
     from dataclasses import replace
 
+    from archs.models import build
     from model import GPTConfig
-    from models import build
-    from settings import DEFAULTS
+    from run.settings import DEFAULTS
 
     saved = GPTConfig(
         arch="speedrun20", bias=False, n_layer=2, n_head=2, n_embd=32, block_size=128,

@@ -14,12 +14,10 @@ import pytest
 from flax import nnx
 from helpers import assert_close, tiny_config
 
-import attention
-import layers
-import sharding
+from archs.models import build
+from compute import attention, layers, sharding
 from configurator import UsageError
 from model import GPT, GPTConfig
-from models import build
 
 
 def step_memory(config, batch_size):

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from helpers import REPO
 
-import dataloader
 from configurator import UsageError
-from dataloader import BinLoader, ShardLoader, make_loader
-from prefetch import Prefetcher
-from token_files import prepare_hint
+from dataio import dataloader
+from dataio.dataloader import BinLoader, ShardLoader, make_loader
+from dataio.prefetch import Prefetcher
+from dataio.token_files import prepare_hint
 
 
 def test_bin_windows_are_targets_shifted_by_one_and_deterministic(bin_file):
@@ -188,8 +188,8 @@ def test_a_run_that_dies_without_closing_its_prefetcher_still_exits(bin_file):
     """The thread is a daemon: an error in the training loop ends the process, where it would wait
     on the thread."""
     script = (
-        "import sys, numpy as np; from dataloader import BinLoader; "
-        "from prefetch import Prefetcher; "
+        "import sys, numpy as np; from dataio.dataloader import BinLoader; "
+        "from dataio.prefetch import Prefetcher; "
         "Prefetcher(BinLoader(sys.argv[1], 8, 4, seed=0), accum=1, put=np.copy).next(); sys.exit(3)"
     )
     r = subprocess.run(

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from helpers import REPO, TINY, run, snapshot
 
-import checkpoint
 from configurator import RunStopped, UsageError
-from dataloader import BinLoader, ShardLoader
-from prefetch import Prefetcher
-from token_files import token_file
+from dataio.dataloader import BinLoader, ShardLoader
+from dataio.prefetch import Prefetcher
+from dataio.token_files import token_file
+from run import checkpoint
 
 FIX = "the run stopped; restore the file and resume with --init_from=resume"
 NPY_HEADER = 128  # bytes before the tokens of a 1-D array np.save writes (format 1.0)
@@ -116,7 +116,7 @@ def test_a_token_file_closes_its_descriptor_when_dropped(bin_file):
 TRUNCATE_BETWEEN_BATCHES = """if True:
     import os, sys
     from configurator import exit_on_bad_input
-    from dataloader import make_loader
+    from dataio.dataloader import make_loader
     data_dir, truncated, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
     def main():
         loader = make_loader(data_dir, "train", block_size=10, rows=3, seed=0)

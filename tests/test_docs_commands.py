@@ -349,7 +349,7 @@ def test_the_checker_finds_a_made_up_flag_a_missing_script_and_a_bad_value():
 
 
 def test_the_source_reading_agrees_with_the_real_parsers(monkeypatch):
-    import settings
+    from run import settings
 
     assert set(Script(ROOT / "train.py").settings) == set(settings.DEFAULTS)
     import parity.check_train

@@ -19,17 +19,16 @@ from helpers import REPO, TASKS, fake_devices, run, transpose_c_proj_on_restore
 from lm_eval.api.instance import Instance
 
 import eval as lm_eval_py
-import eval_lm
 import export
 import hellaswag
-import runlog
-import sharding
+from archs.models import load_pretrained
+from compute import sharding
 from configurator import UsageError, exit_on_bad_input
-from models import load_pretrained
+from dataio.tokenizer import get_encoding
 from parity import check_eval
 from parity import nanogpt_reference as nanogpt
 from parity.common import save_random_hf_model
-from tokenizer import get_encoding
+from run import eval_lm, runlog
 
 TINY_HF = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64)
 
@@ -396,8 +395,9 @@ MESH_SCRIPT = """
 import json, sys
 import jax, numpy as np
 from lm_eval.api.instance import Instance
-import eval_lm, sharding
-from models import load_pretrained
+from run import eval_lm
+from compute import sharding
+from archs.models import load_pretrained
 model, _ = load_pretrained(sys.argv[1])
 text = open("data/shakespeare_char/input.txt").read()
 ll = [Instance("loglikelihood", {}, (text[i: i + 5 + i % 40], text[i + 400: i + 420]), 0) for i in range(0, 5000, 250)]

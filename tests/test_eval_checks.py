@@ -16,13 +16,13 @@ from helpers import REPO, save_ours, tiny_config
 
 import eval as lm_eval_py
 import hellaswag
-import hellaswag_data
 from configurator import UsageError
+from dataio import hellaswag_data
+from dataio.tokenizer import read_vocab, save_vocab
+from dataio.weights import save_hf
 from model import GPT
 from parity import check_hellaswag
 from parity import nanogpt_reference as nanogpt
-from tokenizer import read_vocab, save_vocab
-from weights import save_hf
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
 """python -m pytest tests/test_eval_scoring.py -q
 
-eval_lm.py's scoring and generation (JaxLM) on models made in memory, no file or command: the padded
-lengths, continuation scores in chunks equal to the logits at once (greedy where every target is
-the argmax), generate_until's stops at <|endoftext|> and at a task's strings, contexts cut from the
-left, a task's sampling settings; the tokenizer files made for lm-eval's hf model encode as
+run/eval_lm.py's scoring and generation (JaxLM) on models made in memory, no file or command: the
+padded lengths, continuation scores in chunks equal to the logits at once (greedy where every target
+is the argmax), generate_until's stops at <|endoftext|> and at a task's strings, contexts cut from
+the left, a task's sampling settings; the tokenizer files made for lm-eval's hf model encode as
 tiktoken; parity's judgement of a small difference; local tasks looked up among the local YAMLs
 alone (eval.py on checkpoints and HF directories, against lm-eval's hf model: test_eval.py)."""
 
@@ -19,12 +19,12 @@ from helpers import REPO, TASKS
 from lm_eval.api.instance import Instance
 
 import eval as lm_eval_py
-import eval_lm
-import sharding
+from compute import sharding
 from configurator import UsageError
+from dataio.tokenizer import EOT, get_encoding, save_hf_tokenizer
 from model import GPT, GPTConfig
 from parity import check_eval
-from tokenizer import EOT, get_encoding, save_hf_tokenizer
+from run import eval_lm
 
 
 def test_hf_tokenizer_files_encode_as_tiktoken(tmp_path):
@@ -40,7 +40,7 @@ def test_hf_tokenizer_files_encode_as_tiktoken(tmp_path):
     assert tok.eos_token_id == tok.bos_token_id == 50256
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from tokenizer import BPE_FILE
+    from dataio.tokenizer import BPE_FILE
 
     default = TikTokenConverter(vocab_file=str(BPE_FILE)).converted()
     assert default.encode("He said 1234567 times").ids != get_encoding().encode(

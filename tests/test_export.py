@@ -20,18 +20,18 @@ from flax import nnx
 from helpers import REPO, random_nanogpt, rel_diff, save_ours, tiny_config
 from safetensors import safe_open
 
-import checkpoint
 import export
 import sample
-import storage
+from archs.models import build
 from configurator import UsageError, exit_on_bad_input
+from dataio import storage
+from dataio.tokenizer import save_vocab
+from dataio.weights import hf_config_for, load_hf_model, state_dict
 from model import GPT
-from models import build
 from parity import nanogpt_reference as nanogpt
 from parity.check_logits import FP32_MAX_REL_TOL as FP32_LOGITS_TOL  # max |Δlogit| / max |logit|
-from tokenizer import save_vocab
+from run import checkpoint
 from tools.gcs_emulator import FORBIDDEN
-from weights import hf_config_for, load_hf_model, state_dict
 
 
 def nanogpt_logits(model, tokens):

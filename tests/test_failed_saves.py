@@ -19,9 +19,9 @@ import jax
 import pytest
 from helpers import REPO, TINY, one_line_error, run, train_cli
 
-import checkpoint
-import storage
 from configurator import RunStopped
+from dataio import storage
+from run import checkpoint
 
 
 def test_a_full_disk_during_a_save_is_one_line_on_stderr(dataset, tmp_path):
@@ -59,7 +59,7 @@ FILE_SIZE_LIMIT = r"""if True:
     import jax
     import orbax.checkpoint as ocp
     import train
-    import train_step
+    from run import train_step
     from configurator import exit_on_bad_input
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails (EFBIG) instead of ending the process
     save = ocp.CheckpointManager.save

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import fineweb
-from tokenizer import EOT, get_encoding
+from dataio.tokenizer import EOT, get_encoding
 
 SHARD = 1000  # tokens per shard: ~13 shards from the fixture, one document spanning three
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import exit_line, prepare_script, write_shards
 
-from dataloader import BinShardLoader, make_loader
+from dataio.dataloader import BinShardLoader, make_loader
 from parity.check_speedrun import write_datafile
 
 

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 from helpers import TINY, read_log, run, train_cli
 
-import storage
-import token_files
 from configurator import InputNotFound, RunStopped, UsageError
-from dataloader import (
+from dataio import storage, token_files
+from dataio.dataloader import (
     BinLoader,
     BinShardLoader,
     ShardLoader,
@@ -24,8 +23,8 @@ from dataloader import (
     data_meta,
     make_loader,
 )
+from dataio.prefetch import Prefetcher
 from parity.check_speedrun import write_datafile
-from prefetch import Prefetcher
 
 FIX = "the run stopped; restore the file and resume with --init_from=resume"
 T, ROWS = 8, 6  # sequence length; global rows (a process's: ROWS_SLICE)

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from helpers import REPO, TINY, fake_devices, free_port, one_line_error, settings, tiny_config
 
-import checkpoint
 import train
 from configurator import RunStopped, UsageError
+from run import checkpoint
 from tools.gcs_emulator import FORBIDDEN, client_env
 
 
@@ -220,7 +220,7 @@ def test_the_network_gone_mid_run_is_one_line_and_the_last_checkpoint_restores(d
         return server
 
     def steps():  # in a process of its own: this one's clients talk to the suite's emulator
-        code = f"import checkpoint; print(checkpoint.all_steps('{out}'))"
+        code = f"from run import checkpoint; print(checkpoint.all_steps('{out}'))"
         return subprocess.run(
             [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
         ).stdout
@@ -270,7 +270,7 @@ def test_the_network_gone_mid_run_is_one_line_and_the_last_checkpoint_restores(d
         # 50: the interval
         assert named >= 50 and named in there and max(there) - named in (0, 50), (line, there)
         code = (
-            f"import checkpoint; "
+            f"from run import checkpoint; "
             f"print(checkpoint.restore('{out}', step={named})['meta']['iter_num'])"
         )
         restored = subprocess.run(

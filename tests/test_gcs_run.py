@@ -19,16 +19,14 @@ import numpy as np
 import pytest
 from helpers import HELLASWAG_FIXTURE, REPO, TINY, settings, tiny_config, train_cli
 
-import checkpoint
 import export
 import hellaswag
 import plot
-import run_lock
-import runlog
 import sample
-import storage
 import train
 from configurator import UsageError
+from dataio import storage
+from run import checkpoint, run_lock, runlog
 from tools.gcs_emulator import FORBIDDEN
 
 STEPS = ["--max_iters=8", "--checkpoint_interval=2"]

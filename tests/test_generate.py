@@ -113,7 +113,7 @@ def test_filters_match_numpy_and_transformers():
         assert same_support and same_support_hf, setting
         assert vs_numpy <= FILTER_PROB_TOL and vs_hf <= FILTER_PROB_TOL, (setting, vs_numpy, vs_hf)
     # and they bite: top_k=1 keeps the argmax alone (a tie-free row)
-    from generate import filter_logits
+    from compute.generate import filter_logits
 
     logits = jax.random.normal(jax.random.key(0), (4, 100))
     kept = np.isfinite(np.asarray(filter_logits(logits, 0.7, top_k=1)))
@@ -231,7 +231,7 @@ def test_generate_hands_on_its_settings_and_takes_each_one_at_its_bounds(monkeyp
     """What generate() passes to the compiled loop (caught before it compiles): nanoGPT's default
     temperature 1, the least max_new_tokens, top_k and vocab_limit it takes and the whole
     vocabulary; past those bounds, one line."""
-    import generate as gen
+    from compute import generate as gen
 
     class Compiling(Exception):
         pass

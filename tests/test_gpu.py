@@ -27,12 +27,10 @@ from helpers.compile_only import (
     no_cache_entries,  # noqa: F401 (autouse: a compile-only client's executables stay out of the cache)
 )
 
-import accelerators
-import attention
-import sharding
-import train_step
 from bench import sample as bench_sample
+from compute import accelerators, attention, sharding
 from configurator import UsageError
+from run import train_step
 
 pytestmark = pytest.mark.gpu_compile
 
@@ -188,7 +186,7 @@ def test_record20_flash_compiles_for_a_gpu():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from window_attention import window_flash_attention
+    from archs.window_attention import window_flash_attention
 
     mesh = sharding.make_mesh(devices=accelerators.gpu_devices("h100"))
 

@@ -20,8 +20,8 @@ from helpers import assert_close, fake_devices, transpose_c_proj_on_restore
 from helpers.hellaswag import BLOCK, FIXTURE
 
 import hellaswag
-import hellaswag_data
-import sharding
+from compute import sharding
+from dataio import hellaswag_data
 from parity import check_hellaswag
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,10 +155,10 @@ MULTI_DEVICE = textwrap.dedent("""
     import jax, numpy as np
     from flax import nnx
     import hellaswag
-    import hellaswag_data
-    import sharding
+    from dataio import hellaswag_data
+    from compute import sharding
     from model import GPT, GPTConfig
-    from weights import load_state_dict
+    from dataio.weights import load_state_dict
 
     weights, out = sys.argv[1], sys.argv[2]
     config = GPTConfig(**json.load(open(weights + ".json")))
@@ -180,7 +180,7 @@ MULTI_DEVICE = textwrap.dedent("""
 def test_eight_devices_give_the_same_losses(model, jax_score, tmp_path):
     from dataclasses import asdict
 
-    from weights import state_dict
+    from dataio.weights import state_dict
 
     weights = tmp_path / "w.npz"
     np.savez(weights, **state_dict(model))
@@ -211,7 +211,7 @@ def resume_dir(model, tmp_path_factory):
     import jax
     from flax import nnx
 
-    import checkpoint
+    from run import checkpoint
 
     out = tmp_path_factory.mktemp("run") / "out"
     mngr = checkpoint.manager(out)
@@ -308,7 +308,7 @@ def test_parity_cli_catches_a_bug_in_our_loader(source, resume_dir, tmp_path, mo
     pretrained.read_nanogpt, or transposed by checkpoint.load_checkpoint_model: the reference loads
     the file by its own path (parity/torch_side.py), so the check fails; with the loaders as they
     are, it passes."""
-    import pretrained
+    from dataio import pretrained
     from parity.common import save_random_nanogpt_ckpt
 
     if source == "nanogpt":

@@ -17,8 +17,8 @@ from flax import nnx
 from helpers import HELLASWAG_FIXTURE, python_in_c_locale
 
 import hellaswag
-import hellaswag_data
 from configurator import exit_on_bad_input
+from dataio import hellaswag_data
 from model import GPT, GPTConfig
 from parity import check_hellaswag
 
@@ -87,7 +87,10 @@ def test_blank_lines_are_skipped_and_the_file_is_read_as_utf8_in_any_locale(tmp_
     path = write_lines(tmp_path, [GOOD, "", accented])
     read = hellaswag_data.read_examples(path)
     assert [ex["_line"] for ex in read] == [1, 3] and read[1]["ctx"] == "Un café — naïve"
-    script = f"import hellaswag_data; print(ascii(hellaswag_data.read_examples({ascii(path)})))"
+    script = (
+        "from dataio import hellaswag_data; "
+        f"print(ascii(hellaswag_data.read_examples({ascii(path)})))"
+    )
     r = python_in_c_locale(script)
     assert r.returncode == 0 and r.stdout.strip() == ascii(read), r.stderr[-2000:]
     path = write_lines(tmp_path, ["", " "])

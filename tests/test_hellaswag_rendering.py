@@ -14,7 +14,7 @@ import pytest
 from helpers.hellaswag import FIXTURE
 
 import hellaswag
-import hellaswag_data
+from dataio import hellaswag_data
 from parity import check_hellaswag
 
 # ------------------------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ def test_fixture_is_the_real_format():
 def test_rendering_matches_build_nanogpt(examples, reference_rows):
     """Our rendering against the reference's (its own tokenizer settings, rows and mask, as
     build-nanogpt's)."""
-    from tokenizer import get_encoding
+    from dataio.tokenizer import get_encoding
 
     enc = get_encoding()
     raw = [json.loads(line) for line in FIXTURE.read_text().splitlines()]

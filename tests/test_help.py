@@ -29,7 +29,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONDONTWRITEBYTECODE": "1"}
 # settings as the help shows them: `--key=default meaning`, whitespace aside)
 CONFIGURED = {
     "train.py": (
-        ("settings.py", "DEFAULTS"),
+        ("run/settings.py", "DEFAULTS"),
         [
             "I/O --out_dir=out a folder, or gs://bucket/run (docs/pods.md) --eval_interval=2000",
             "--eval_only=False if True, script exits right after the first eval",

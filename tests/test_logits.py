@@ -15,14 +15,14 @@ from flax import nnx
 from helpers import tiny_config
 from jax.sharding import NamedSharding
 
-import sharding
+from archs.models import load_pretrained
+from compute import sharding
 from configurator import exit_on_bad_input
+from dataio.weights import load_hf_model
 from model import GPT
-from models import load_pretrained
 from parity import check_logits
 from parity.check_logits import check
 from parity.common import save_random_hf_model
-from weights import load_hf_model
 
 
 @pytest.mark.parametrize(
@@ -57,7 +57,7 @@ def test_bf16_parity_judged_against_fp32(tmp_path):
 def test_parity_detects_a_swapped_mapping(tmp_path, monkeypatch):
     """With every tensor random, swapping two rows of the weight map must fail the check (a check
     that cannot fail proves nothing; HF's own init, biases 0, would hide this swap)."""
-    import weights
+    from dataio import weights
 
     path = save_random_hf_model(
         tmp_path / "hf", seed=3, n_layer=2, n_head=2, n_embd=64, n_positions=32, vocab_size=128

@@ -4,7 +4,7 @@ Reading a dataset or a model runs nothing it names: a meta.pkl whose pickle call
 builtins.exec or subprocess is refused in one line (exit 2) by train.py, sample.py, eval.py and
 hellaswag.py, wherever they find it, and its command never runs; nanoGPT's own prepare.py output
 still trains and samples; export.py writes a JSON twin that our readers take first. The codecs made
-from them (tokenizer.py): where codec_for looks, in which order, and what each codec encodes,
+from them (dataio/tokenizer.py): where codec_for looks, in which order, and what each codec encodes,
 decodes and streams."""
 
 import builtins
@@ -27,16 +27,23 @@ from helpers import (
     train_cli,
 )
 
-import checkpoint
 import eval as lm_eval_py
 import export
 import hellaswag
 import sample
 from configurator import InputNotFound, UsageError, exit_on_bad_input
-from dataloader import data_meta
+from dataio.dataloader import data_meta
+from dataio.tokenizer import (
+    BPECodec,
+    CharCodec,
+    codec_for,
+    read_vocab,
+    save_hf_tokenizer,
+    save_vocab,
+)
 from parity import nanogpt_reference as nanogpt
 from parity.common import save_random_hf_model
-from tokenizer import BPECodec, CharCodec, codec_for, read_vocab, save_hf_tokenizer, save_vocab
+from run import checkpoint
 
 # the `dataset` fixture's 64 characters: its programs are compiled already
 CHARS = [chr(48 + i) for i in range(64)]
@@ -386,7 +393,10 @@ def test_save_vocab_writes_nanogpts_meta_pkl_and_a_utf8_json_twin_in_any_locale(
     assert read_vocab(str(here / "meta.json")) == read_vocab(str(here / "meta.pkl")) == (5, chars)
     os.makedirs(ascii_locale)
     # an ASCII argv
-    script = f"import tokenizer; tokenizer.save_vocab({ascii(str(ascii_locale))}, {ascii(chars)})"
+    script = (
+        "from dataio import tokenizer; "
+        f"tokenizer.save_vocab({ascii(str(ascii_locale))}, {ascii(chars)})"
+    )
     r = python_in_c_locale(script, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     for name in ("meta.json", "meta.pkl"):  # the same files

@@ -14,13 +14,13 @@ import torch
 from flax import nnx
 from helpers import assert_close, tiny_config
 
-import layers
+from archs.models import build, check_config
+from compute import layers
+from compute.layers import dropout
 from configurator import UsageError
-from layers import dropout
+from dataio.tokenizer import get_encoding
 from model import GPT, GPTConfig, cross_entropy, layer_norm
-from models import build, check_config
-from settings import resolve_dtype
-from tokenizer import get_encoding
+from run.settings import resolve_dtype
 
 
 def test_init_statistics():

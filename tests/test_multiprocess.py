@@ -11,7 +11,7 @@ import time
 import pytest
 from helpers import TINY, free_port, popen_train
 
-import watchdog
+from run import watchdog
 
 ABORT_TEXT = [
     "Traceback",

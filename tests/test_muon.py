@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from helpers import MUON_SETTINGS, REPO, assert_close, fake_devices
 
-import muon
-import train_step
+from archs import muon
+from run import train_step
 
 C, V = 32, 64  # n_embd, vocab
 STEPS = 6  # the schedule's multipliers 0.5, 1, 1, 1, 2/3, 1/3
@@ -244,7 +244,8 @@ def test_stacked_kernels_step_as_each_layer():
 MESH_RUN = r"""
 import json, sys
 import jax, numpy as np
-import sharding, train_step
+from compute import sharding
+from run import train_step
 settings, meshes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 rng = np.random.default_rng(0)
 def kernels(shape):

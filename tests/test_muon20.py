@@ -24,17 +24,17 @@ import torch
 from flax import nnx
 from helpers import assert_close, one_torch_thread
 
-import muon
-import train_step
+from archs import muon
+from archs.models import model_from
 from configurator import UsageError, configure
+from dataio.pretrained import from_record20_state, record20_config, to_record20_state
+from dataio.weights import rows_of
 from model import GPTConfig
-from models import model_from
 from parity import speedrun20_training as record
 from parity.speedrun20_reference import GPT
 from parity.train_report import LR_TOL, PARAM_NORM_TOL, PARAM_TOL
-from pretrained import from_record20_state, record20_config, to_record20_state
-from settings import DEFAULTS, check_optimizer, validate
-from weights import rows_of
+from run import train_step
+from run.settings import DEFAULTS, check_optimizer, validate
 
 SHAPE = dict(vocab_size=200, num_layers=8, num_heads=2, model_dim=32)  # head: 256 padded rows
 SETTINGS = dict(

@@ -15,11 +15,11 @@ import sys
 import pytest
 from helpers import REPO, read_log
 
-import accelerators
-import checkpoint
+from compute import accelerators
 from configurator import configure
+from run import checkpoint
+from run.settings import DEFAULTS, accumulation_steps, validate
 from sample import SEPARATOR
-from settings import DEFAULTS, accumulation_steps, validate
 
 NOTEBOOK = os.path.join(REPO, "notebooks", "gpt2_tpu.ipynb")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

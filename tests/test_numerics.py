@@ -15,21 +15,21 @@ import pytest
 from flax import nnx
 from helpers import equations, one_torch_thread, tiny_config
 
-import layers
 import model as model_lib
-import train_step
+from compute import layers
 from model import GPT
 from parity import check_train, train_report
-from settings import DEFAULTS
+from run import train_step
+from run.settings import DEFAULTS
 
 # what each claim is, found by the source of the equation (every equation of a jaxpr, the backward
 # pass's too, keeps the traceback of the Python line that made it): LayerNorm is flax's, softmax
 # jax.nn's (attention's), the loss ours
 LAYER_NORM = ("flax/nnx/nn/normalization.py", "LayerNorm.__call__")
 SOFTMAX = ("jax/_src/nn/functions.py", "softmax")
-# the repository's modules: model.py, layers.py, ...
+# the repository's modules: model.py, compute/layers.py, ...
 OURS = os.path.dirname(os.path.abspath(model_lib.__file__))
-LOSS = (os.path.join(OURS, "layers.py"), "cross_entropy_terms")
+LOSS = (os.path.join(OURS, "compute/layers.py"), "cross_entropy_terms")
 BLOCK = (model_lib.__file__, "Block.__call__")  # the residual adds: `x = x + branch(...)`
 VOCAB = 97  # the tiny model's vocabulary: no other of its dimensions is 97
 

@@ -15,7 +15,7 @@ import pytest
 from datasets import Dataset
 from helpers import TINY, exit_line, prepare_script, train_cli
 
-from tokenizer import EOT, get_encoding
+from dataio.tokenizer import EOT, get_encoding
 
 # documents as the hub's rows hold them: several lines, unicode, a "<|endoftext|>" that is text;
 # each longer than TINY's block of 16 tokens, so the one that becomes val.bin fills a window

@@ -16,10 +16,10 @@ import pytest
 from flax import nnx
 from helpers import MUON_SETTINGS, assert_close
 
-import train_step
 from configurator import UsageError, configure
 from model import GPTConfig
-from settings import DEFAULTS, fixed_by_checkpoint, validate
+from run import train_step
+from run.settings import DEFAULTS, fixed_by_checkpoint, validate
 
 
 # 1: a step of each, at their bounds
@@ -115,8 +115,8 @@ def test_bad_setting_is_one_line(args, message):
 
 
 def test_start_up_says_how_the_fp8_head_multiplies_and_which_tables_are_bf16():
-    import runlog
-    import sharding
+    from compute import sharding
+    from run import runlog
 
     def parameters_line(*args):
         # the baby config at the record's 64K tokens a micro-batch, which FP8 takes

@@ -19,13 +19,13 @@ import torch.nn.functional as F
 from conftest import XLA_FLAGS_OUTSIDE
 from helpers import REPO, random_nanogpt, read_log, settings
 
-import accelerators
 import train
+from compute import accelerators
 from configurator import UsageError
+from dataio.weights import load_hf_model
 from parity import nanogpt_reference as nanogpt
 from parity.common import save_random_hf_model
 from parity.train_report import LOSS_TOL
-from weights import load_hf_model
 
 
 def first_step(dataset, out_dir, *extra):

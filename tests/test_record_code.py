@@ -17,7 +17,7 @@ from helpers import REPO, assert_close, one_torch_thread
 from torch.nn.attention import flex_attention as flex
 from torch.nn.attention.flex_attention import BlockMask
 
-import speedrun_model
+from archs import speedrun_model
 from configurator import UsageError
 from parity import check_speedrun, own_sides, speedrun20_check, train_report, train_sides
 from parity import speedrun20_reference as ref

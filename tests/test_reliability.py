@@ -19,12 +19,10 @@ import numpy as np
 import pytest
 from helpers import REPO, TINY, one_line_error, read_log, run, settings, snapshot, train_cli
 
-import checkpoint
 import plot
-import run_lock
-import runlog
 import train
 from configurator import ConfigError, RunStopped, UsageError, exit_on_bad_input
+from run import checkpoint, run_lock, runlog
 
 BAD_SETTINGS = {
     "--batch_size=0": "batch_size must be >= 1",

@@ -14,7 +14,7 @@ from helpers import TINY, snapshot
 
 import train
 from configurator import UsageError, command_line_keys, configure
-from settings import DEFAULTS
+from run.settings import DEFAULTS
 
 CONFIG = "config/train_shakespeare_char.py"  # nanoGPT's baby GPT: 6 x 6 x 384, block 256
 

@@ -1,6 +1,6 @@
 """python -m pytest tests/test_runlog.py -q
 
-runlog.py's pieces in process, where a whole run would not look: the start record and each log
+run/runlog.py's pieces in process, where a whole run would not look: the start record and each log
 step's record as log.jsonl keeps them, a results path that is a directory, and the shared out_dir's
 check on one process (a run of several: tests/test_multiprocess.py's commands)."""
 
@@ -11,9 +11,9 @@ import jax
 import pytest
 from helpers import settings
 
-import runlog
-import storage
 from configurator import UsageError
+from dataio import storage
+from run import runlog
 
 
 def records(out_dir):

@@ -17,10 +17,10 @@ from helpers import HELLASWAG_FIXTURE, TINY, tiny_config
 
 import sample
 from configurator import UsageError, configure, exit_on_bad_input
+from dataio.tokenizer import get_encoding
 from model import GPT
 from parity.common import save_random_hf_model
-from settings import DEFAULTS
-from tokenizer import get_encoding
+from run.settings import DEFAULTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -136,7 +136,7 @@ CHARS = sorted(set("First Citizen:\nBefore we proceed any further, hear me speak
 def char_run(tmp_path_factory):
     """A directory as nanoGPT leaves it after training shakespeare_char: data/<dataset>/meta.pkl and
     a checkpoint in out_dir whose training config names the dataset."""
-    import checkpoint
+    from run import checkpoint
 
     root = tmp_path_factory.mktemp("run")
     (root / "data" / "toy").mkdir(parents=True)

@@ -16,18 +16,17 @@ from flax import nnx
 from helpers import assert_close, settings, tiny_config
 from safetensors.numpy import load_file
 
-import checkpoint
 import export
-import sharding
 import train
-import train_step
+from compute import sharding
+from compute.layers import relayout_blocks
 from configurator import ConfigError, UsageError, configure
-from layers import relayout_blocks
+from dataio.pretrained import read_nanogpt
+from dataio.weights import state_dict
 from model import GPT
 from parity.common import save_random_hf_model
-from pretrained import read_nanogpt
-from settings import DEFAULTS, validate
-from weights import state_dict
+from run import checkpoint, train_step
+from run.settings import DEFAULTS, validate
 
 
 def tokens(shape, vocab=128, seed=0):

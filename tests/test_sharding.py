@@ -30,11 +30,11 @@ from helpers import (
     tiny_config,
 )
 
-import checkpoint
-import sharding
 import train
+from compute import sharding
 from configurator import UsageError
 from model import GPT
+from run import checkpoint
 
 WIDE = ["--n_embd=64", "--max_iters=4", "--eval_interval=4", "--always_save_checkpoint=True"]
 ROWS = 8  # global micro-batch: every mesh below splits it differently
@@ -60,9 +60,10 @@ def mesh_args(fsdp, tp, devices=8):
 EIGHT_DEVICE_RUNS = r"""
 import json, os, shutil, sys
 import jax
-import train, sharding
+import train
+from compute import sharding
 from configurator import configure
-from settings import DEFAULTS
+from run.settings import DEFAULTS
 out, runs = sys.argv[1], json.loads(sys.argv[2])
 report = {}
 for name, args, copies in runs:
@@ -202,7 +203,7 @@ def test_sample_and_hellaswag_load_a_checkpoint_of_any_mesh(mesh_runs, dataset):
     under fsdp 4 x tensor 2 on 1 device: the weights train.py's resume restores from it."""
     from flax import nnx
 
-    from weights import state_dict
+    from dataio.weights import state_dict
 
     tmp, _, _ = mesh_runs
     model, config = checkpoint.load_model("resume", str(tmp / "half"))

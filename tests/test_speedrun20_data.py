@@ -7,7 +7,7 @@ shard ends, a tail that would just fit dropped, and a resume that goes on bit fo
 import numpy as np
 import pytest
 
-from dataloader import BinShardLoader, make_loader
+from dataio.dataloader import BinShardLoader, make_loader
 from parity.check_speedrun import write_datafile
 from parity.speedrun20_training import data_generator
 

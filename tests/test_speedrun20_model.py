@@ -13,13 +13,12 @@ import pytest
 from flax import nnx
 from helpers import rel_diff
 
-import speedrun_model
-import window_attention
-from generate import generate
+from archs import speedrun_model, window_attention
+from archs.models import build
+from archs.window_attention import WINDOW_BLOCK, window_mask
+from compute.generate import generate
 from model import GPTConfig
-from models import build
 from parity.check_generate import CACHE_LOGITS_TOL
-from window_attention import WINDOW_BLOCK, window_mask
 
 TINY20 = dict(
     arch="speedrun20", bias=False, n_layer=4, n_head=2, n_embd=32, block_size=256, vocab_size=64
@@ -217,7 +216,7 @@ def test_the_window_grows_as_the_records_to_window_size():
     reference's window_size at every step of the record's run, and at a window_size of 256: the
     schedule's span and the model's band follow the setting."""
     from parity import speedrun20_training as training
-    from train_step import eval_window, record20_step
+    from run.train_step import eval_window, record20_step
 
     n = 1393
     for window_size in (1728, 256):

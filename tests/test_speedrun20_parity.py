@@ -3,8 +3,8 @@
 arch='speedrun20' against the torch reference written from modded-nanogpt's record 20
 (parity/speedrun20_reference.py), all-fp32: the masks its attention takes (the record's
 BlockMask, by the reference's dense reading of it), the rotary tables, and a whole model's logits,
-loss and gradients at two windows, with its weights carried across by pretrained.py's mapping; and
-its state_step*.pt both ways (export.py --format=modded, --init_from=)."""
+loss and gradients at two windows, with its weights carried across by dataio/pretrained.py's
+mapping; and its state_step*.pt both ways (export.py --format=modded, --init_from=)."""
 
 import re
 from dataclasses import replace
@@ -17,15 +17,15 @@ import torch
 from flax import nnx
 from helpers import rel_diff
 
-import window_attention
+from archs import window_attention
+from archs.models import load_pretrained, model_from
+from compute.layers import fp8_head, half_truncated_frequencies, half_truncated_rotary_tables
 from configurator import UsageError
-from layers import fp8_head, half_truncated_frequencies, half_truncated_rotary_tables
+from dataio.pretrained import from_record20_state, read_pretrained, record20_config, save_modded
+from dataio.weights import state_dict
 from model import GPTConfig
-from models import load_pretrained, model_from
 from parity import speedrun20_reference as record
 from parity.check_logits import FP32_MAX_REL_TOL
-from pretrained import from_record20_state, read_pretrained, record20_config, save_modded
-from weights import state_dict
 
 # 8 layers: the record's layer 7 without attention is among them; documents split at id 63, not
 # GPT-2's 50256 (small_end_of_text): the same masks, a head of 128 rows instead of 50304

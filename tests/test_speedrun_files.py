@@ -24,16 +24,12 @@ from helpers.record5 import (
     tokens,
 )
 
-import checkpoint
 import export
 import sample
 import train
+from archs.models import load_pretrained
 from configurator import UsageError, exit_on_bad_input
-from model import GPT
-from models import load_pretrained
-from parity import speedrun_reference as record
-from parity.check_logits import FP32_MAX_REL_TOL
-from pretrained import (
+from dataio.pretrained import (
     COMPILED_PREFIX,
     from_modded_state,
     modded_config,
@@ -41,8 +37,12 @@ from pretrained import (
     read_pretrained,
     to_modded_state,
 )
-from tokenizer import save_vocab
-from weights import state_dict
+from dataio.tokenizer import save_vocab
+from dataio.weights import state_dict
+from model import GPT
+from parity import speedrun_reference as record
+from parity.check_logits import FP32_MAX_REL_TOL
+from run import checkpoint
 
 # --- state_step*.pt in and out
 # -----------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 arch='speedrun' (modded-nanogpt's record 5) against the torch reference written from the record
 (parity/speedrun_reference.py): rotary with bfloat16 tables, QK-norm and RMSNorm's eps, ReLU^2, the
-inits, whole-model logits and loss through weights.py's state_step*.pt mapping both ways,
+inits, whole-model logits and loss through dataio/weights.py's state_step*.pt mapping both ways,
 scan_layers, remat and loss_chunk, KV-cache generation, bf16 against the record's autocast, every
 attention kernel, and a bad config, one line (the record's files: test_speedrun_files.py)."""
 
@@ -26,15 +26,14 @@ from helpers.record5 import (
     tokens,
 )
 
-import attention
-import sharding
-from layers import rms_norm, rotary, rotary_tables
-from models import build, check_config, model_from
+from archs.models import build, check_config, model_from
+from compute import attention, sharding
+from compute.layers import rms_norm, rotary, rotary_tables
+from dataio.pretrained import to_modded_state
+from dataio.weights import state_dict
 from parity import speedrun_reference as record
 from parity.check_generate import CACHE_LOGITS_TOL
 from parity.check_logits import FP32_LOSS_TOL, FP32_MAX_REL_TOL
-from pretrained import to_modded_state
-from weights import state_dict
 
 SPEEDRUN = dict(arch="speedrun", bias=False)
 # --- the pieces

@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 from helpers import run, settings
 
-import runlog
-import step_clock
+from run import runlog, step_clock
 
 
 @jax.jit

@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 from helpers import FIX
 
-import storage
-import token_files
 from configurator import RunStopped
-from dataloader import ShardLoader
+from dataio import storage, token_files
+from dataio.dataloader import ShardLoader
+from dataio.token_files import token_file
 from parity.check_speedrun import write_datafile
-from token_files import token_file
 
 
 def test_npy_headers_longer_than_the_first_read_are_read_whole_and_format_3_is_refused(tmp_path):

@@ -24,10 +24,9 @@ from helpers.compile_only import (
     no_cache_entries,  # noqa: F401 (autouse: a compile-only client's executables stay out of the cache)
 )
 
-import accelerators
-import sharding
-import train_step
-from settings import DEFAULTS
+from compute import accelerators, sharding
+from run import train_step
+from run.settings import DEFAULTS
 
 # the host's loop of blocks and XLA's attention; the TPU's own choices: the blocks under one scan
 # and 'auto' attention (the fused kernel where it runs: splash on a TPU, DESIGN.md)

@@ -22,12 +22,12 @@ from helpers.compile_only import (
     no_cache_entries,  # noqa: F401 (autouse: keeps the TPU executables out of the cache)
 )
 
-import accelerators
-import auto_settings
 from bench import sample as bench_sample
 from bench import train as bench_train
+from compute import accelerators
 from configurator import UsageError
 from parity.common import save_random_hf_model
+from run import auto_settings
 
 
 def run(*args, env=None):
@@ -256,7 +256,7 @@ def test_libtpu_banner_stays_off_the_terminal(tmp_path):
     )
     quiet = run(
         "-c",
-        "import jax, accelerators, sharding; sharding.start_backend(); "
+        "import jax; from compute import accelerators, sharding; sharding.start_backend(); "
         "accelerators.topology_devices('v5e:2x2'); "
         "print(jax.devices()[0].platform)",
         env=env,
@@ -264,7 +264,9 @@ def test_libtpu_banner_stays_off_the_terminal(tmp_path):
     assert quiet.returncode == 0 and quiet.stdout == "cpu\n", quiet.stderr[-3000:]
     assert quiet.stderr == ""
     quiet = run(
-        "-c", "import accelerators; print(len(accelerators.topology_devices('v5e:2x4')))", env=env
+        "-c",
+        "from compute import accelerators; print(len(accelerators.topology_devices('v5e:2x4')))",
+        env=env,
     )
     assert quiet.stdout == "8\n" and quiet.stderr == "", quiet.stderr
     # a user's command: sample.py from a (tiny, random) HF directory

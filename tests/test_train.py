@@ -20,9 +20,9 @@ from flax import nnx
 from helpers import REPO, assert_close, settings
 
 import train
-import train_step
 from configurator import ConfigError, configure
-from settings import DEFAULTS, validate
+from run import train_step
+from run.settings import DEFAULTS, validate
 
 # --- configurator
 # ----------------------------------------------------------------------------------
@@ -134,7 +134,8 @@ def test_keep_freed_memory_serves_big_blocks_from_the_heap():
     the bytes in mmapped blocks), so freeing it keeps its pages for the next step; before, it does
     (the control)."""
     script = """if True:
-        import ctypes, numpy as np, sharding
+        import ctypes, numpy as np
+        from compute import sharding
         class MallInfo2(ctypes.Structure):
             _fields_ = [(n, ctypes.c_size_t) for n in
                         "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
@@ -262,8 +263,8 @@ def test_a_step_whose_gradient_is_not_finite_is_not_finite(monkeypatch):
 def test_restore_takes_compute_settings_from_the_run_not_the_checkpoint():
     """model_args hold the settings a checkpoint was trained with; a restore keeps its architecture
     only, so that attention='cudnn' saved on a GPU cannot stop a resume or a sample on a CPU."""
-    import checkpoint
     from model import GPTConfig
+    from run import checkpoint
 
     saved = GPTConfig(
         n_layer=3, dtype="bfloat16", dropout=0.1, attention="cudnn", remat="block", loss_chunk=64

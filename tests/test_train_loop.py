@@ -29,11 +29,11 @@ from helpers import (
 )
 
 import hellaswag
-import hellaswag_data
 import train
-import train_step
 from configurator import UsageError, configure, exit_on_bad_input
-from settings import DEFAULTS
+from dataio import hellaswag_data
+from run import train_step
+from run.settings import DEFAULTS
 
 
 def params_of(trainer):
@@ -184,7 +184,7 @@ def test_best_val_loss_is_never_overwritten_by_a_worse_value(dataset, tmp_path, 
         dataset, tmp_path, "--max_iters=3", "--eval_interval=1", "--always_save_checkpoint=True"
     )
     assert t.best_val_loss == 2.0
-    import checkpoint
+    from run import checkpoint
 
     assert checkpoint.restore(tmp_path)["meta"]["best_val_loss"] == 2.0
     vals = iter([2.9, 2.9])  # a resume's evals, worse than the checkpoint's best: not forgotten

@@ -1,7 +1,7 @@
 """python -m pytest tests/test_weights.py -q
 
-Interop (weights.py): HF directories load without torch, bit for bit as transformers reads them;
-sharded and pytorch_model.bin-only ones to the saved model's logits; the exact-GELU setting; a
+Interop (dataio/weights.py): HF directories load without torch, bit for bit as transformers reads
+them; sharded and pytorch_model.bin-only ones to the saved model's logits; the exact-GELU setting; a
 directory that is not GPT-2's, an lm_head that is not wte, a pickle that runs code, a variant of
 GPT-2 our model does not compute: one line each; a bf16 directory read in float32; a hub name,
 downloaded or not; the weights placed on a mesh as they are read (nanoGPT's ckpt.pt in and out,
@@ -24,14 +24,10 @@ import torch
 from flax import nnx
 from helpers import Call, rel_diff
 
-import sharding
+from archs.models import model_from
+from compute import sharding
 from configurator import UsageError
-from model import GPT
-from models import model_from
-from parity.check_logits import FP32_MAX_REL_TOL as FP32_LOGITS_TOL  # max |Δlogit| / max |logit|
-from parity.check_logits import check
-from parity.common import random_hf_model, save_random_hf_model
-from weights import (
+from dataio.weights import (
     MASK_BUFFERS,
     TIED_KEY,
     config_from_hf,
@@ -39,6 +35,10 @@ from weights import (
     load_hf_model,
     read_hf_weights,
 )
+from model import GPT
+from parity.check_logits import FP32_MAX_REL_TOL as FP32_LOGITS_TOL  # max |Δlogit| / max |logit|
+from parity.check_logits import check
+from parity.common import random_hf_model, save_random_hf_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_HF = dict(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
@@ -53,7 +53,7 @@ def test_hf_directories_load_without_torch_bit_identical_to_transformers(tmp_pat
     }
     script = (
         "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
-        "import numpy as np; from model import GPT; from weights import state_dict\n"
+        "import numpy as np; from model import GPT; from dataio.weights import state_dict\n"
         f"for name, path in {dirs!r}.items():\n"
         "    m = GPT.from_pretrained(path); print(name, m.config.gelu)\n"
         f"    np.savez(f'{tmp_path}/{{name}}.npz', **state_dict(m))\n"

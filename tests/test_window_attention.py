@@ -1,10 +1,10 @@
 """python -m pytest tests/test_window_attention.py -q
 
-window_attention.py's splash and flash kernels for record 20 (Pallas interpret mode on this CPU)
-against masked attention over window_mask: forward and gradients at windows that documents and tiles
-cut, the tiles splash's tables visit (exactly those the window meets), which kernel each setting and
-platform gets, and splash's Mosaic kernels compiled for a TPU v5e by libtpu. Under a mesh:
-tests/test_attention.py; a whole model: tests/test_speedrun20_model.py; flash's Triton kernels
+archs/window_attention.py's splash and flash kernels for record 20 (Pallas interpret mode on this
+CPU) against masked attention over window_mask: forward and gradients at windows that documents and
+tiles cut, the tiles splash's tables visit (exactly those the window meets), which kernel each
+setting and platform gets, and splash's Mosaic kernels compiled for a TPU v5e by libtpu. Under a
+mesh: tests/test_attention.py; a whole model: tests/test_speedrun20_model.py; flash's Triton kernels
 compiled for an H100: tests/test_gpu.py."""
 
 import math
@@ -21,16 +21,15 @@ from jax._src import config as jax_config
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import accelerators
-import sharding
-import window_attention
-from configurator import UsageError
-from window_attention import (
+from archs import window_attention
+from archs.window_attention import (
     masked_attention,
     window_flash_attention,
     window_mask,
     window_splash_attention,
 )
+from compute import accelerators, sharding
+from configurator import UsageError
 
 
 def assert_the_masked_kernel(kernel, window):
@@ -147,8 +146,8 @@ def test_a_run_that_cannot_take_its_setting_stops_in_one_line():
     record 20's window_attention.check_run, the other archs' attention.check_run), on a TPU's kind:
     'flash' is a GPU kernel; 'splash' in bf16 on a TPU v3 is refused by its compiler. On an H100's
     kind flash runs for record 20 only."""
+    from archs.models import check_run
     from model import GPTConfig
-    from models import check_run
 
     config = GPTConfig(arch="speedrun20", bias=False, n_embd=256, n_head=2, block_size=1024)
     v5e = accelerators.topology_devices("v5e:2x2")[0]

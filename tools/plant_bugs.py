@@ -23,8 +23,8 @@ PYTHON = os.path.join(REPO, ".venv", "bin", "python")
 # once; tests to run)
 BUGS = {
     "sampling-raw-logits": (
-        "generate.py samples from the raw logits (temperature, top_k, top_p ignored)",
-        "generate.py",
+        "compute/generate.py samples from the raw logits (temperature, top_k, top_p ignored)",
+        "compute/generate.py",
         [
             (
                 "jax.random.fold_in(key, i), filter_logits(logits, temperature, top_k, top_p)",
@@ -64,7 +64,7 @@ BUGS = {
     ),
     "weight-map-swap": (
         "two rows of weights.WEIGHT_MAP swapped (ln_1.weight <-> ln_2.weight)",
-        "weights.py",
+        "dataio/weights.py",
         [
             (
                 '("transformer.h.{i}.ln_1.weight", "h.{i}.ln_1.scale", False)',

@@ -27,7 +27,7 @@ from tqdm import tqdm
 here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(here)))
 from configurator import InputNotFound, UsageError, exit_on_bad_input  # noqa: E402
-from dataloader import LLMC_HEADER, llmc_fault  # noqa: E402
+from dataio.dataloader import LLMC_HEADER, llmc_fault  # noqa: E402
 
 REPO_ID = "kjj0/fineweb10B-gpt2"  # the record's: a dataset repo on the HF hub
 NUM_CHUNKS = 103  # the record's default: the whole of FineWeb10B, 100M tokens a chunk

@@ -1,8 +1,8 @@
 """
-OpenWebText, nanoGPT's default dataset (settings.py: dataset="openwebtext"), made as nanoGPT's
+OpenWebText, nanoGPT's default dataset (run/settings.py: dataset="openwebtext"), made as nanoGPT's
 data/openwebtext/prepare.py makes it: the HF hub's openwebtext split 99.95/0.05 (seed 2357), each
-document GPT-2 BPE (tokenizer.py, offline) with <|endoftext|> appended, each split one uint16 file:
-train.bin and val.bin, here in data/openwebtext/.
+document GPT-2 BPE (dataio/tokenizer.py, offline) with <|endoftext|> appended, each split one uint16
+file: train.bin and val.bin, here in data/openwebtext/.
 
     # the HF hub's openwebtext: 8,013,769 documents, ~54 GB in the HF cache
     python data/openwebtext/prepare.py
@@ -34,8 +34,8 @@ from configurator import (  # noqa: E402
     exit_on_bad_input,
     require_extras,
 )
+from dataio.tokenizer import EOT, get_encoding  # noqa: E402
 from fineweb import TMP_PREFIX, iter_local, local_files  # noqa: E402
-from tokenizer import EOT, get_encoding  # noqa: E402
 
 TEST_SIZE = 0.0005  # nanoGPT's val share: 4,007 of 8,013,769 documents
 SEED = 2357  # nanoGPT's split seed

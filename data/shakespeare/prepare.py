@@ -1,7 +1,7 @@
 """
-Prepare tiny shakespeare with GPT-2's BPE (tokenizer.py): train.bin and val.bin, uint16, 90/10
-split. Reads the copy bundled in data/shakespeare_char/input.txt (downloads only if neither copy
-exists).
+Prepare tiny shakespeare with GPT-2's BPE (dataio/tokenizer.py): train.bin and val.bin, uint16,
+90/10 split. Reads the copy bundled in data/shakespeare_char/input.txt (downloads only if neither
+copy exists).
 
     python data/shakespeare/prepare.py   # no arguments; -h prints this
 """
@@ -21,7 +21,7 @@ if __name__ == "__main__":
 
 here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(here)))
-from tokenizer import get_encoding  # noqa: E402
+from dataio.tokenizer import get_encoding  # noqa: E402
 
 input_file_path = os.path.join(here, "input.txt")
 if not os.path.exists(input_file_path):

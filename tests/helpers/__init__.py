@@ -16,7 +16,7 @@ import pytest
 import train
 from configurator import command_line_keys, configure, exit_on_bad_input
 from parity.common import write_datafile
-from settings import DEFAULTS
+from run.settings import DEFAULTS
 
 
 def assert_close(actual, expected, rtol=0.0, atol=0.0, what=""):
@@ -58,7 +58,7 @@ def save_ours(out_dir, model, config=None, iter_num=5):
     not what an export reads)."""
     from flax import nnx
 
-    import checkpoint
+    from run import checkpoint
 
     mngr = checkpoint.manager(out_dir)
     meta = checkpoint.meta_for(
@@ -140,7 +140,7 @@ def run(dataset, out_dir, *extra):
 def read_log(out_dir, key):
     """(iter, value) of each record with `key`, in out_dir's log.jsonl (a local path or a gs://
     URL)."""
-    import storage
+    from dataio import storage
 
     text = storage.read_bytes(storage.join(str(out_dir), "log.jsonl")).decode()
     return [(r["iter"], r[key]) for r in map(json.loads, text.splitlines()) if key in r]
@@ -245,7 +245,7 @@ def popen_train(args, process_id, port, devices=2):
 def transpose_c_proj_on_restore(monkeypatch):
     """A bug planted in our checkpoint loader: layer 0's square attn.c_proj comes back transposed (a
     parity check whose reference reads the checkpoint by its own path must catch it)."""
-    import checkpoint
+    from run import checkpoint
 
     load = checkpoint.load_checkpoint_model
 

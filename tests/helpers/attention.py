@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention import causal_attention
+from compute.attention import causal_attention
 
 
 def causal_forward_and_grads(implementation, q, k, v, g):

@@ -10,11 +10,10 @@ import pytest
 from flax import nnx
 from jax._src import config as jax_config
 
-import generate
-import sharding
-import train_step
+from compute import generate, sharding
 from model import GPT
-from settings import DEFAULTS
+from run import train_step
+from run.settings import DEFAULTS
 
 TOPOLOGY = "v5e:2x2"
 T = 128  # splash attention's blocks are 128 positions

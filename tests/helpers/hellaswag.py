@@ -4,7 +4,7 @@ does, at the tiny model's block size."""
 
 from pathlib import Path
 
-import hellaswag_data
+from dataio import hellaswag_data
 from helpers import HELLASWAG_FIXTURE
 from parity import check_hellaswag
 

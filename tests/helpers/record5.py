@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from archs.models import model_from
+from dataio.pretrained import from_modded_state, modded_config
 from model import GPTConfig
-from models import model_from
 from parity import speedrun_reference as record
-from pretrained import from_modded_state, modded_config
 
 # tiny_config's shape, in the record's fields
 RECORD = dict(vocab_size=128, n_layer=2, n_head=2, n_embd=64)
@@ -38,7 +38,7 @@ def random_record(seed=0):
 
 
 def ours_of(ref, **settings):
-    """Our GPT holding the record's weights, through weights.py's state_step*.pt mapping."""
+    """Our GPT holding the record's weights, through dataio/weights.py's state_step*.pt mapping."""
     state = from_modded_state(ref.state_dict())
     return model_from(
         GPTConfig(

@@ -1,9 +1,10 @@
 """
-Record 20's attention (speedrun_model.py, GPTConfig.arch='speedrun20'): document-causal attention
-over block-wise sliding windows, as modded-nanogpt's record 20 builds its FlexAttention BlockMask,
-and its kernels: masked XLA attention for short sequences, a banded XLA kernel for the record's 64K
-tokens, and splash attention with block tables built from the window's shape (TPU; Pallas interpret
-mode elsewhere). The window is data to each: one compiled step serves the whole schedule.
+Record 20's attention (archs/speedrun_model.py, GPTConfig.arch='speedrun20'): document-causal
+attention over block-wise sliding windows, as modded-nanogpt's record 20 builds its FlexAttention
+BlockMask, and its kernels: masked XLA attention for short sequences, a banded XLA kernel for the
+record's 64K tokens, and splash attention with block tables built from the window's shape (TPU;
+Pallas interpret mode elsewhere). The window is data to each: one compiled step serves the whole
+schedule.
 """
 
 import functools
@@ -19,8 +20,14 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
     splash_attention_mask_info as mask_info_lib,
 )
 
-import sharding
-from attention import cannot_run, per_device, splash_dtype_reason, splash_reason, splash_tile
+from compute import sharding
+from compute.attention import (
+    cannot_run,
+    per_device,
+    splash_dtype_reason,
+    splash_reason,
+    splash_tile,
+)
 from configurator import UsageError
 
 EOT = 50256  # GPT-2's <|endoftext|>: each one starts a document (it is that document's first token)

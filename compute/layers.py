@@ -1,10 +1,10 @@
 """
 The models' pieces that know the mesh and the platform, shared by GPT-2 (model.py) and the
-speedrun's records (speedrun_model.py): how the stack of blocks runs (a Python loop, or one lax.scan
-over their params stacked on a leading layer axis, scan_layers), each block's input pinned to its
-rows, with or without remat, and the conditionals XLA:CPU needs in the backward pass; the Linear
-and embedding whose tables sharding.py lays out. Also the parameter-free pieces: dropout, record 5's
-RMSNorm and rotary embedding, and the tied head and its cross-entropy.
+speedrun's records (archs/speedrun_model.py): how the stack of blocks runs (a Python loop, or one
+lax.scan over their params stacked on a leading layer axis, scan_layers), each block's input pinned
+to its rows, with or without remat, and the conditionals XLA:CPU needs in the backward pass; the
+Linear and embedding whose tables compute/sharding.py lays out. Also the parameter-free pieces:
+dropout, record 5's RMSNorm and rotary embedding, and the tied head and its cross-entropy.
 """
 
 import functools
@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import sharding
+from compute import sharding
 
 # remat: what each Block keeps from its forward pass for the backward (the rest is recomputed
 # there), as a jax.checkpoint policy
@@ -216,7 +216,7 @@ def dropout(x, rate, key):
 
 
 # ------------------------------------------------------------------------------------------------
-# the speedrun's record 5 (speedrun_model.py, GPTConfig.arch='speedrun'): modded-nanogpt's
+# the speedrun's record 5 (archs/speedrun_model.py, GPTConfig.arch='speedrun'): modded-nanogpt's
 # 2024-10-14_ModernArch
 
 ROTARY_BASE = 10000

@@ -3,9 +3,9 @@ Checkpoints, and the one place that resolves `init_from` for train.py, sample.py
 
 On disk (orbax CheckpointManager): out_dir/ckpt/<iter>/{params, opt_state, meta, metrics}. `meta` is
 JSON: iter_num, best_val_loss, model_args (GPTConfig), config (the training settings, the seed among
-them), loader (data position), and digests: a checksum of every array (checksums.py), which each
-restore verifies (orbax keeps none of the data). `metrics`: the val loss of the eval at that step,
-if any, which rotation keeps the best of (see manager). Orbax writes each step to a temporary
+them), loader (data position), and digests: a checksum of every array (dataio/checksums.py), which
+each restore verifies (orbax keeps none of the data). `metrics`: the val loss of the eval at that
+step, if any, which rotation keeps the best of (see manager). Orbax writes each step to a temporary
 directory and renames it when complete, so a crash mid-save leaves the previous checkpoint loadable.
 """
 
@@ -22,14 +22,12 @@ from dataclasses import asdict, replace
 import jax
 from flax import nnx
 
-import checksums
-import sharding as sharding_  # `sharding` is restore's argument
-import storage
-import tokenizer
+from archs.models import build, load_pretrained
+from compute import sharding as sharding_  # `sharding` is restore's argument
+from compute.layers import relayout_blocks
 from configurator import InputNotFound, RunStopped, UsageError, stderr_into
-from layers import relayout_blocks
+from dataio import checksums, storage, tokenizer
 from model import RUNTIME_FIELDS, GPTConfig
-from models import build, load_pretrained
 
 CKPT_SUBDIR = "ckpt"
 META_KEYS = ("iter_num", "best_val_loss", "model_args", "config", "loader")

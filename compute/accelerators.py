@@ -4,7 +4,8 @@ for (topology forms, host bounds, HBM) and the NVIDIA GPUs XLA:GPU compiles for 
 a step is sized and checked here for a machine that is not here; their compile-only devices
 (topology_devices, gpu_devices), the bytes a program may use on a device (usable_bytes), the TPU
 compiler's out-of-memory refusal read back (tpu_out_of_memory), and libtpu's and the CUDA plugin's
-start-up kept quiet on a machine without their hardware. sharding.py builds meshes of these devices.
+start-up kept quiet on a machine without their hardware. compute/sharding.py builds meshes of these
+devices.
 """
 
 import contextlib

@@ -12,8 +12,8 @@ import socket
 import threading
 import time
 
-import storage
 from configurator import RunStopped, UsageError
+from dataio import storage
 
 LOCK_FILE = "run.lock"
 # On an object store the lock is an object, not an flock the OS drops with the process: its holder

@@ -19,12 +19,10 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-import accelerators
-import attention
-import sharding
-import window_attention
+from archs import window_attention
+from compute import accelerators, attention, sharding
 from configurator import UsageError
-from train_step import compiler_options, lower_step, make_train_step, step_peak
+from run.train_step import compiler_options, lower_step, make_train_step, step_peak
 
 # the loss's positions at a time when chunked: (B, 128, vocab) logits, 0.8 GiB at B=64 in bf16
 LOSS_CHUNK = 128

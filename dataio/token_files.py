@@ -13,8 +13,8 @@ from bisect import bisect_right
 
 import numpy as np
 
-import storage
 from configurator import RunStopped, UsageError
+from dataio import storage
 
 LLMC_MAGIC, LLMC_VERSION = 20240520, 1  # llm.c's write_datafile; version 1: uint16 tokens
 LLMC_HEADER = 256 * 4  # bytes: 256 int32 (magic, version, token count, then zeros)

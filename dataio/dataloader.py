@@ -11,7 +11,7 @@ and 2 hosts x 4 devices train on the same tokens.
 The data folder is local or a URL (gs://bucket/folder, any fsspec URL); every file is read through
 token_files (pread, or ranged reads at a URL; no memory map, no download). Each loader's state
 (`state_dict()`) goes into the checkpoint so that resume neither skips nor repeats data. The thread
-that reads the training batches ahead of the step is prefetch.py's.
+that reads the training batches ahead of the step is dataio/prefetch.py's.
 """
 
 import itertools
@@ -19,9 +19,9 @@ import os
 
 import numpy as np
 
-import storage
 from configurator import InputNotFound, UsageError
-from token_files import (
+from dataio import storage
+from dataio.token_files import (
     LLMC_HEADER,
     LLMC_MAGIC,
     LLMC_VERSION,
@@ -31,10 +31,10 @@ from token_files import (
     stopped,
     token_file,
 )
-from tokenizer import read_vocab, vocab_file
+from dataio.tokenizer import read_vocab, vocab_file
 
-# the token files' names, here where scripts and tests have always found them (token_files.py holds
-# them)
+# the token files' names, here where scripts and tests have always found them (dataio/token_files.py
+# holds them)
 __all__ = [
     "LLMC_HEADER",
     "LLMC_MAGIC",
@@ -413,7 +413,8 @@ def data_dir_for(dataset):
     if storage.is_url(dataset):
         storage.check_reachable(dataset, "dataset")
         return dataset
-    project_data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+    # this file is in dataio/, one below the project
+    project_data = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
     candidates = (os.path.join("data", dataset), dataset, os.path.join(project_data, dataset))
     for candidate in candidates:
         if os.path.isdir(candidate):

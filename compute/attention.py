@@ -22,9 +22,9 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec as P
 
-import sharding
+from compute import sharding
+from compute.layers import dropout
 from configurator import UsageError
-from layers import dropout
 
 # GPTConfig.attention values; "flash" is record 20's only (window_attention.window_flash_attention)
 SETTINGS = ("auto", "xla", "cudnn", "splash", "flash")

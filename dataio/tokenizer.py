@@ -15,10 +15,10 @@ from pathlib import Path
 
 import tiktoken
 
-import storage
 from configurator import InputNotFound, UsageError
+from dataio import storage
 
-BPE_FILE = Path(__file__).resolve().parent / "assets" / "gpt2.tiktoken"
+BPE_FILE = Path(__file__).resolve().parent.parent / "assets" / "gpt2.tiktoken"
 EOT = 50256  # <|endoftext|>
 GPT2_VOCAB = EOT + 1  # the tokens of GPT-2's BPE: a model scoring its text needs a logit for each
 

@@ -1,6 +1,6 @@
 """
 The training step, shared by train.py, parity/check_train.py and the benchmarks: the optimizers
-(nanoGPT's AdamW with its weight-decay grouping; modded-nanogpt's Muon, muon.py) and schedules
+(nanoGPT's AdamW with its weight-decay grouping; modded-nanogpt's Muon, archs/muon.py) and schedules
 (nanoGPT's cosine, modded-nanogpt's trapezoid of record 5 and cooldown of record 20), the jitted
 step (micro-batches scanned, gradients averaged, clipped by global norm), the eval step, and
 init_state: the params and optimizer state, each array created or read straight into its shards,
@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-import checkpoint
-import sharding
-from layers import mean_of
-from models import build, model_from
-from muon import muon, muon20
-from speedrun_model import window_schedule
+from archs.models import build, model_from
+from archs.muon import muon, muon20
+from archs.speedrun_model import window_schedule
+from compute import sharding
+from compute.layers import mean_of
+from run import checkpoint
 
 
 def get_lr(it, c):

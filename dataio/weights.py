@@ -6,7 +6,7 @@ builds the GPT.
 - HF GPT-2 directories (config.json + model.safetensors, or a sharded index), read and written with
   safetensors' numpy API: no torch. By hub name they come through huggingface_hub (its cache,
   HF_HOME, HF_HUB_OFFLINE). Only a directory holding nothing but pytorch_model.bin needs torch.
-- nanoGPT's ckpt.pt and modded-nanogpt's state_step*.pt: pretrained.py, on this file's table.
+- nanoGPT's ckpt.pt and modded-nanogpt's state_step*.pt: dataio/pretrained.py, on this file's table.
 
 Readers return a lazy {HF name: array} mapping: a tensor is read from disk when load_state_dict
 places it. An arch='speedrun' model's names are GPT-2's for the params it has (its fused c_attn
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import sharding
+from compute import sharding
 from configurator import InputNotFound, UsageError
 
 # The one weight map: (HF name, our path, nn.Linear weight?). HF's Conv1D stores weights as (in,
@@ -68,7 +68,7 @@ SPEEDRUN_PARAMS = (
 
 # arch='speedrun20' (record 20): its state dict's names for each of our params, (our path, its
 # name, nn.Linear weight?). Its layers differ (layer 7 has no attention), so the rows come from the
-# model's own params (rows_of). Its qkv_w (3, C, C) is c_attn's (C, 3C) kernel: pretrained.py
+# model's own params (rows_of). Its qkv_w (3, C, C) is c_attn's (C, 3C) kernel: dataio/pretrained.py
 # reshapes it.
 RECORD20_NAMES = [
     (r"wte\.embedding", "embed.weight", False),

@@ -7,11 +7,11 @@ naming the fix.
 import importlib.util
 import os
 
-import runlog
+from archs.models import check_config
+from compute.layers import REMAT
 from configurator import UsageError
-from layers import REMAT
 from model import DTYPES, GPTConfig
-from models import check_config
+from run import runlog
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText (nanoGPT's)

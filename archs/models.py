@@ -1,19 +1,19 @@
 """
 Every architecture by its GPTConfig.arch: GPT-2 (model.py) and the speedrun's records
-(speedrun_model.py). The rest of the project builds, restores and loads a model here, then uses the
-interface every one of them has (docs/model.md): train_step, checkpoint, generate, hellaswag, eval
-and parity never ask which architecture they hold.
+(archs/speedrun_model.py). The rest of the project builds, restores and loads a model here, then
+uses the interface every one of them has (docs/model.md): train_step, checkpoint, generate,
+hellaswag, eval and parity never ask which architecture they hold.
 """
 
 from dataclasses import replace
 
 from flax import nnx
 
-import attention
-import pretrained
-import window_attention
+from archs import window_attention
+from archs.speedrun_model import Record5GPT, Record20GPT
+from compute import attention
+from dataio import pretrained
 from model import ARCHS, GPT, GPTConfig
-from speedrun_model import Record5GPT, Record20GPT
 
 MODELS = {"gpt2": GPT, "speedrun": Record5GPT, "speedrun20": Record20GPT}
 assert tuple(MODELS) == ARCHS

@@ -1,7 +1,7 @@
 """
 The speedrun's models: modded-nanogpt's records as GPT-2's modules with what each record changed, so
 that GPT-2's classes in model.py carry no branch of theirs. Each class serves the rest of the
-project through GPT's interface (docs/model.md); models.py builds one from GPTConfig.arch.
+project through GPT's interface (docs/model.md); archs/models.py builds one from GPTConfig.arch.
 
 Record 5 (arch='speedrun', records/track_1_short/2024-10-14_ModernArch/train_gpt2.py in
 KellerJordan/modded-nanogpt; its torch side in parity/speedrun_reference.py): rotary positions and
@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import window_attention
-from layers import (
+from archs import window_attention
+from archs.window_attention import final_blocks
+from compute.layers import (
     REMAT,
     RMSNorm,
     apply_block,
@@ -40,7 +41,6 @@ from layers import (
     tied_head,
 )
 from model import GPT, MLP, Block, CausalSelfAttention, GPTConfig, check_tokens, cropped, stack
-from window_attention import final_blocks
 
 
 def torch_linear_init(fan_in):
@@ -63,7 +63,7 @@ class Record5Attention(CausalSelfAttention):
     def qkv(self, x, pos=0, length=None):
         """q and k rotated (rotary_tables of `length` positions, default T, from which pos may be
         traced), then RMS-normed over the head (QK norm suggested by @Grad62304977); before the
-        kernel, so that every kernel of attention.py serves both architectures."""
+        kernel, so that every kernel of compute/attention.py serves both architectures."""
         q, k, v = super().qkv(x)  # (B, T, nh, hs)
         T, hs = q.shape[1], q.shape[3]
         cos, sin = (  # (T, hs/2)

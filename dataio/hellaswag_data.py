@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from configurator import InputNotFound, UsageError
-from tokenizer import get_encoding
+from dataio.tokenizer import get_encoding
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
-CACHE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hellaswag")
+CACHE_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "hellaswag"
+)
 
 
 def download(split="val", cache_dir=CACHE_DIR):

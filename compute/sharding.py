@@ -10,7 +10,7 @@ Mesh axes ('data', 'fsdp', 'tensor') over every device of every process, in proc
 fsdp 1 and tensor 1 is plain data parallelism: each device a full replica.
 
 The devices themselves (a TPU topology's or a GPU spec's, compiled for here) and their memory are
-accelerators.py's.
+compute/accelerators.py's.
 """
 
 import ctypes
@@ -25,7 +25,7 @@ from jax._src.mesh import get_concrete_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import accelerators
+from compute import accelerators
 from configurator import UsageError
 
 AXES = ("data", "fsdp", "tensor")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-import sharding
+from compute import sharding
 
 # --- Muon (modded-nanogpt's record 5)
 # ----------------------------------------------------------------

@@ -14,17 +14,15 @@ from functools import partial
 import jax
 from jax.experimental import multihost_utils
 
-import checkpoint
-import hellaswag_data
-import sharding
-import storage
-import watchdog
+from compute import sharding
 from configurator import InputNotFound, RunStopped, UsageError, exit_on_interrupt
-from dataloader import make_loader
+from dataio import hellaswag_data, storage
+from dataio.dataloader import make_loader
+from dataio.pretrained import read_pretrained
+from dataio.tokenizer import vocab_file
 from model import GPTConfig
-from pretrained import read_pretrained
-from settings import fixed_by_checkpoint
-from tokenizer import vocab_file
+from run import checkpoint, watchdog
+from run.settings import fixed_by_checkpoint
 
 
 @dataclass

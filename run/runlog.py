@@ -1,8 +1,8 @@
 """
 A run's I/O besides its checkpoints (seqax's training_io.py): the out_dir claimed (its lock is
-run_lock.py's), log.jsonl, the lines on stdout, wandb, the profiler window, and MFU. Writing fails
-in one line: a full disk stops the run (RunStopped, exit 1), a path the OS refuses is the user's to
-fix (UsageError, exit 2).
+run/run_lock.py's), log.jsonl, the lines on stdout, wandb, the profiler window, and MFU. Writing
+fails in one line: a full disk stops the run (RunStopped, exit 1), a path the OS refuses is the
+user's to fix (UsageError, exit 2).
 """
 
 import errno
@@ -13,11 +13,11 @@ import time
 
 import jax
 
-import run_lock
-import sharding
-import storage
+from compute import sharding
 from configurator import RunStopped, UsageError
-from step_clock import StepClock, duration, mfu
+from dataio import storage
+from run import run_lock
+from run.step_clock import StepClock, duration, mfu
 
 LOG_FILE = "log.jsonl"
 # process 0 writes it at start; every process must read it back (check_shared)

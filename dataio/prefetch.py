@@ -1,6 +1,6 @@
 """
 The training batches read ahead of the step (Prefetcher): a thread takes them from any of
-dataloader.py's loaders, so that a step waits neither for the host's reads (from a URL, the
+dataio/dataloader.py's loaders, so that a step waits neither for the host's reads (from a URL, the
 network's latency with them) nor for its copies to the devices.
 """
 

@@ -22,7 +22,7 @@ import jax
 from jax._src import distributed
 from jax._src.lib import utils as jaxlib_utils
 
-from sharding import start_backend
+from compute.sharding import start_backend
 
 # each process says "alive" to its peers this often, from a thread (compiling releases the GIL)
 HEARTBEAT_S = 2

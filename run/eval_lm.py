@@ -17,10 +17,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-import sharding
+from compute import sharding
+from compute.generate import generate_in_jit
 from configurator import UsageError, exit_without_extras
-from generate import generate_in_jit
-from tokenizer import EOT, GPT2_VOCAB, BPECodec
+from dataio.tokenizer import EOT, GPT2_VOCAB, BPECodec
 
 try:  # without the eval extras, one line naming them
     from lm_eval.api.model import TemplateLM

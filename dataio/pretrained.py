@@ -1,7 +1,7 @@
 """
-Pretrained weights from any format, and the torch .pt formats in and out (on weights.py's table):
-read_pretrained takes a GPT-2 hub name or HF directory (weights.py), a nanoGPT ckpt.pt (or its
-out_dir) or a modded-nanogpt state_step*.pt, told apart by their keys.
+Pretrained weights from any format, and the torch .pt formats in and out (on dataio/weights.py's
+table): read_pretrained takes a GPT-2 hub name or HF directory (dataio/weights.py), a nanoGPT
+ckpt.pt (or its out_dir) or a modded-nanogpt state_step*.pt, told apart by their keys.
 
 - nanoGPT's ckpt.pt (torch.save of {'model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss',
   'config'}): torch is needed to read or write it, imported only then.
@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from configurator import UsageError
-from weights import (
+from dataio.weights import (
     MASK_BUFFERS,
     TIED_KEY,
     LazyState,
