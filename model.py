@@ -78,11 +78,6 @@ class GPTConfig:
                 raise ValueError(f"{field} must be 'float32' or 'bfloat16', got {value!r}")
         if self.gelu not in ("tanh", "exact"):
             raise ValueError(f"gelu must be 'tanh' (GPT-2) or 'exact' (nanoGPT), got {self.gelu!r}")
-        if self.arch not in ARCHS:
-            raise ValueError(
-                "arch must be 'gpt2', 'speedrun' or 'speedrun20' (modded-nanogpt's records 5 and "
-                f"20), got {self.arch!r}"
-            )
         if self.attention not in attention.SETTINGS:
             raise ValueError(
                 f"attention must be one of {', '.join(map(repr, attention.SETTINGS))}, "
@@ -104,11 +99,6 @@ class GPTConfig:
             raise ValueError(
                 f"window_size must be an integer >= 1 (tokens), got {self.window_size!r}"
             )
-        for field, what in (("fp8_head", "FP8 head"), ("embed_dtype", "bf16 embedding tables")):
-            if getattr(self, field) != getattr(GPTConfig, field) and self.arch != "speedrun20":
-                raise ValueError(
-                    f"{field} is record 20's {what}: it needs arch='speedrun20', not {self.arch!r}"
-                )
 
     @property
     def compute_dtype(self):
@@ -116,7 +106,6 @@ class GPTConfig:
 
 
 DTYPES = ("float32", "bfloat16")
-ARCHS = ("gpt2", "speedrun", "speedrun20")  # models.MODELS builds each
 
 
 # GPTConfig's fields that are choices of the run, not the architecture: a restored checkpoint takes
@@ -244,7 +233,9 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    arch = "gpt2"  # the GPTConfig.arch this class builds
+    arch = "gpt2"  # the GPTConfig.arch this class builds (archs/models.py registers it)
+    title = "GPT-2"  # how a message names it
+    exports = ("hf", "nanogpt")  # the formats export.py writes it in (dataio/weights.py)
 
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
         self.config = config
@@ -381,6 +372,11 @@ class GPT(nnx.Module):
         below)."""
         c = self.config
         return flops_per_token(self.num_params(), c.n_layer, c.n_head, c.n_embd, c.block_size)
+
+    def weight_rows(self):
+        """[(outside name, our path, nn.Linear weight?)] for each param: the names the formats it
+        is read from and written in give them (dataio/weights.py's table)."""
+        return weights.weight_map(self.config.n_layer, self.config.bias)
 
     @classmethod
     def from_state(cls, config: GPTConfig, state, mesh=None):

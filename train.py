@@ -46,13 +46,11 @@ from run.settings import (
 )
 from run.train_step import (
     all_finite,
-    eval_window,
     first_nonfinite,
     get_lr,
     init_state,
     make_eval_step,
     make_optimizer,
-    record20_step,
 )
 
 # steps the loop dispatches ahead of the one the device runs: one keeps the device busy while the
@@ -204,7 +202,7 @@ class Trainer:
             self.settings,
             c["grad_clip"],
             lr_schedule=partial(get_lr, c=c),
-            **record20_step(c, self.accum * c["batch_size"]),
+            **models.arch_of(c["arch"]).step_inputs(c, self.accum * c["batch_size"]),
         )
         self.state_bytes, self.step_peak_bytes = fit.state_bytes, fit.peak
         fit.check()
@@ -221,14 +219,14 @@ class Trainer:
         batch split over all devices; None when a stop came meanwhile."""
         rows = sharding.batch_sharding(self.mesh, ndim=2)
         out, began, batches = {}, time.time(), sum(self.eval_batches.values())
-        window = eval_window(self.iter_num, self.c)  # record 20's, else None
+        inputs = models.arch_of(self.c["arch"]).eval_inputs(self.iter_num, self.c)
         for split, loader in self.loaders.items():
             losses = []
             # the model's sharding constraints apply when the eval step is traced
             with jax.set_mesh(self.mesh):
                 for x, y in loader.eval_batches(self.eval_batches[split], self.iter_num):
                     x, y = self._put(x, rows), self._put(y, rows)
-                    losses.append(self.eval_step(self._param_leaves, x, y, window))
+                    losses.append(self.eval_step(self._param_leaves, x, y, inputs))
                     self.out.eval_ran(losses, batches, began)
                     # as the steps: one batch ahead of the device, so that a stop ends the eval
                     if len(losses) > STEPS_AHEAD:

@@ -1,44 +1,75 @@
 """
 Every architecture by its GPTConfig.arch: GPT-2 (model.py) and the speedrun's records
-(archs/speedrun_model.py). The rest of the project builds, restores and loads a model here, then
-uses the interface every one of them has (docs/model.md): train_step, checkpoint, generate,
-hellaswag, eval and parity never ask which architecture they hold.
+(archs/speedrun_model.py), each registered below by its Arch (archs/arch.py: what the rest of the
+project asks it). The rest of the project builds, restores and loads a model here, then uses the
+interface every one of them has (docs/model.md): train_step, checkpoint, generate, hellaswag, eval
+and parity never ask which architecture they hold.
 """
 
 from dataclasses import replace
 
 from flax import nnx
 
-from archs import window_attention
-from archs.speedrun_model import Record5GPT, Record20GPT
-from compute import attention
+from archs.arch import GPT2
+from archs.speedrun_model import Record5, Record20
+from configurator import UsageError
 from dataio import pretrained
-from model import ARCHS, GPT, GPTConfig
+from model import GPTConfig
 
-MODELS = {"gpt2": GPT, "speedrun": Record5GPT, "speedrun20": Record20GPT}
-assert tuple(MODELS) == ARCHS
+# the registry: an architecture is its module in archs/ and its line here
+ARCHS = {a.model.arch: a for a in (GPT2, Record5, Record20)}
+
+
+def arch_of(name):
+    """The Arch registered as `name`; ValueError naming those there are."""
+    if name not in ARCHS:
+        names = ", ".join(map(repr, ARCHS))
+        raise ValueError(
+            f"arch must be {' or '.join(names.rsplit(', ', 1))} "
+            f"({', '.join(a.model.title for a in ARCHS.values())}), got {name!r}"
+        )
+    return ARCHS[name]
 
 
 def check_config(config: GPTConfig):
-    """ValueError if config.arch's model cannot take `config` (GPTConfig checks the rest)."""
-    MODELS[config.arch].check_config(config)
+    """ValueError if config.arch's model cannot take `config` (GPTConfig checks the rest), or if
+    `config` sets a field another architecture owns."""
+    arch = arch_of(config.arch)
+    for owner in ARCHS.values():
+        for field, what in owner.own_settings.items():
+            if owner is not arch and getattr(config, field) != getattr(GPTConfig, field):
+                raise ValueError(
+                    f"{field} is {what}: it needs arch={owner.model.arch!r}, not {config.arch!r}"
+                )
+    arch.model.check_config(config)
+
+
+def check_settings(c):
+    """A one-line UsageError for a run's setting (train.py's `c`) that its architecture refuses:
+    an optimizer another one owns, or its own refusals (Arch.check_settings)."""
+    arch = arch_of(c["arch"])
+    for owner in ARCHS.values():
+        if owner is not arch and (what := owner.own_optimizers.get(c["optimizer"])):
+            raise UsageError(
+                f"optimizer={c['optimizer']!r} is {what}: use it with --arch={owner.model.arch}"
+            )
+    arch.check_settings(c)
 
 
 def check_run(config: GPTConfig, device):
     """A one-line UsageError if config.attention cannot run on `device`'s kind, before anything is
-    written: record 20's windowed kernels (window_attention.check_run), or the others'."""
-    kernels = window_attention if config.arch == "speedrun20" else attention
-    kernels.check_run(config, device)
+    written (each architecture's kernels: Arch.check_run)."""
+    arch_of(config.arch).check_run(config, device)
 
 
 def build(config: GPTConfig, rngs: nnx.Rngs):
     """A new model of config.arch, its params drawn from `rngs`."""
-    return MODELS[config.arch](config, rngs)
+    return arch_of(config.arch).model(config, rngs)
 
 
 def model_from(config: GPTConfig, state, mesh=None):
     """A model of config.arch holding `state` ({HF name: array}), with no random init on the way."""
-    return MODELS[config.arch].from_state(config, state, mesh)
+    return arch_of(config.arch).model.from_state(config, state, mesh)
 
 
 def load_pretrained(name_or_path, mesh=None, n_head=None, **settings):

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from archs import window_attention
+from archs.arch import Arch
 from archs.window_attention import final_blocks
 from compute.layers import (
     REMAT,
@@ -40,6 +41,7 @@ from compute.layers import (
     rotary_tables,
     tied_head,
 )
+from dataio import pretrained, weights
 from model import GPT, MLP, Block, CausalSelfAttention, GPTConfig, check_tokens, cropped, stack
 
 
@@ -91,6 +93,8 @@ class Record5Block(Block):
 
 class Record5GPT(GPT):
     arch = "speedrun"
+    title = "modded-nanogpt's record 5"
+    exports = ("modded",)
 
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
         self.check_config(config)
@@ -121,6 +125,17 @@ class Record5GPT(GPT):
 
     def crop_block_size(self, block_size):
         self.config = cropped(self.config, block_size)  # rotary serves any length
+
+    def weight_rows(self):
+        return weights.weight_map(self.config.n_layer, False, kept=weights.SPEEDRUN_PARAMS)
+
+    def modded_state(self):
+        """(the record's state dict, the line of its script that builds this GPT)."""
+        return pretrained.to_modded_state(self), pretrained.record5_code(self.config)
+
+
+class Record5(Arch):
+    model = Record5GPT
 
 
 # ------------------------------------------------------------------------------------------------
@@ -279,6 +294,8 @@ class Record20Block(nnx.Module):
 
 class Record20GPT(GPT):
     arch = "speedrun20"
+    title = "modded-nanogpt's record 20"
+    exports = ("modded",)
 
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
         self.check_config(config)
@@ -437,3 +454,43 @@ class Record20GPT(GPT):
     @property
     def n_logits(self):
         return self.lm_head.shape[0]  # the padded vocabulary
+
+    def weight_rows(self):  # its layers differ (layer 7 has no attention): rows by pattern
+        return weights.rows_matching(self, weights.RECORD20_NAMES)
+
+    def modded_state(self):
+        """(the record's state dict, the line of its script that builds this GPT)."""
+        return pretrained.to_record20_state(self), pretrained.record20_code(self.config)
+
+
+class Record20(Arch):
+    model = Record20GPT
+    own_settings = {
+        "fp8_head": "record 20's FP8 head",
+        "embed_dtype": "record 20's bf16 embedding tables",
+        "window_size": "record 20's attention window",
+    }
+    own_optimizers = {"muon20": "record 20's (its head, embeddings, scalars and blocks' matrices)"}
+    scans = False  # its layers differ
+    loader = {"record20": True}  # its loader's steps: one contiguous span of the shard each
+
+    @classmethod
+    def check_run(cls, config, device):
+        window_attention.check_run(config, device)
+
+    @classmethod
+    def kernel(cls, config, device):
+        return f"windows-{window_attention.run_kernel(config, device)}"
+
+    @classmethod
+    def step_inputs(cls, c, sequences):
+        """The long window at each step's count, and the gradient as the record forms it: each
+        sequence's mean loss summed over a device's `sequences` a step (our mean, times that)."""
+        windows = partial(window_schedule, max_iters=c["max_iters"], window_size=c["window_size"])
+        return dict(inputs=lambda count: {"window_blocks": windows(count)}, grad_scale=sequences)
+
+    @classmethod
+    def eval_inputs(cls, it, c):
+        """The long window at iteration `it`: the record evaluates with the window it trains
+        with."""
+        return {"window_blocks": jnp.int32(window_schedule(it, c["max_iters"], c["window_size"]))}

@@ -20,7 +20,7 @@ from dataio.weights import (
     MASK_BUFFERS,
     TIED_KEY,
     LazyState,
-    check_gpt2,
+    check_export,
     config_from_hf,
     hf_directory,
     read_hf_config,
@@ -97,7 +97,7 @@ def save_nanogpt(model, path, iter_num=0, best_val_loss=None, config=None):
     meta.pkl through it). No optimizer state: an export holds the weights."""
     import torch
 
-    check_gpt2(model, "nanogpt")
+    check_export(model, "nanogpt")
     c = model.config
     if c.gelu != "exact":
         raise UsageError(
@@ -232,14 +232,8 @@ def read_modded(path, n_head=None, ckpt=None):
 
 def to_modded_state(model):
     """Our arch='speedrun' GPT -> record 5's state dict {its name: (out, in) float32 numpy},
-    lm_head.weight included (equal to the embedding): what the record's GPT.load_state_dict
+    lm_head.weight included (the embedding's array itself): what the record's GPT.load_state_dict
     takes."""
-    if model.config.arch != "speedrun":
-        raise UsageError(
-            f"--format=modded holds modded-nanogpt's records 5 and 20 (arch='speedrun' and "
-            f"'speedrun20'); this model is arch={model.config.arch!r}: export it with --format=hf "
-            "or --format=nanogpt"
-        )
     record = {}
     for name, value in state_dict(model).items():
         if name.endswith(".attn.c_attn.weight"):  # (C, 3C) -> c_q, c_k, c_v
@@ -249,39 +243,37 @@ def to_modded_state(model):
             )
         else:
             record[name] = value if name == WTE else value.T
-    record[TIED_KEY] = record[WTE]
     # writable: torch takes no read-only arrays
-    return {k: np.array(v, order="C") for k, v in record.items()}
+    record = {k: np.array(v, order="C") for k, v in record.items()}
+    record[TIED_KEY] = record[WTE]
+    return record
+
+
+def record5_code(c):
+    """The line of record 5's script that builds a GPT of config `c` (read_modded reads n_head
+    from it)."""
+    return (
+        "# nanogpt-jax export.py: record 5's GPT (2024-10-14_ModernArch)\nmodel = "
+        f"GPT(GPTConfig(vocab_size={c.vocab_size}, n_layer={c.n_layer}, n_head={c.n_head}, "
+        f"n_embd={c.n_embd}))\n"
+    )
 
 
 def save_modded(model, path, step=0):
     """A state_step*.pt as records 5 and 20 write it: {step, code, model, optimizers}, the state
-    dict's keys under torch.compile's _orig_mod. prefix (record 5's lm_head.weight and embedding
-    one tensor); `code` the line of the record's script that builds its GPT (read_modded takes
-    n_head from it); no optimizer state: an export holds weights."""
+    dict's keys under torch.compile's _orig_mod. prefix; `code` the line of the record's script
+    that builds its GPT. The state and the line are the model class's (modded_state); an array that
+    stands twice in it is one tensor (record 5's lm_head.weight and embedding). No optimizer state:
+    an export holds weights."""
     import torch
 
-    c = model.config
-    if c.arch == "speedrun20":  # its own names and layouts; its head is untied
-        record = {
-            COMPILED_PREFIX + k: torch.from_numpy(v) for k, v in to_record20_state(model).items()
-        }
-        code = (
-            "# nanogpt-jax export.py: record 20's GPT (2025-01-16_Sub3Min)\nmodel = "
-            f"GPT(vocab_size={c.vocab_size}, num_layers={c.n_layer}, num_heads={c.n_head}, "
-            f"model_dim={c.n_embd})\n"
-        )
-    else:
-        record = {
-            COMPILED_PREFIX + k: torch.from_numpy(v) for k, v in to_modded_state(model).items()
-        }
-        # tied: one tensor, as the record's
-        record[COMPILED_PREFIX + TIED_KEY] = record[COMPILED_PREFIX + WTE]
-        code = (
-            "# nanogpt-jax export.py: record 5's GPT (2024-10-14_ModernArch)\nmodel = "
-            f"GPT(GPTConfig(vocab_size={c.vocab_size}, n_layer={c.n_layer}, n_head={c.n_head}, "
-            f"n_embd={c.n_embd}))\n"
-        )
+    check_export(model, "modded")
+    state, code = model.modded_state()
+    tensors = {}  # by the array's id: one tensor for one array
+    record = {
+        COMPILED_PREFIX + k: tensors.setdefault(id(v), torch.from_numpy(v))
+        for k, v in state.items()
+    }
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     torch.save({"step": step, "code": code, "model": record, "optimizers": []}, path)
 
@@ -314,10 +306,6 @@ def from_record20_state(record_state):
 def to_record20_state(model):
     """Our arch='speedrun20' GPT -> record 20's state dict {its name: float32 numpy}, its layouts:
     what its GPT.load_state_dict takes."""
-    if model.config.arch != "speedrun20":
-        raise UsageError(
-            f"record 20's state dict holds arch='speedrun20', not {model.config.arch!r}"
-        )
     record = {}
     for name, value in state_dict(model).items():
         if name.endswith(RECORD20_QKV):
@@ -326,6 +314,16 @@ def to_record20_state(model):
             value = value.T
         record[name] = np.array(value, order="C")  # writable: torch takes no read-only arrays
     return record
+
+
+def record20_code(c):
+    """The line of record 20's script that builds a GPT of config `c` (read_record20 reads
+    num_heads from it)."""
+    return (
+        "# nanogpt-jax export.py: record 20's GPT (2025-01-16_Sub3Min)\nmodel = "
+        f"GPT(vocab_size={c.vocab_size}, num_layers={c.n_layer}, num_heads={c.n_head}, "
+        f"model_dim={c.n_embd})\n"
+    )
 
 
 def read_record20(path, state, code, n_head=None):

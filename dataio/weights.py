@@ -85,30 +85,32 @@ RECORD20_NAMES = [
 
 
 def rows_of(model):
-    """weight_map's rows for `model`: GPT-2's and record 5's from the table, record 20's from its
-    params."""
-    c = model.config
-    if c.arch != "speedrun20":
-        return weight_map(c.n_layer, c.bias, c.arch)
+    """[(outside name, our path, nn.Linear weight?)] for `model`'s params: its class's
+    (GPT.weight_rows, from the tables here)."""
+    return model.weight_rows()
+
+
+def rows_matching(model, table):
+    """weight_rows of a model whose names `table` gives by pattern ([(our path's regex, its name,
+    nn.Linear weight?)]: record 20's RECORD20_NAMES), one row per param."""
     rows = []
     for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         ours = ".".join(map(str, path))
-        for pattern, name, linear in RECORD20_NAMES:
+        for pattern, name, linear in table:
             if m := re.fullmatch(pattern, ours):
                 rows.append((m.expand(name), ours, linear))
                 break
         else:
-            raise AssertionError(f"{ours} has no row in weights.RECORD20_NAMES")
+            raise AssertionError(f"{ours} has no row in the table of {type(model).__name__}")
     return rows
 
 
-def weight_map(n_layer, bias=True, arch="gpt2"):
-    """[(HF name, our path, nn.Linear weight?)] for a model with n_layer blocks."""
+def weight_map(n_layer, bias=True, kept=None):
+    """[(HF name, our path, nn.Linear weight?)] for a model with n_layer blocks; `kept`: only the
+    paths ending in one of these (record 5's SPEEDRUN_PARAMS)."""
     rows = []
     for hf, ours, linear in WEIGHT_MAP:
-        if (not bias and hf.endswith(".bias")) or (
-            arch == "speedrun" and not ours.endswith(SPEEDRUN_PARAMS)
-        ):
+        if (not bias and hf.endswith(".bias")) or (kept and not ours.endswith(kept)):
             continue
         for i in range(n_layer) if "{i}" in hf else [None]:
             rows.append((hf.format(i=i), ours.format(i=i), linear))
@@ -364,14 +366,13 @@ def hf_config_for(config):
     }
 
 
-def check_gpt2(model, fmt):
-    """`fmt` (GPT-2's formats: hf, nanogpt) can hold the model: a one-line UsageError for the
-    speedrun's records."""
-    if model.config.arch != "gpt2":
-        record = {"speedrun": 5, "speedrun20": 20}[model.config.arch]
+def check_export(model, fmt):
+    """A one-line UsageError if export format `fmt` cannot hold the model (its class's
+    `exports`)."""
+    if fmt not in model.exports:
         raise UsageError(
-            f"this model is arch={model.config.arch!r} (modded-nanogpt's record {record}), which "
-            f"{fmt}'s GPT-2 cannot compute: export it with --format=modded"
+            f"--format={fmt} cannot hold this model, arch={model.config.arch!r} ({model.title}): "
+            f"export it with {' or '.join(f'--format={f}' for f in model.exports)}"
         )
 
 
@@ -380,7 +381,7 @@ def save_hf(model, out_dir):
     loads; a bias=False model gets zero biases (HF's GPT-2 always has them: the same function)."""
     from safetensors.numpy import save_file
 
-    check_gpt2(model, "hf")
+    check_export(model, "hf")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config_for(model.config), f, indent=2)

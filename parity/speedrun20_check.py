@@ -3,14 +3,14 @@ Training parity for modded-nanogpt's record 20 (`python -m parity.check_speedrun
 record in PyTorch (parity/speedrun20_reference.py's GPT, parity/speedrun20_training.py's Muon, Adam
 groups, schedules, train_step and loader) against train.py's own jitted step with
 arch='speedrun20', optimizer='muon20', lr_schedule='cooldown' (train_step's make_optimizer,
-init_state and make_train_step with record20_step, on compute/sharding.py's mesh), from the same
-weights (a state_step.pt the reference writes, read by ours as --init_from reads it) on the same
-llm.c shards, each side reading them with its own loader. fp32 (Newton-Schulz in fp32), or --dtype
-bfloat16 (ours and the record's own bf16, each against fp32); the FP8 head off on both sides. 12
-steps of 4 sequences of 512 tokens (4 blocks, documents split at <|endoftext|>) cross the windows'
-growth (the long one reaches the sequence at step 4, the short one at 7), the momentum's warmup (6
-steps, the record's 300 scaled) and the cooldown (the last 40%). Not a module to run: check_speedrun
-runs it.
+init_state and make_train_step with record 20's step inputs, on compute/sharding.py's mesh), from
+the same weights (a state_step.pt the reference writes, read by ours as --init_from reads it) on the
+same llm.c shards, each side reading them with its own loader. fp32 (Newton-Schulz in fp32), or
+--dtype bfloat16 (ours and the record's own bf16, each against fp32); the FP8 head off on both
+sides. 12 steps of 4 sequences of 512 tokens (4 blocks, documents split at <|endoftext|>) cross the
+windows' growth (the long one reaches the sequence at step 4, the short one at 7), the momentum's
+warmup (6 steps, the record's 300 scaled) and the cooldown (the last 40%). Not a module to run:
+check_speedrun runs it.
 
 The weights are the record's init but for its zero-initialised projections and head, drawn as its
 other matrices: with them at zero every block adds nothing, and the final RMSNorm is blind to the

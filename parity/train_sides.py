@@ -39,6 +39,7 @@ class JaxTrainer:
     def __init__(self, run, dtype):
         import jax
 
+        from archs import models
         from compute import sharding
         from dataio.pretrained import read_pretrained
         from model import RUNTIME_FIELDS, GPTConfig
@@ -56,7 +57,7 @@ class JaxTrainer:
         # record 20's windows and gradient, its sequences a step on each batch shard
         sequences = run.rows // (run.devices // run.tensor_parallel)
         step = train_step.make_train_step(
-            self.graphdef, tx, c["grad_clip"], **train_step.record20_step(c, sequences)
+            self.graphdef, tx, c["grad_clip"], **models.arch_of(c["arch"]).step_inputs(c, sequences)
         )
         batch_shape = (run.accum, run.rows // run.accum, run.seq_len)  # (accum, B, T)
         self.train_step, _, _ = train_step.compile_step(

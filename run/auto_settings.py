@@ -19,8 +19,8 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from archs import window_attention
-from compute import accelerators, attention, sharding
+from archs import models
+from compute import accelerators, sharding
 from configurator import UsageError
 from run.train_step import compiler_options, lower_step, make_train_step, step_peak
 
@@ -152,13 +152,14 @@ def compile_train_step(
     settings,
     grad_clip,
     lr_schedule=None,
-    **record20,
+    **step_inputs,
 ):
     """train.py's step (train_step.make_train_step) through compile_fitting, for the remat and
     loss_chunk of `settings` (train.py's) -> (Fit, line: what each 'auto' of `settings` became, or
-    None). record20: make_train_step's windows and grad_scale (train_step.record20_step)."""
+    None). step_inputs: make_train_step's inputs and grad_scale, the architecture's
+    (Arch.step_inputs)."""
     make_step = partial(
-        make_train_step, tx=tx, grad_clip=grad_clip, lr_schedule=lr_schedule, **record20
+        make_train_step, tx=tx, grad_clip=grad_clip, lr_schedule=lr_schedule, **step_inputs
     )
     fit = compile_fitting(
         make_step,
@@ -243,17 +244,7 @@ def line(settings, fit, device):
 
 def kernel(config, device):
     """The attention kernel the training step runs at block_size on `device` (dropout: the explicit
-    one, 'xla'; record 20: its own, window_attention.run_kernel's)."""
+    one, 'xla'; else its architecture's, Arch.kernel)."""
     if config.dropout > 0:
         return "xla"
-    if config.arch == "speedrun20":
-        return f"windows-{window_attention.run_kernel(config, device)}"
-    return attention.choose(
-        config.attention,
-        platform=device.platform,
-        dtype=config.dtype,
-        seq_len=config.block_size,
-        head_size=config.n_embd // config.n_head,
-        capability=attention.cuda_capability(device),
-        device_kind=device.device_kind,
-    )
+    return models.arch_of(config.arch).kernel(config, device)

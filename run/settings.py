@@ -7,7 +7,7 @@ naming the fix.
 import importlib.util
 import os
 
-from archs.models import check_config
+from archs import models
 from compute.layers import REMAT
 from configurator import UsageError
 from model import DTYPES, GPTConfig
@@ -211,14 +211,9 @@ def check_model(c):
         check_memory_settings(c["remat"], c["loss_chunk"])
         shape = ("arch", "bias", "n_layer", "n_head", "n_embd", "block_size", "gelu", "attention")
         config = {k: c[k] for k in (*shape, "fp8_head", "window_size", "embed_dtype")}
-        check_config(GPTConfig(**config))
+        models.check_config(GPTConfig(**config))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if c["window_size"] != GPTConfig.window_size and c["arch"] != "speedrun20":
-        raise UsageError(
-            f"window_size is record 20's attention window: it needs arch='speedrun20', not "
-            f"{c['arch']!r}"
-        )
     # a logit's gradient is at most 1 / the tokens of the loss's mean; times the record's 2^29 it
     # must stay below e5m2's largest, 57344, or the FP8 backward's overflows to inf
     tokens = c["batch_size"] * c["block_size"]
@@ -278,13 +273,9 @@ def check_optimizer(c):
                 f"warmup_iters={c['warmup_iters']} + warmdown_iters={c['warmdown_iters']} exceed "
                 f"max_iters={c['max_iters']}: the trapezoid's ramps overlap; lower one of them"
             )
+    models.check_settings(c)  # an optimizer its architecture refuses
     if c["optimizer"] != "muon":
         return
-    if c["arch"] == "gpt2":
-        raise UsageError(
-            "optimizer='muon' steps the blocks' matrices only, and GPT-2's blocks also hold biases "
-            "and LayerNorm weights: use it with --arch=speedrun (or --optimizer=adamw)"
-        )
     if c["muon_learning_rate"] <= 0:
         raise UsageError(
             "optimizer='muon' needs --muon_learning_rate > 0 (record 5: 0.1 x learning_rate, "
@@ -298,12 +289,7 @@ def check_optimizer(c):
 
 
 def check_muon20(c):
-    """optimizer='muon20' (record 20's optimizers): its model, its schedule, its rates."""
-    if c["arch"] != "speedrun20":
-        raise UsageError(
-            "optimizer='muon20' is record 20's (its head, embeddings, scalars and blocks' "
-            "matrices): use it with --arch=speedrun20"
-        )
+    """optimizer='muon20' (record 20's optimizers): its schedule, its rates."""
     if c["lr_schedule"] != "cooldown":
         raise UsageError(
             f"optimizer='muon20' takes record 20's schedule: set --lr_schedule=cooldown (got "
@@ -350,7 +336,7 @@ def resolve_scan_layers(scan_layers, platform, arch="gpt2"):
     faster and no larger without the scan (docs/benchmarks.md#on-an-nvidia-h200), and on CPU, whose
     results it keeps bit for bit; and for record 20, whose layers differ."""
     if scan_layers == "auto":
-        return platform == "tpu" and arch != "speedrun20"
+        return platform == "tpu" and models.arch_of(arch).scans
     if not isinstance(scan_layers, bool):
         raise UsageError(f"scan_layers must be True, False or 'auto', got {scan_layers!r}")
     return scan_layers

@@ -14,6 +14,7 @@ from functools import partial
 import jax
 from jax.experimental import multihost_utils
 
+from archs import models
 from compute import sharding
 from configurator import InputNotFound, RunStopped, UsageError, exit_on_interrupt
 from dataio import hellaswag_data, storage
@@ -89,7 +90,7 @@ def make_loaders(c, data_dir, batch_sharding, accum, rows, vocab_size, data_voca
         row_slice=row_slice,
         shuffle_shards=c["shuffle_shards"],
         vocab_size=vocab_size,
-        record20=c["arch"] == "speedrun20",
+        **models.arch_of(c["arch"]).loader,
     )
     # else the first batch's ids say it, after out_dir exists
     if data_vocab_size > vocab_size:

@@ -17,7 +17,6 @@ from flax import nnx
 
 from archs.models import build, model_from
 from archs.muon import muon, muon20
-from archs.speedrun_model import window_schedule
 from compute import sharding
 from compute.layers import mean_of
 from run import checkpoint
@@ -119,15 +118,15 @@ def make_optimizer(c):
     return muon(c, adamw, partial(get_muon_lr, c=c))
 
 
-def batch_loss(model, x, y, key=None, window=None):
+def batch_loss(model, x, y, key=None, inputs=None):
     """The model's mean loss on a batch (B, T) (GPT.loss: the logits in chunks where loss_chunk says
     so). On a single CPU device the rows go through the model as two independent halves, which
     XLA:CPU's executor runs side by side on two cores: faster than one batch whose every op splits
     its work over the threads (docs/benchmarks.md). Same loss: one mean over both halves' targets;
-    dropout draws a key per half. window: record 20's long window in blocks (its model's loss
-    takes it whole)."""
-    if window is not None:
-        return model.loss(x, y, key=key, window_blocks=window)
+    dropout draws a key per half. inputs: the architecture's own keywords to its loss at this step
+    (Arch.step_inputs: record 20's window), which takes the batch whole."""
+    if inputs:
+        return model.loss(x, y, key=key, **inputs)
     if sharding.target_platform() != "cpu" or sharding.target_size() > 1 or x.shape[0] % 2:
         return model.loss(x, y, key=key)
     keys = jax.random.split(key) if key is not None else (None, None)
@@ -138,30 +137,30 @@ def batch_loss(model, x, y, key=None, window=None):
     return mean_of(*(a + b for a, b in zip(*halves)))  # (total, count) of both halves
 
 
-def make_train_step(graphdef, tx, grad_clip, lr_schedule=None, windows=None, grad_scale=1.0):
+def make_train_step(graphdef, tx, grad_clip, lr_schedule=None, inputs=None, grad_scale=1.0):
     """The one step: scan over micro-batches (memory flat in their number), average the grads, clip
     by global norm as torch.nn.utils.clip_grad_norm_ does, apply tx. x, y: (accum, B, T). Jitted by
     on_leaves with the state's shardings pinned. With `lr_schedule` (tx's), the metrics hold the
-    step's learning rate, so that the loop never computes it on the host. windows, grad_scale:
-    record 20's (record20_step)."""
+    step's learning rate, so that the loop never computes it on the host. inputs (the loss's
+    keywords at the step's count), grad_scale: the architecture's (Arch.step_inputs)."""
 
-    def loss_fn(params, x, y, key, window):
-        return batch_loss(nnx.merge(graphdef, params), x, y, key, window)
+    def loss_fn(params, x, y, key, step_inputs):
+        return batch_loss(nnx.merge(graphdef, params), x, y, key, step_inputs)
 
     def train_step(params, opt_state, x, y, key):
         accum = x.shape[0]
-        window = None if windows is None else windows(schedule_count(opt_state))
+        step_inputs = None if inputs is None else inputs(schedule_count(opt_state))
 
         def micro_step(grad_sum, batch):
             x, y, key = batch
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, y, key, window)
+            loss, grads = jax.value_and_grad(loss_fn)(params, x, y, key, step_inputs)
             return jax.tree.map(jnp.add, grad_sum, grads), loss
 
         # the gradient sum takes the params' shardings, in float32 (record 20's bf16 tables too)
         zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
         grads, losses = jax.lax.scan(micro_step, zeros, (x, y, jax.random.split(key, accum)))
         # the loss is a mean over each micro-batch; the sum over micro-batches must become a mean
-        # too (record 20: times grad_scale)
+        # too (times grad_scale: record 20's sum over sequences)
         grads = jax.tree.map(lambda g: g * (grad_scale / accum), grads)
         grad_norm = optax.tree.norm(grads)
         if grad_clip > 0.0:
@@ -273,34 +272,16 @@ def all_finite(tree):
 
 def make_eval_step(graphdef, params):
     """Mean loss of one batch; takes the param leaves, as the train step does (see on_leaves), and
-    record 20's window at the step evaluated (eval_window; None for the others)."""
+    the architecture's keywords to its loss at the step evaluated (Arch.eval_inputs)."""
     param_def = jax.tree.structure(params)
 
     @jax.jit
-    def eval_step(param_leaves, x, y, window=None):
+    def eval_step(param_leaves, x, y, inputs=None):
         return batch_loss(
-            nnx.merge(graphdef, param_def.unflatten(param_leaves)), x, y, None, window
+            nnx.merge(graphdef, param_def.unflatten(param_leaves)), x, y, None, inputs
         )
 
     return eval_step
-
-
-def record20_step(c, sequences):
-    """make_train_step's record-20 arguments for a run of `c` ({} for the other archs): the long
-    window at each step's count, and the gradient as the record forms it, each sequence's mean loss
-    summed over a device's `sequences` a step (our mean over them, times that)."""
-    if c["arch"] != "speedrun20":
-        return {}
-    windows = partial(window_schedule, max_iters=c["max_iters"], window_size=c["window_size"])
-    return dict(windows=windows, grad_scale=sequences)
-
-
-def eval_window(it, c):
-    """The eval step's window argument at iteration `it`: record 20's long window then (the record
-    evaluates with the window it trains with), None for the other archs."""
-    if c["arch"] != "speedrun20":
-        return None
-    return jnp.int32(window_schedule(it, c["max_iters"], c["window_size"]))
 
 
 def sharded_model(make_model, mesh):

@@ -225,11 +225,6 @@ def test_attention_drops_its_probabilities_as_well_as_its_output():
         (dict(dtype="float16"), r"dtype must be 'float32' or 'bfloat16', got 'float16'"),
         (dict(gelu="relu"), r"gelu must be 'tanh' \(GPT-2\) or 'exact' \(nanoGPT\), got 'relu'"),
         (
-            dict(arch="llama"),
-            r"arch must be 'gpt2', 'speedrun' or 'speedrun20' \(modded-nanogpt's records 5 and "
-            r"20\), got 'llama'",
-        ),
-        (
             dict(attention="flash2"),
             r"attention must be one of 'auto', 'xla', 'cudnn', 'splash', 'flash', got 'flash2'",
         ),

@@ -212,19 +212,19 @@ def test_the_model_with_splash_or_flash_computes_what_it_computes_with_xla(kerne
 
 
 def test_the_window_grows_as_the_records_to_window_size():
-    """window_schedule, as train_step's record-20 step and eval take it, against the torch
-    reference's window_size at every step of the record's run, and at a window_size of 256: the
-    schedule's span and the model's band follow the setting."""
+    """window_schedule, as record 20's Arch gives it to the train step and the eval, against the
+    torch reference's window_size at every step of the record's run, and at a window_size of 256:
+    the schedule's span and the model's band follow the setting."""
     from parity import speedrun20_training as training
-    from run.train_step import eval_window, record20_step
 
     n = 1393
     for window_size in (1728, 256):
-        c = dict(arch="speedrun20", max_iters=n, window_size=window_size)
-        windows = record20_step(c, 1)["windows"]
+        c = dict(max_iters=n, window_size=window_size)
+        inputs = speedrun_model.Record20.step_inputs(c, 1)["inputs"]
         for step in range(n + 1):
             expected = training.window_size(step, n, span=window_size) // WINDOW_BLOCK
-            assert windows(step) == expected == int(eval_window(step, c)), (window_size, step)
+            evaluated = speedrun_model.Record20.eval_inputs(step, c)["window_blocks"]
+            assert inputs(step)["window_blocks"] == expected == int(evaluated), (window_size, step)
     assert speedrun_model.window_schedule(n, n) == 14  # the record's final 1792 tokens
     model = build(GPTConfig(**{**TINY20, "window_size": 256}), nnx.Rngs(0))
     assert model.final_window() == 2 and {b.attn.band for b in model.h if b.attn} == {2, 1}

@@ -188,20 +188,22 @@ def test_bad_files_and_exports_are_one_line_exit_2_and_write_nothing(tmp_path, c
             lambda: export.main(
                 [f"--out_dir={tmp_path / 'gpt2'}", "--format=modded", f"--to={tmp_path / 'a.pt'}"]
             ),
-            "this model is arch='gpt2': export it with --format=hf or --format=nanogpt",
+            "--format=modded cannot hold this model, arch='gpt2' (GPT-2): export it with "
+            "--format=hf or --format=nanogpt\n",
         ),
         (
             lambda: export.main(
                 [f"--out_dir={tmp_path / 'speedrun'}", "--format=hf", f"--to={tmp_path / 'hf'}"]
             ),
-            "this model is arch='speedrun' (modded-nanogpt's record 5), which hf's GPT-2 cannot "
-            "compute: export it with --format=modded\n",
+            "--format=hf cannot hold this model, arch='speedrun' (modded-nanogpt's record 5): "
+            "export it with --format=modded\n",
         ),
         (
             lambda: export.main(
                 [f"--out_dir={tmp_path / 'speedrun'}", "--format=nanogpt", f"--to={tmp_path / 'n'}"]
             ),
-            "which nanogpt's GPT-2 cannot compute: export it with --format=modded\n",
+            "--format=nanogpt cannot hold this model, arch='speedrun' (modded-nanogpt's record 5): "
+            "export it with --format=modded\n",
         ),
         (
             lambda: export.main(
