@@ -1,9 +1,9 @@
 """
 GPT-2 in JAX (flax nnx), numerically GPT-2's: tanh GELU (or nanoGPT's exact one), LayerNorm eps
-1e-5, tied lm_head. The speedrun's records are in archs/speedrun_model.py; archs/models.py builds
-either from a GPTConfig. Platform choices and sharding constraints are not here:
-compute/attention.py picks the kernel, compute/layers.py runs the stack of blocks and holds the
-Linear that compute/sharding.py lays out.
+1e-5, tied lm_head. The speedrun's records are in archs/record5.py and archs/record20.py;
+archs/models.py builds each from a GPTConfig. Platform choices and sharding constraints are not
+here: compute/attention.py picks the kernel, compute/layers.py runs the stack of blocks and holds
+the Linear that compute/sharding.py lays out.
 References:
 1) OpenAI's GPT-2 TensorFlow implementation:
    https://github.com/openai/gpt-2/blob/master/src/model.py
@@ -52,7 +52,7 @@ class GPTConfig:
     # record 20's embedding tables (and their Adam moments), stored in this dtype (the record: bf16)
     embed_dtype: str = "float32"
     # 'gpt2' | 'speedrun': modded-nanogpt's record 5 | 'speedrun20': its record 20
-    # (archs/speedrun_model.py; archs/models.py builds each)
+    # (archs/record5.py, archs/record20.py; archs/models.py registers each)
     arch: str = "gpt2"
     # how the run computes, not what it computes (a checkpoint's are ignored on restore, see
     # RUNTIME_FIELDS): 'xla' | 'cudnn' (NVIDIA) | 'splash' (TPU) | 'auto': the fused kernel where it
@@ -395,7 +395,7 @@ class GPT(nnx.Module):
     def from_pretrained(cls, name_or_path, mesh=None, n_head=None, **settings):
         """GPT-2 weights from the HF hub by name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; the local
         HF cache is used when present), a local HF directory (as `save_pretrained` writes it) or a
-        nanoGPT ckpt.pt (the file or its out_dir); on speedrun_model's classes, a modded-nanogpt
+        nanoGPT ckpt.pt (the file or its out_dir); on the records' classes, a modded-nanogpt
         state_step*.pt (n_head: see pretrained.read_modded). No torch, except for a .pt or a
         pytorch_model.bin (dataio/pretrained.py). settings: GPTConfig's run choices
         (RUNTIME_FIELDS)."""

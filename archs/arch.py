@@ -1,11 +1,11 @@
 """
 What the rest of the project asks an architecture, answered by the architecture (docs/model.md):
 `Arch` is the interface with the answers most architectures share, `GPT2` GPT-2's (model.py); each
-other architecture's module subclasses Arch with its own (record 5's and record 20's in
-speedrun_model.py). archs/models.py registers each by its GPTConfig.arch;
-train.py, the train step, settings, auto settings and the parity checks ask the registered Arch and
-never compare arch names. What a file format asks of a model's weights the model itself answers
-(model.py's GPT: title, exports, weight_rows), since dataio/ sits below this room.
+other architecture's module subclasses Arch with its own (archs/record5.py, archs/record20.py).
+archs/models.py registers each by its GPTConfig.arch; train.py, the train step, settings, auto
+settings and the parity checks ask the registered Arch and never compare arch names. What a file
+format asks of a model's weights the model itself answers (model.py's GPT: title, exports,
+weight_rows), since dataio/ sits below this room.
 """
 
 from compute import attention

@@ -1,9 +1,9 @@
 """
 Every architecture by its GPTConfig.arch: GPT-2 (model.py) and the speedrun's records
-(archs/speedrun_model.py), each registered below by its Arch (archs/arch.py: what the rest of the
-project asks it). The rest of the project builds, restores and loads a model here, then uses the
-interface every one of them has (docs/model.md): train_step, checkpoint, generate, hellaswag, eval
-and parity never ask which architecture they hold.
+(archs/record5.py, archs/record20.py), each registered below by its Arch (archs/arch.py: what the
+rest of the project asks it). The rest of the project builds, restores and loads a model here, then
+uses the interface every one of them has (docs/model.md): train_step, checkpoint, generate,
+hellaswag, eval and parity never ask which architecture they hold.
 """
 
 from dataclasses import replace
@@ -11,7 +11,8 @@ from dataclasses import replace
 from flax import nnx
 
 from archs.arch import GPT2
-from archs.speedrun_model import Record5, Record20
+from archs.record5 import Record5
+from archs.record20 import Record20
 from configurator import UsageError
 from dataio import pretrained
 from model import GPTConfig

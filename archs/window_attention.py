@@ -1,5 +1,5 @@
 """
-Record 20's attention (archs/speedrun_model.py, GPTConfig.arch='speedrun20'): document-causal
+Record 20's attention (archs/record20.py, GPTConfig.arch='speedrun20'): document-causal
 attention over block-wise sliding windows, as modded-nanogpt's record 20 builds its FlexAttention
 BlockMask, and its kernels: masked XLA attention for short sequences, a banded XLA kernel for the
 record's 64K tokens, and splash attention with block tables built from the window's shape (TPU;

@@ -1,10 +1,10 @@
 """
 The models' pieces that know the mesh and the platform, shared by GPT-2 (model.py) and the
-speedrun's records (archs/speedrun_model.py): how the stack of blocks runs (a Python loop, or one
-lax.scan over their params stacked on a leading layer axis, scan_layers), each block's input pinned
-to its rows, with or without remat, and the conditionals XLA:CPU needs in the backward pass; the
-Linear and embedding whose tables compute/sharding.py lays out. Also the parameter-free pieces:
-dropout, record 5's RMSNorm and rotary embedding, and the tied head and its cross-entropy.
+speedrun's records (archs/record5.py, archs/record20.py): how the stack of blocks runs (a Python
+loop, or one lax.scan over their params stacked on a leading layer axis, scan_layers), each block's
+input pinned to its rows, with or without remat, and the conditionals XLA:CPU needs in the backward
+pass; the Linear and embedding whose tables compute/sharding.py lays out. Also the parameter-free
+pieces: dropout, record 5's RMSNorm and rotary embedding, and the tied head and its cross-entropy.
 """
 
 import functools
@@ -216,7 +216,7 @@ def dropout(x, rate, key):
 
 
 # ------------------------------------------------------------------------------------------------
-# the speedrun's record 5 (archs/speedrun_model.py, GPTConfig.arch='speedrun'): modded-nanogpt's
+# the speedrun's record 5 (archs/record5.py, GPTConfig.arch='speedrun'): modded-nanogpt's
 # 2024-10-14_ModernArch
 
 ROTARY_BASE = 10000

@@ -10,7 +10,7 @@ line."""
 import pytest
 from helpers import one_torch_thread
 
-from archs import speedrun_model
+from archs import record20
 from configurator import UsageError
 from parity import check_speedrun, speedrun20_check, train_report, train_sides
 from parity.common import pin_numerics
@@ -51,9 +51,9 @@ def test_tiny_fp32_matches_the_record(tiny):
 
 @pytest.mark.slow
 def test_the_long_and_short_windows_swapped_fail(tiny, monkeypatch):
-    layout = speedrun_model.record20_layout
+    layout = record20.record20_layout
     monkeypatch.setattr(
-        speedrun_model,
+        record20,
         "record20_layout",
         lambda n: [(table, attends, not long) for table, attends, long in layout(n)],
     )

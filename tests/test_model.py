@@ -251,7 +251,7 @@ def test_a_bad_model_config_is_one_line_naming_the_choices(settings, message):
     ],
 )
 def test_a_config_records_model_cannot_take_is_one_line(settings, message):
-    """What record 5 adds to GPTConfig's checks (speedrun_model.Record5GPT.check_config): the
+    """What record 5 adds to GPTConfig's checks (record5.Record5GPT.check_config): the
     settings check, and building the model refuses too."""
     config = tiny_config(arch="speedrun", **settings)
     with pytest.raises(ValueError, match=f"^{message}$"):

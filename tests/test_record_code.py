@@ -17,7 +17,7 @@ from helpers import REPO, assert_close, one_torch_thread
 from torch.nn.attention import flex_attention as flex
 from torch.nn.attention.flex_attention import BlockMask
 
-from archs import speedrun_model
+from archs import record20
 from configurator import UsageError
 from parity import check_speedrun, own_sides, speedrun20_check, train_report, train_sides
 from parity import speedrun20_reference as ref
@@ -171,9 +171,9 @@ def test_the_reference_is_the_records_own_code(own20):
 @pytest.mark.slow
 @pytest.mark.xla_defaults
 def test_a_short_window_one_block_longer_fails(own20, monkeypatch):
-    window = speedrun_model.Record20Block.window
+    window = record20.Record20Block.window
     monkeypatch.setattr(
-        speedrun_model.Record20Block,
+        record20.Record20Block,
         "window",
         lambda self, blocks: window(self, blocks) + (0 if self.long else 1),
     )

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from helpers import rel_diff
 
-from archs import speedrun_model, window_attention
+from archs import record20, window_attention
 from archs.models import build
 from archs.window_attention import WINDOW_BLOCK, window_mask
 from compute.generate import generate
@@ -79,7 +79,7 @@ def test_documents_start_at_each_end_of_text():
     assert window_attention.documents(idx).tolist() == [[0, 1, 1, 1, 2, 3, 3]]
 
 
-@pytest.mark.parametrize("window_size", [speedrun_model.WINDOW_SIZE, 128])
+@pytest.mark.parametrize("window_size", [record20.WINDOW_SIZE, 128])
 def test_kv_cache_generation_is_the_full_forward(window_size):
     """Greedy tokens and each step's logits, cache or not, with documents in the prompt and past
     128-token blocks; a 128-token window (long 1 block, short 0) makes the windows cut."""
@@ -220,12 +220,12 @@ def test_the_window_grows_as_the_records_to_window_size():
     n = 1393
     for window_size in (1728, 256):
         c = dict(max_iters=n, window_size=window_size)
-        inputs = speedrun_model.Record20.step_inputs(c, 1)["inputs"]
+        inputs = record20.Record20.step_inputs(c, 1)["inputs"]
         for step in range(n + 1):
             expected = training.window_size(step, n, span=window_size) // WINDOW_BLOCK
-            evaluated = speedrun_model.Record20.eval_inputs(step, c)["window_blocks"]
+            evaluated = record20.Record20.eval_inputs(step, c)["window_blocks"]
             assert inputs(step)["window_blocks"] == expected == int(evaluated), (window_size, step)
-    assert speedrun_model.window_schedule(n, n) == 14  # the record's final 1792 tokens
+    assert record20.window_schedule(n, n) == 14  # the record's final 1792 tokens
     model = build(GPTConfig(**{**TINY20, "window_size": 256}), nnx.Rngs(0))
     assert model.final_window() == 2 and {b.attn.band for b in model.h if b.attn} == {2, 1}
     # one block: the short window's band too (its own block), and a 2-block sequence runs banded
