@@ -51,7 +51,7 @@ test-gpu-compile: $(VENV_GPU)/.requirements
 
 # mutation testing (docs/notes/mutation.md): mutmut mutates the core modules ([tool.mutmut] in pyproject.toml) and reruns
 # the tests that reach each change; hours on 2 cores, so neither make test nor CI runs it. One module's mutants:
-# make mutants MUTANTS='generate.*'. Then the score of each module.
+# make mutants MUTANTS='compute.generate.*'. Then the score of each module.
 $(VENV)/.mutants: pyproject.toml constraints.txt | $(BIN)/activate
 	$(BIN)/$(INSTALL) -e ".[test,mutants]"
 	touch $@

@@ -58,6 +58,28 @@ def test_the_markdown_reading():
     assert python_commands(line) == [("train.py", ["--a=1"]), ("-m m.n", ["--b", "2"])]
 
 
+# how the project got here, which docs/notes/ keeps: a session's runs as they went, notes to whoever
+# comes next, an audit's rows
+DEVELOPMENT_LOG = re.compile(r"\b(sessions?|next time|whoever next|audit)\b", re.IGNORECASE)
+
+
+def development_log(text):
+    return [line for line in text.splitlines() if DEVELOPMENT_LOG.search(line)]
+
+
+def test_user_pages_say_what_is_true_now():
+    """README and the user pages keep the latest figure with its machine, date and command; the
+    runs as they went, notes to the next engineer and audits live in docs/notes/."""
+    pages = [doc for doc in DOCS if "notes" not in doc.relative_to(ROOT).parts]
+    assert len(pages) > 10
+    found = {doc.name: development_log(doc.read_text()) for doc in pages}
+    assert {name: lines for name, lines in found.items() if lines} == {}
+    assert development_log("The next GPU session should run it.\nA figure.\nnext time, less") == [
+        "The next GPU session should run it.",
+        "next time, less",
+    ]
+
+
 def names_file(name, path):
     """Does `name` (in backticks in docs/files.md) name the file at `path`: its path or a pattern of
     it, or, for a file in a folder, its name, its stem or a pattern of its name?"""
