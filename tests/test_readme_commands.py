@@ -44,12 +44,13 @@ def contract_commands():
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    """A folder holding what a clone holds at the commands' paths: the scripts, config/, parity/
-    and the corpus (a copy: prepare.py writes beside itself), and the tiny GPT-2 that stands for
-    OpenAI's."""
+    """A folder holding what a clone holds at the commands' paths: the scripts, the packages (the
+    library's rooms, parity/), config/ and the corpus (a copy: prepare.py writes beside itself),
+    and the tiny GPT-2 that stands for OpenAI's."""
     root = tmp_path_factory.mktemp("clone")
     for name in os.listdir(REPO):
-        if name.endswith(".py") or name in ("config", "parity", "assets", "eval_tasks"):
+        package = os.path.isfile(os.path.join(REPO, name, "__init__.py"))
+        if name.endswith(".py") or package or name in ("config", "assets", "eval_tasks"):
             os.symlink(os.path.join(REPO, name), root / name)
     data = root / "data" / "shakespeare_char"
     data.mkdir(parents=True)
