@@ -100,3 +100,15 @@ def test_a_models_export_formats_are_its_own(stand_in):
         weights.check_export(model, "nanogpt")
     names = [hf for hf, _, _ in weights.rows_of(model)]
     assert names[:2] == ["transformer.wte.weight", "transformer.wpe.weight"]
+
+
+def test_gpt2s_kernel_is_the_one_attention_picks_for_the_device_compiled_for():
+    """Arch.kernel, the start-up line's attention: on a TPU v5e (libtpu's compile-only device),
+    splash where the head fits its kernel, xla where the head is wider than 256."""
+    from archs.arch import GPT2
+    from compute import accelerators
+
+    v5e = accelerators.topology_devices("v5e:2x2")[0]
+    fits = GPTConfig(block_size=512, n_embd=256, n_head=2)  # a head of 128
+    wide = GPTConfig(block_size=512, n_embd=1024, n_head=2)  # a head of 512
+    assert GPT2.kernel(fits, v5e) == "splash" and GPT2.kernel(wide, v5e) == "xla"
