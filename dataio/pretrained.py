@@ -270,10 +270,10 @@ def save_modded(model, path, step=0):
     check_export(model, "modded")
     state, code = model.modded_state()
     tensors = {}  # by the array's id: one tensor for one array
-    record = {
-        COMPILED_PREFIX + k: tensors.setdefault(id(v), torch.from_numpy(v))
-        for k, v in state.items()
-    }
+    for v in state.values():
+        if id(v) not in tensors:
+            tensors[id(v)] = torch.from_numpy(v)
+    record = {COMPILED_PREFIX + k: tensors[id(v)] for k, v in state.items()}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     torch.save({"step": step, "code": code, "model": record, "optimizers": []}, path)
 

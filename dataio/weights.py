@@ -68,8 +68,8 @@ SPEEDRUN_PARAMS = (
 
 # arch='speedrun20' (record 20): its state dict's names for each of our params, (our path, its
 # name, nn.Linear weight?). Its layers differ (layer 7 has no attention), so the rows come from the
-# model's own params (rows_of). Its qkv_w (3, C, C) is c_attn's (C, 3C) kernel: dataio/pretrained.py
-# reshapes it.
+# model's own params (rows_matching). Its qkv_w (3, C, C) is c_attn's (C, 3C) kernel:
+# dataio/pretrained.py reshapes it.
 RECORD20_NAMES = [
     (r"wte\.embedding", "embed.weight", False),
     (r"ve\.(\d+)\.embedding", r"value_embeds.embed.\1.weight", False),
@@ -82,12 +82,6 @@ RECORD20_NAMES = [
     (r"skip_weights", "skip_weights", False),
     (r"lm_head", "lm_head.weight", False),
 ]
-
-
-def rows_of(model):
-    """[(outside name, our path, nn.Linear weight?)] for `model`'s params: its class's
-    (GPT.weight_rows, from the tables here)."""
-    return model.weight_rows()
 
 
 def rows_matching(model, table):
@@ -141,7 +135,7 @@ def state_dict(model, zero_biases=False):
         var, layer = _slot(model, ours)
         return np.asarray(var[...] if layer is None else var[layer], np.float32)
 
-    state = {hf: read(ours) for hf, ours, _ in rows_of(model)}
+    state = {hf: read(ours) for hf, ours, _ in model.weight_rows()}
     if zero_biases and not model.config.bias:
         for hf, _, _ in weight_map(model.config.n_layer):
             if hf not in state:  # a bias is as long as its weight's last axis (HF's layout: out)
@@ -155,7 +149,7 @@ def load_state_dict(model, state, mesh=None):
     once. With a mesh, each is split by its spec as it is placed (each device receives only its
     shard)."""
     c = model.config
-    rows = rows_of(model)
+    rows = model.weight_rows()
     expected = {hf for hf, _, _ in rows}
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:

@@ -98,7 +98,7 @@ def test_a_models_export_formats_are_its_own(stand_in):
     weights.check_export(model, "hf")
     with pytest.raises(UsageError, match=r"^--format=nanogpt cannot hold this model, arch='st"):
         weights.check_export(model, "nanogpt")
-    names = [hf for hf, _, _ in weights.rows_of(model)]
+    names = [hf for hf, _, _ in model.weight_rows()]
     assert names[:2] == ["transformer.wte.weight", "transformer.wpe.weight"]
 
 

@@ -28,7 +28,6 @@ from archs import muon
 from archs.models import model_from
 from configurator import UsageError, configure
 from dataio.pretrained import from_record20_state, record20_config, to_record20_state
-from dataio.weights import rows_of
 from model import GPTConfig
 from parity import speedrun20_training as record
 from parity.speedrun20_reference import GPT
@@ -79,7 +78,7 @@ def start():
 def ours_tree(graphdef, params, named):
     """{the record's name: its array in torch's layout} -> a tree like `params`, in ours."""
     named = from_record20_state(named)
-    by_path = {ours: named[name] for name, ours, _ in rows_of(nnx.merge(graphdef, params))}
+    by_path = {ours: named[name] for name, ours, _ in nnx.merge(graphdef, params).weight_rows()}
     return jax.tree_util.tree_map_with_path(
         lambda p, x: jnp.asarray(by_path[muon._path(p)]), params
     )
@@ -299,7 +298,7 @@ def test_the_groups_are_the_records(start):
     ref, _, graphdef, params = copy.deepcopy(start[0]), *start[1:]
     labels = muon.muon20_labels(params)
     by_path = {muon._path(p): v for p, v in jax.tree_util.tree_leaves_with_path(labels)}
-    ours = {name: by_path[path] for name, path, _ in rows_of(nnx.merge(graphdef, params))}
+    ours = {name: by_path[path] for name, path, _ in nnx.merge(graphdef, params).weight_rows()}
     adam, opt = record.make_optimizers(ref)
     names = {id(p): n for n, p in ref.named_parameters()}
     groups = [*zip(GROUPS, adam.param_groups), ("muon", opt.param_groups[0])]
