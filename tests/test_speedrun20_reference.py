@@ -236,10 +236,21 @@ def test_a_tiny_model_trains_on_documents_with_grads_for_every_param():
     record_dtypes.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert_close(record_dtypes(x, y, 2), loss.detach(), rtol=2e-2)
-    model.fp8_head = True  # training: through the fp8 head
+
+
+# torch._scaled_mm's CPU kernel takes about a minute for these 512 x 50304 logits: make test-slow;
+# make test holds the reference's FP8 head against ours on a small vocabulary
+# (test_speedrun20_parity.py::test_training_takes_the_fp8_head_and_evaluation_does_not)
+@pytest.mark.slow
+def test_the_fp8_head_trains_within_a_percent_of_the_plain_heads_loss():
+    model = tiny_gpt(skip_attn_layer=2)
+    seq = sequence(4 * 128 + 1, eots=[0, 100, 200, 256, 450])
+    x, y = seq[:-1], seq[1:]
     with torch.no_grad():
+        loss = model(x, y, 2)
+        model.fp8_head = True  # training: through the fp8 head
         fp8_loss = model(x, y, 2)
-    assert_close(fp8_loss, loss.detach(), rtol=1e-2)
+    assert_close(fp8_loss, loss, rtol=1e-2)
     assert fp8_loss != loss
 
 
