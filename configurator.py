@@ -72,6 +72,7 @@ EXTRAS = {
     "data": ("datasets",),
     "plot": ("matplotlib",),
     "gcs": ("gcsfs",),
+    "nanochat": ("rustbpe", "pyarrow"),
 }
 
 

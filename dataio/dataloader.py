@@ -8,6 +8,8 @@ and 2 hosts x 4 devices train on the same tokens.
 - ShardLoader (build-nanogpt): sequential over sorted uint16 `*{split}*.npy` shards.
 - BinShardLoader (llm.c, modded-nanogpt's speedrun): sequential over sorted `*_{split}_*.bin` shards
   (a 256-int32 header, then uint16 tokens), as the record's DistributedDataLoader reads them.
+- BestFitLoader (nanochat, dataio/bestfit_loader.py): documents of `shards/*.parquet` tokenized on
+  threads by `tokenizer/`, packed BOS-first by best fit; each process packs its own rows.
 The data folder is local or a URL (gs://bucket/folder, any fsspec URL); every file is read through
 token_files (pread, or ranged reads at a URL; no memory map, no download). Each loader's state
 (`state_dict()`) goes into the checkpoint so that resume neither skips nor repeats data. The thread
@@ -20,7 +22,7 @@ import os
 import numpy as np
 
 from configurator import InputNotFound, UsageError
-from dataio import storage
+from dataio import bestfit_loader, storage
 from dataio.token_files import (
     LLMC_HEADER,
     LLMC_MAGIC,
@@ -360,9 +362,9 @@ def make_loader(
     record20=False,
 ):
     """The loader for what `data_dir` (a folder, or a URL: gs://bucket/folder) holds: `{split}.bin`
-    (nanoGPT), llm.c `*_{split}_*.bin` shards (modded-nanogpt; record20: its record 20's steps) or
-    `*{split}*.npy` shards (build-nanogpt). vocab_size: the model's, which no token id may
-    reach."""
+    (nanoGPT), llm.c `*_{split}_*.bin` shards (modded-nanogpt; record20: its record 20's steps),
+    `shards/*.parquet` and `tokenizer/` (nanochat) or `*{split}*.npy` shards (build-nanogpt).
+    vocab_size: the model's, which no token id may reach."""
     bin_path = storage.join(data_dir, f"{split}.bin")
     if storage.exists(bin_path):
         return BinLoader(bin_path, block_size, rows, seed, row_slice, vocab_size)
@@ -375,6 +377,11 @@ def make_loader(
             )
         loader = Record20ShardLoader if record20 else BinShardLoader
         return loader(bin_shards, block_size, rows, row_slice, vocab_size)
+    parquet = shards_in(storage.join(data_dir, "shards"), "*.parquet")
+    if parquet:
+        return bestfit_loader.for_folder(
+            data_dir, parquet, split, block_size, rows, row_slice, vocab_size
+        )
     shards = shards_in(data_dir, f"*{split}*.npy")
     if shards:
         return ShardLoader(
