@@ -51,6 +51,7 @@ ONE_WORKER = {
     "test_sample.py",
     "test_fineweb.py",
     "test_eval.py",
+    "test_core_eval.py",
     "test_gcs_run.py",
 }
 
