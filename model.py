@@ -69,6 +69,10 @@ class GPTConfig:
     # record 20's long window grows over training to this many tokens, rounded up to whole
     # 128-token blocks; the short one is half (arch='speedrun20' only; the record's 1728: 14 blocks)
     window_size: int = 1728
+    # nanochat's key/value heads (GQA), 0: n_head (arch='nanochat' only, as window_pattern)
+    n_kv_head: int = 0
+    # nanochat's windows tiled over the layers, L long, S short (archs/nanochat.py), last one L
+    window_pattern: str = "SSSL"
 
     def __post_init__(self):
         if self.n_embd % self.n_head:

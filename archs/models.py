@@ -11,6 +11,7 @@ from dataclasses import replace
 from flax import nnx
 
 from archs.arch import GPT2
+from archs.nanochat import Nanochat
 from archs.record5 import Record5
 from archs.record20 import Record20
 from configurator import UsageError
@@ -18,7 +19,7 @@ from dataio import pretrained
 from model import GPTConfig
 
 # the registry: an architecture is its module in archs/ and its line here
-ARCHS = {a.model.arch: a for a in (GPT2, Record5, Record20)}
+ARCHS = {a.model.arch: a for a in (GPT2, Record5, Record20, Nanochat)}
 
 
 def arch_of(name):

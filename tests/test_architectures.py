@@ -82,7 +82,9 @@ def test_a_stand_in_refuses_its_own_settings_and_others_refuse_its_optimizer(
 ):
     with pytest.raises(UsageError, match="the stand-in clips its gradients: set --grad_clip > 0"):
         validate(settings(dataset, tmp_path, "--arch=standin", "--grad_clip=0.0"))
-    with pytest.raises(ValueError, match="arch must be 'gpt2', 'speedrun', 'speedrun20' or "):
+    with pytest.raises(
+        ValueError, match="arch must be 'gpt2', 'speedrun', 'speedrun20', 'nanochat' or "
+    ):
         models.arch_of("llama")
     # another architecture's own setting, here and for the stand-in
     with pytest.raises(UsageError, match="^window_size is record 20's attention window: it needs"):
