@@ -46,6 +46,7 @@ from run.settings import (
 )
 from run.train_step import (
     all_finite,
+    bits_per_byte,
     first_nonfinite,
     get_lr,
     init_state,
@@ -80,6 +81,7 @@ class Trainer:
         # dataset fails before anything is written)
         self.data_dir = data_dir_for(c["dataset"])
         data_vocab_size, self.vocab = data_meta(self.data_dir)
+        train_setup.dial(c, data_vocab_size, self.mesh, self.master)  # nanochat's depth
         # until compiled
         runtime = {**{k: c[k] for k in RUNTIME_FIELDS}, **auto_settings.first_candidate(c)}
         start = train_setup.start_for(
@@ -156,7 +158,8 @@ class Trainer:
                 hellaswag_file, max_len=self.model_config.block_size
             )
         self.train_step = self._compile_step(tx, params, opt_state)
-        self.eval_step = make_eval_step(self.graphdef, params)
+        token_bytes = getattr(self.train_loader, "token_bytes", None)  # a nanochat tokenizer's
+        self.eval_step = make_eval_step(self.graphdef, params, token_bytes)
         flops_per_iter = nnx.merge(self.graphdef, params).flops_per_token() * self.tokens_per_iter
         self.out = runlog.RunLog(
             c,
@@ -233,7 +236,10 @@ class Trainer:
                         losses[-1 - STEPS_AHEAD].block_until_ready()
                     if self.stops.requested:
                         return None
-            out[split] = float(jnp.mean(jnp.stack(losses)))
+            if losses[0].ndim:  # [loss, nats, bytes]: bits per byte too
+                out[split], out[f"{split}_bpb"] = bits_per_byte(losses)
+            else:
+                out[split] = float(jnp.mean(jnp.stack(losses)))
         return out
 
     def check_finite(self, params=False, first_nonfinite=None):

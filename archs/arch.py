@@ -24,8 +24,19 @@ class Arch:
     # the optimizers only this architecture trains with, {optimizer: whose it is and what it
     # steps}: refused for the others (models.check_settings)
     own_optimizers = {}
+    # train.py's settings only this architecture reads, {setting: (its value when off, what it
+    # is)}: refused for the others when on (models.check_settings)
+    own_run_settings = {}
     scans = True  # its blocks can run under one lax.scan: scan_layers='auto' scans on a TPU
     loader = {}  # make_loader's keywords for its training data (record 20: its own batches)
+
+    @classmethod
+    def dial(cls, c, vocab_size, shards):
+        """The settings of a run (train.py's `c`) this architecture derives from others, set in `c`
+        before its model is built (nanochat's depth: its shape, horizon, batch and rates), given
+        the model's vocab_size and the mesh's batch shards; lines saying what they became, or
+        None. Most: none."""
+        return None
 
     @classmethod
     def check_settings(cls, c):
@@ -68,6 +79,14 @@ class Arch:
 
 class GPT2(Arch):
     model = GPT
+
+    @classmethod
+    def dial(cls, c, vocab_size, shards):
+        """The settings of a run (train.py's `c`) this architecture derives from others, set in `c`
+        before its model is built (nanochat's depth: its shape, horizon, batch and rates), given
+        the model's vocab_size and the mesh's batch shards; lines saying what they became, or
+        None. Most: none."""
+        return None
 
     @classmethod
     def check_settings(cls, c):

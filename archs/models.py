@@ -48,13 +48,18 @@ def check_config(config: GPTConfig):
 
 def check_settings(c):
     """A one-line UsageError for a run's setting (train.py's `c`) that its architecture refuses:
-    an optimizer another one owns, or its own refusals (Arch.check_settings)."""
+    an optimizer or a setting another one owns, or its own refusals (Arch.check_settings)."""
     arch = arch_of(c["arch"])
     for owner in ARCHS.values():
-        if owner is not arch and (what := owner.own_optimizers.get(c["optimizer"])):
+        if owner is arch:
+            continue
+        if what := owner.own_optimizers.get(c["optimizer"]):
             raise UsageError(
                 f"optimizer={c['optimizer']!r} is {what}: use it with --arch={owner.model.arch}"
             )
+        for key, (off, what) in owner.own_run_settings.items():
+            if c[key] != off:
+                raise UsageError(f"{key} is {what}: use it with --arch={owner.model.arch}")
     arch.check_settings(c)
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from archs import nanochat_attention
+from archs import nanochat_attention, nanochat_recipe
 from archs.arch import Arch
 from archs.nanochat_attention import (
     NanochatAttention,
@@ -36,6 +36,7 @@ from compute.layers import (
     rms_norm,
     tied_head,
 )
+from configurator import UsageError
 from dataio import weights
 from model import GPT, MLP, GPTConfig, check_tokens, cropped, normal
 
@@ -318,7 +319,53 @@ class Nanochat(Arch):
         "n_kv_head": "nanochat's key/value heads (GQA)",
         "window_pattern": "nanochat's attention windows",
     }
+    own_optimizers = {"muonadamw": "nanochat's MuonAdamW (its head, embeddings, scalars, matrices)"}
+    own_run_settings = {"depth": (0, "nanochat's depth dial")}
     scans = False  # its layers differ (value embeddings on alternate ones, windows)
+
+    @classmethod
+    def dial(cls, c, vocab_size, shards):
+        """depth > 0: base_train's settings from it (nanochat_recipe.resolve, with the run's names:
+        learning_rate the head's, embed_/scalar_/muon_learning_rate, warmup_iters, cooldown_frac
+        the warmdown's ratio; 0 leaves max_iters and total_batch_size to its rules)."""
+        if not c["depth"]:
+            return None
+        for key in ("n_layer", "n_head", "n_embd"):
+            if c[key] != getattr(GPTConfig, key):
+                raise UsageError(
+                    f"depth={c['depth']} sets {key} (nanochat's dial): leave {key} out, or set "
+                    "depth=0 to give the model's shape"
+                )
+        recipe = nanochat_recipe.resolve(
+            depth=c["depth"],
+            aspect_ratio=c["aspect_ratio"],
+            head_dim=c["head_dim"],
+            max_seq_len=c["block_size"],
+            vocab_size=c["vocab_size"] or vocab_size,
+            window_pattern=c["window_pattern"],
+            num_iterations=c["max_iters"] or -1,
+            target_flops=c["target_flops"] or -1,
+            target_param_data_ratio=c["target_param_data_ratio"] or -1,
+            device_batch_size=c["batch_size"],
+            total_batch_size=c["total_batch_size"] or -1,
+            devices=shards,
+            embedding_lr=c["embed_learning_rate"],
+            unembedding_lr=c["learning_rate"],
+            matrix_lr=c["muon_learning_rate"],
+            scalar_lr=c["scalar_learning_rate"],
+            weight_decay=c["weight_decay"],
+            warmup_steps=c["warmup_iters"],
+            warmdown_ratio=c["cooldown_frac"],
+            final_lr_frac=c["final_lr_frac"],
+        )
+        shape = recipe.model
+        c.update({k: shape[k] for k in ("n_layer", "n_head", "n_embd")})
+        c["max_iters"], c["total_batch_size"] = recipe.num_iterations, recipe.total_batch_size
+        c["weight_decay"] = recipe.weight_decay
+        for what in ("learning_rate", "embed_", "muon_", "scalar_"):
+            key = what if what == "learning_rate" else f"{what}learning_rate"
+            c[key] *= recipe.batch_lr_scale
+        return recipe.summary()
 
     @classmethod
     def check_run(cls, config, device):

@@ -355,3 +355,24 @@ def schedules(
         lambda it: muon_momentum(it, num_iterations, warmdown_ratio, momentum_warmup),
         lambda it: muon_weight_decay(it, weight_decay, num_iterations),
     )
+
+
+def for_run(c, lr_multiplier):
+    """optimizer='muonadamw' for the settings of a run (train.py's `c`, its rates and weight decay
+    as the depth dial left them): the head at learning_rate, the embeddings at
+    embed_learning_rate, the scalars at scalar_learning_rate, the blocks' matrices at
+    muon_learning_rate (group_rates), each times lr_multiplier(count); Muon's momentum and weight
+    decay on base_train's schedules over max_iters. Polar Express in the compute dtype, as
+    nanochat runs it in its COMPUTE_DTYPE."""
+    rates = group_rates(
+        c["n_embd"],
+        c["learning_rate"],
+        c["embed_learning_rate"],
+        c["muon_learning_rate"],
+        c["scalar_learning_rate"],
+    )
+    _, momentum, weight_decay = schedules(
+        c["max_iters"], c["weight_decay"], c["warmup_iters"], c["cooldown_frac"]
+    )
+    dtype = jnp.bfloat16 if c["dtype"] == "bfloat16" else None
+    return muon_adamw(rates, lr_multiplier, momentum, weight_decay, dtype=dtype)

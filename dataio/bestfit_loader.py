@@ -91,8 +91,9 @@ class BestFitLoader:
     its loader `accum` times). `encode(texts)`: each text's token ids with BOS first (on threads:
     dataio/chat_tokenizer.py)."""
 
-    def __init__(self, stream, encode, block_size, rows, vocab_size=None):
+    def __init__(self, stream, encode, block_size, rows, vocab_size=None, token_bytes=None):
         self.stream, self.encode = stream, encode
+        self.token_bytes = token_bytes  # each id's bytes: the eval's bits per byte
         self.block_size, self.rows, self.vocab_size = block_size, rows, vocab_size
         self.position = stream.start()  # where the next batch of documents starts
         self.buffer = []  # [(id, tokens)] in nanochat's order
@@ -185,4 +186,4 @@ def for_folder(data_dir, parquet, split, block_size, rows, row_slice=None, vocab
             texts, prepend=tokenizer.bos_token_id, num_threads=TOKENIZER_THREADS
         )
 
-    return BestFitLoader(stream, encode, block_size, hi - lo, vocab_size)
+    return BestFitLoader(stream, encode, block_size, hi - lo, vocab_size, tokenizer.token_bytes)

@@ -15,7 +15,7 @@ import tiktoken
 
 from configurator import InputNotFound, UsageError
 from dataio import storage
-from dataio.tokenizer import RefusedGlobal, short
+from dataio.unpickling import RefusedGlobal, short
 
 # nanochat's order is its ids: the first comes right after the merges
 SPECIAL_TOKENS = (

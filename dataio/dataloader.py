@@ -23,6 +23,7 @@ import numpy as np
 
 from configurator import InputNotFound, UsageError
 from dataio import bestfit_loader, storage
+from dataio.chat_tokenizer import ChatTokenizer
 from dataio.token_files import (
     LLMC_HEADER,
     LLMC_MAGIC,
@@ -403,13 +404,22 @@ def make_loader(
     )
 
 
+TOKENIZER_FILE = ("tokenizer", "tokenizer.pkl")  # a nanochat data folder's tokenizer
+
+
 def data_meta(data_dir):
     """(vocab_size, vocab) of the data's characters (nanoGPT's char-level datasets write a meta.pkl;
     a meta.json is read first), read by tokenizer.read_vocab, which runs nothing: vocab_size and the
-    characters, which each checkpoint saves as what decodes its tokens; (0, 'gpt2') where there is
-    neither: GPT-2's BPE. data_dir may be a URL."""
+    characters, which each checkpoint saves as what decodes its tokens; a nanochat folder's
+    tokenizer's size and 'nanochat' (its tokenizer/ decodes); (0, 'gpt2') where there is none of
+    them: GPT-2's BPE. data_dir may be a URL."""
     path = vocab_file(data_dir)
-    return read_vocab(path) if path else (0, "gpt2")
+    if path:
+        return read_vocab(path)
+    if storage.exists(storage.join(data_dir, *TOKENIZER_FILE)):
+        tokenizer = ChatTokenizer.from_directory(storage.join(data_dir, TOKENIZER_FILE[0]))
+        return tokenizer.n_vocab, "nanochat"
+    return 0, "gpt2"
 
 
 def data_dir_for(dataset):

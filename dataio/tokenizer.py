@@ -17,6 +17,8 @@ import tiktoken
 
 from configurator import InputNotFound, UsageError
 from dataio import storage
+from dataio.chat_tokenizer import ChatTokenizer
+from dataio.unpickling import NoGlobals, RefusedGlobal, short
 
 BPE_FILE = Path(__file__).resolve().parent.parent / "assets" / "gpt2.tiktoken"
 EOT = 50256  # <|endoftext|>
@@ -98,19 +100,6 @@ class BPECodec:
         )
 
 
-class RefusedGlobal(pickle.UnpicklingError):
-    """What NoGlobals raises: the file names code, where another broken pickle is only broken."""
-
-
-class NoGlobals(pickle.Unpickler):
-    """An unpickler that resolves no global. A pickle runs code only through a global it names
-    (os.system, builtins.exec, subprocess.Popen, called by REDUCE), and nanoGPT's meta.pkl, a dict
-    of ints and strings, names none."""
-
-    def find_class(self, module, name):
-        raise RefusedGlobal(f"it names the callable {module}.{name}, which is never run")
-
-
 def vocab_file(directory):
     """The file of `directory` (a folder or a URL) that holds a vocabulary of characters
     (VOCAB_FILES), or None."""
@@ -173,12 +162,6 @@ def read_vocab(path):
     return n, chars
 
 
-def short(value, limit=40):
-    """A value for an error line: its repr when short and plain, else its type."""
-    text = repr(value) if isinstance(value, (str, int, float)) else f"a {type(value).__name__}"
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def save_vocab(directory, chars):
     """A character vocabulary written beside exported weights: meta.json for our readers (no pickle
     to read) and nanoGPT's meta.pkl for its sample.py."""
@@ -224,9 +207,38 @@ class CharCodec:
         return lambda i: "" if i is None else self.itos[i]
 
 
+class ChatCodec(ChatTokenizer):
+    """nanochat's tokenizer as a codec: a prompt begins with <|bos|>, as nanochat's samples do (its
+    documents begin so in training), and may hold its special tokens."""
+
+    def encode(self, s):
+        ids = self.enc.encode(s, allowed_special="all")
+        return ids if ids[:1] == [self.bos_token_id] else [self.bos_token_id, *ids]
+
+    def stream_decoder(self):
+        """As BPECodec's: each id's bytes decoded as they complete a character."""
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return lambda i: utf8.decode(
+            b"" if i is None else self.enc.decode_single_token_bytes(i), final=i is None
+        )
+
+
+def chat_codec(dirs):
+    """The ChatCodec of the first of `dirs` that holds a tokenizer/ (nanochat's directory)."""
+    for d in dirs:
+        if storage.exists(storage.join(d, "tokenizer", "tokenizer.pkl")):
+            return ChatCodec.from_directory(storage.join(d, "tokenizer"))
+    raise InputNotFound(
+        "the model was trained in nanochat's tokenizer, and no tokenizer/tokenizer.pkl is in "
+        f"{', '.join(dirs) or 'no dataset named'}: run from the directory it was trained in, or "
+        "put its tokenizer/ beside the weights"
+    )
+
+
 def codec_for(vocab_size, vocab=None, dataset=None, beside=None):
-    """What turns a model's token ids into text. `vocab`: what our checkpoints carry ('gpt2', or the
-    list of a character-level run's characters). Without it, as nanoGPT: a meta.pkl (or our
+    """What turns a model's token ids into text. `vocab`: what our checkpoints carry ('gpt2', the
+    list of a character-level run's characters, or 'nanochat': the tokenizer/ of its dataset's
+    folder or beside the weights, chat_codec). Without it, as nanoGPT: a meta.pkl (or our
     meta.json, first) beside the weights (`beside`: an exported directory) or in the training
     dataset's folder (data/<dataset>/ or the path), else GPT-2's BPE. A vocabulary smaller than
     GPT-2's is never decoded as BPE: when no meta.pkl is found for it, one line says so."""
@@ -237,6 +249,8 @@ def codec_for(vocab_size, vocab=None, dataset=None, beside=None):
     dirs = [beside] if beside else []
     if dataset:
         dirs += [dataset] if storage.is_url(dataset) else [os.path.join("data", dataset), dataset]
+    if vocab == "nanochat":
+        return chat_codec(dirs)
     found = next(filter(None, map(vocab_file, dirs)), None)
     if found:
         # read first: a file it refuses is the one line on stderr

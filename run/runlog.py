@@ -52,6 +52,11 @@ def startup_lines(c, mesh, accum_rows, auto_line, n_params, model_config, memory
         f"(lr {c['learning_rate']:g}), embeddings ({c['embed_learning_rate']:g}) and scalars "
         f"({c['scalar_learning_rate']:g})"
         if c["optimizer"] == "muon20"
+        else f"nanochat's MuonAdamW: Muon (lr {c['muon_learning_rate']:g}) on the blocks' "
+        f"matrices, AdamW on the head (lr {c['learning_rate']:g}), embeddings "
+        f"({c['embed_learning_rate']:g}) and scalars ({c['scalar_learning_rate']:g}), before "
+        "1/sqrt(n_embd/768)"
+        if c["optimizer"] == "muonadamw"
         else f"AdamW (lr {c['learning_rate']:g})"
     )
     lines.append(
@@ -143,9 +148,13 @@ class RunLog:
     def eval_line(self, it, losses, lr, seconds):
         """An eval's line and record; its `seconds` count in the eta, for each eval to come."""
         self.clock.eval_s = seconds
-        self.print(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        bpb = f", val bpb {losses['val_bpb']:.4f}" if "val_bpb" in losses else ""
+        self.print(
+            f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{bpb}"
+        )
+        bpbs = {f"{k}_bpb": losses[f"{k}_bpb"] for k in ("train", "val") if f"{k}_bpb" in losses}
         self.record(
-            {"iter": it, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr}
+            {"iter": it, "train_loss": losses["train"], "val_loss": losses["val"], "lr": lr, **bpbs}
         )
 
     def step_ran(self, it):

@@ -125,6 +125,22 @@ DEFAULTS = dict(
     # arch='speedrun20': its embedding tables (and their Adam state) stored in 'float32' or
     # 'bfloat16', as record 20's (docs/speedrun.md)
     embed_dtype="float32",
+    # arch='nanochat' (config/train_nanochat.py, docs/nanochat.md): its key/value heads (GQA; 0:
+    # n_head) and its windows tiled over the layers, L the whole block, S a quarter (the last L)
+    n_kv_head=0,
+    window_pattern="SSSL",
+    # nanochat's one dial: depth > 0 sets n_layer = depth, n_embd = depth x aspect_ratio rounded up
+    # to heads of head_dim, n_head; max_iters=0 from target_param_data_ratio (tokens per scaling
+    # param) or target_flops; total_batch_size=0 from its batch rule; the four rates and
+    # weight_decay scaled as its base_train scales them (archs/nanochat_recipe.py)
+    depth=0,
+    aspect_ratio=64,
+    head_dim=128,
+    target_param_data_ratio=12.0,
+    target_flops=0.0,
+    # lr_schedule='warmdown' (nanochat's): warmup_iters up, constant, then linearly to final_lr_frac
+    # x the rate over the last cooldown_frac of max_iters
+    final_lr_frac=0.05,
     profile="",  # 'START:STOP': a jax.profiler trace of iterations START..STOP-1 to out_dir/profile
     seed=1337,  # the init's, the data order's and dropout's
 )
@@ -160,9 +176,15 @@ NOT_NEGATIVE = (
     "scalar_learning_rate",
     "warmdown_iters",
     "val_tokens",
+    "depth",
+    "aspect_ratio",
+    "head_dim",
+    "target_param_data_ratio",
+    "target_flops",
+    "final_lr_frac",
 )
-OPTIMIZERS = ("adamw", "muon", "muon20")
-LR_SCHEDULES = ("cosine", "trapezoid", "cooldown")
+OPTIMIZERS = ("adamw", "muon", "muon20", "muonadamw")
+LR_SCHEDULES = ("cosine", "trapezoid", "cooldown", "warmdown")
 
 
 def validate(c):
@@ -210,7 +232,8 @@ def check_model(c):
     try:
         check_memory_settings(c["remat"], c["loss_chunk"])
         shape = ("arch", "bias", "n_layer", "n_head", "n_embd", "block_size", "gelu", "attention")
-        config = {k: c[k] for k in (*shape, "fp8_head", "window_size", "embed_dtype")}
+        owned = ("fp8_head", "window_size", "embed_dtype", "n_kv_head", "window_pattern")
+        config = {k: c[k] for k in (*shape, *owned)}
         models.check_config(GPTConfig(**config))
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -243,14 +266,16 @@ def check_optimizer(c):
     """The optimizer's and the schedule's settings."""
     if c["optimizer"] not in OPTIMIZERS:
         raise UsageError(
-            f"optimizer must be 'adamw' or 'muon' (record 5) or 'muon20' (record 20), got "
-            f"{c['optimizer']!r}"
+            "optimizer must be 'adamw' or 'muon' (record 5), 'muon20' (record 20) or 'muonadamw' "
+            f"(nanochat), got {c['optimizer']!r}"
         )
     if c["lr_schedule"] not in LR_SCHEDULES:
         raise UsageError(
-            "lr_schedule must be 'cosine' or 'trapezoid' (record 5) or 'cooldown' (record 20), got "
-            f"{c['lr_schedule']!r}"
+            "lr_schedule must be 'cosine' or 'trapezoid' (record 5), 'cooldown' (record 20) or "
+            f"'warmdown' (nanochat), got {c['lr_schedule']!r}"
         )
+    if not 0 <= c["final_lr_frac"] <= 1:
+        raise UsageError(f"final_lr_frac must be in [0, 1], got {c['final_lr_frac']}")
     if not 0 < c["cooldown_frac"] <= 1:
         raise UsageError(
             f"cooldown_frac must be in (0, 1], the fraction of max_iters the cooldown takes, got "
@@ -262,6 +287,11 @@ def check_optimizer(c):
         )
     if c["optimizer"] == "muon20":
         check_muon20(c)
+    if c["optimizer"] == "muonadamw" and c["lr_schedule"] != "warmdown":
+        raise UsageError(
+            "optimizer='muonadamw' takes nanochat's schedule: set --lr_schedule=warmdown (got "
+            f"{c['lr_schedule']!r})"
+        )
     if c["lr_schedule"] == "trapezoid" and c["decay_lr"]:
         if c["warmdown_iters"] > c["max_iters"]:
             raise UsageError(

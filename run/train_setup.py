@@ -18,12 +18,12 @@ from archs import models
 from compute import sharding
 from configurator import InputNotFound, RunStopped, UsageError, exit_on_interrupt
 from dataio import hellaswag_data, storage
-from dataio.dataloader import make_loader
+from dataio.dataloader import TOKENIZER_FILE, make_loader
 from dataio.pretrained import read_pretrained
 from dataio.tokenizer import vocab_file
 from model import GPTConfig
 from run import checkpoint, watchdog
-from run.settings import fixed_by_checkpoint
+from run.settings import check_model, fixed_by_checkpoint
 
 
 @dataclass
@@ -38,6 +38,16 @@ class Start:
     best_val_loss: float = float("inf")
 
 
+def dial(c, data_vocab_size, mesh, master):
+    """The settings the run's architecture derives from others (Arch.dial: nanochat's depth), set
+    in `c` and checked as typed ones are; what they became printed once."""
+    summary = models.arch_of(c["arch"]).dial(c, data_vocab_size, sharding.batch_shards(mesh))
+    if summary:
+        check_model(c)
+        if master:
+            print(summary)
+
+
 def start_for(c, runtime, data_vocab_size, data_dir, master, typed=()):
     """The run's Start from init_from: 'scratch' (the settings' shape; vocab_size 0: the data's),
     'resume' (the checkpoint's shape and block_size, into `c`; a value `typed` on the command line
@@ -47,8 +57,10 @@ def start_for(c, runtime, data_vocab_size, data_dir, master, typed=()):
     if c["init_from"] == "scratch":
         vocab_size = c["vocab_size"] or data_vocab_size
         if not c["vocab_size"] and data_vocab_size:
-            print(f"found vocab_size = {vocab_size} (inside {vocab_file(data_dir)})")
+            source = vocab_file(data_dir) or storage.join(data_dir, *TOKENIZER_FILE)
+            print(f"found vocab_size = {vocab_size} (inside {source})")
         keys = ("block_size", "n_layer", "n_head", "n_embd", "bias", "gelu", "arch")
+        keys += ("n_kv_head", "window_pattern")
         start = Start(
             GPTConfig(**{k: c[k] for k in keys}, vocab_size=vocab_size or 50304, **runtime)
         )

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from archs import nanochat_optim
 from archs.models import build, model_from
 from archs.muon import muon, muon20
 from compute import sharding
@@ -67,7 +68,15 @@ def cooldown(it, c):
     return w * 1.0 + (1 - w) * COOLDOWN_FLOOR
 
 
-MULTIPLIERS = {"trapezoid": trapezoid, "cooldown": cooldown}
+def warmdown(it, c):
+    """nanochat's get_lr_multiplier (archs/nanochat_optim.py): (it + 1) / warmup_iters, 1, then
+    linearly to final_lr_frac over the last cooldown_frac of max_iters."""
+    return nanochat_optim.lr_multiplier(
+        it, c["max_iters"], c["warmup_iters"], c["cooldown_frac"], c["final_lr_frac"]
+    )
+
+
+MULTIPLIERS = {"trapezoid": trapezoid, "cooldown": cooldown, "warmdown": warmdown}
 
 
 def scheduled(it, c, rate):
@@ -102,9 +111,12 @@ def decay_mask(params):
 
 def make_optimizer(c):
     """The optimizer of c["optimizer"]: 'adamw', nanoGPT's; 'muon', modded-nanogpt's record 5
-    (muon.muon); 'muon20', its record 20 (muon.muon20), each group's rate scheduled."""
+    (muon.muon); 'muon20', its record 20 (muon.muon20); 'muonadamw', nanochat's
+    (nanochat_optim.for_run), each group's rate scheduled."""
     if c["optimizer"] == "muon20":
         return muon20(c, lambda rate: partial(scheduled, c=c, rate=rate))
+    if c["optimizer"] == "muonadamw":
+        return nanochat_optim.for_run(c, partial(scheduled, c=c, rate=1.0))
     adamw = optax.adamw(
         learning_rate=partial(get_lr, c=c),
         b1=c["beta1"],
@@ -270,18 +282,36 @@ def all_finite(tree):
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def make_eval_step(graphdef, params):
+def make_eval_step(graphdef, params, token_bytes=None):
     """Mean loss of one batch; takes the param leaves, as the train step does (see on_leaves), and
-    the architecture's keywords to its loss at the step evaluated (Arch.eval_inputs)."""
+    the architecture's keywords to its loss at the step evaluated (Arch.eval_inputs). With
+    `token_bytes` (each id's bytes, 0 for a special token: a nanochat tokenizer's), [mean loss,
+    nats of the targets that carry bytes, their bytes]: bits per byte, as nanochat's
+    evaluate_bpb."""
     param_def = jax.tree.structure(params)
+    token_bytes = None if token_bytes is None else jnp.asarray(token_bytes, jnp.int32)
 
     @jax.jit
     def eval_step(param_leaves, x, y, inputs=None):
-        return batch_loss(
-            nnx.merge(graphdef, param_def.unflatten(param_leaves)), x, y, None, inputs
-        )
+        model = nnx.merge(graphdef, param_def.unflatten(param_leaves))
+        if token_bytes is None:
+            return batch_loss(model, x, y, None, inputs)
+        _, hidden = model.hidden_states(x)
+        nbytes = token_bytes[y]
+        nats, _ = model.loss_terms(hidden, jnp.where(nbytes > 0, y, -1))
+        loss = mean_of(*model.loss_terms(hidden, y))
+        return jnp.stack([loss, nats, jnp.sum(nbytes).astype(jnp.float32)])
 
     return eval_step
+
+
+def bits_per_byte(terms):
+    """An eval's [loss, nats, bytes] rows (make_eval_step with token_bytes) -> (mean loss, bits
+    per byte)."""
+    terms = jnp.stack(terms)
+    return float(jnp.mean(terms[:, 0])), float(
+        terms[:, 1].sum() / (math.log(2) * terms[:, 2].sum())
+    )
 
 
 def sharded_model(make_model, mesh):

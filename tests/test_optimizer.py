@@ -78,7 +78,7 @@ BAD = [
     ),
     ([*MUON, "--muon_learning_rate=0.0"], "needs --muon_learning_rate > 0"),
     ([*MUON, "--learning_rate=0.0"], "learning_rate must be > 0"),
-    (["--arch=llama"], "arch must be 'gpt2', 'speedrun' or 'speedrun20'"),
+    (["--arch=llama"], "arch must be 'gpt2', 'speedrun', 'speedrun20' or 'nanochat'"),
     (["--arch=speedrun", "--bias=True"], "set bias=False"),
     (["--arch=speedrun20", "--block_size=200"], "block_size must be a multiple of 128, got 200"),
     (["--arch=speedrun20", "--fp8_head=1"], "fp8_head must be bool"),

@@ -266,7 +266,7 @@ def test_every_attention_kernel_takes_the_rotated_normed_q_and_k(kernel, monkeyp
 
 def test_bad_configs_are_one_line():
     for kw, message in [
-        (dict(arch="llama"), "arch must be 'gpt2', 'speedrun' or 'speedrun20'"),
+        (dict(arch="llama"), "arch must be 'gpt2', 'speedrun', 'speedrun20' or 'nanochat'"),
         (dict(arch="speedrun", bias=True), "set bias=False"),
         (dict(arch="speedrun", bias=False, n_head=64), "head size n_embd / n_head must be even"),
     ]:

@@ -1,0 +1,155 @@
+"""nanochat through train.py and sample.py (docs/nanochat.md): a data folder as
+data/nanochat/prepare.py leaves it (shards/*.parquet, tokenizer/), the depth dial setting the
+model's shape and the run's horizon, batch, rates and weight decay as nanochat's base_train does,
+val bits per byte, an exact resume, sampling in its tokenizer, and the settings it refuses."""
+
+import math
+import os
+
+import jax
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from helpers import REPO, read_log
+
+import sample
+import train
+from archs import nanochat_recipe
+from configurator import UsageError, command_line_keys, configure
+from dataio.chat_tokenizer import ChatTokenizer
+from run import train_setup
+from run.settings import DEFAULTS, validate
+
+VOCAB = 320
+GPT2 = ["--arch=gpt2", "--bias=True", "--window_pattern=SSSL"]
+
+
+@pytest.fixture(scope="module")
+def nanochat_data(tmp_path_factory):
+    """Shakespeare's paragraphs as three shards (the last the val split) of row groups of 64
+    documents, and a tokenizer of VOCAB ids trained on the train shards."""
+    folder = tmp_path_factory.mktemp("nanochat")
+    with open(os.path.join(REPO, "data", "shakespeare_char", "input.txt")) as f:
+        docs = [p for p in f.read().split("\n\n") if p.strip()][:1500]
+    parts = [docs[:600], docs[600:1200], docs[1200:]]
+    os.makedirs(folder / "shards")
+    for k, part in enumerate(parts):
+        table = pa.table({"text": part})
+        pq.write_table(table, folder / "shards" / f"shard_{k:05d}.parquet", row_group_size=64)
+    tokenizer = ChatTokenizer.train((d for part in parts[:2] for d in part), VOCAB)
+    tokenizer.save(folder / "tokenizer", token_bytes_pt=False)
+    return folder
+
+
+def argv(data, out_dir, *extra):
+    """config/nanochat_cpu.py at a tiny depth: 2 layers of 2 heads of 16, 32 tokens, 8 rows a
+    step in two micro-batches."""
+    return [
+        os.path.join(REPO, "config", "nanochat_cpu.py"),
+        f"--dataset={data}",
+        f"--out_dir={out_dir}",
+        "--depth=2",
+        "--aspect_ratio=16",
+        "--head_dim=16",
+        "--block_size=32",
+        "--window_pattern=SL",
+        "--batch_size=4",
+        "--total_batch_size=256",
+        "--max_iters=6",
+        "--warmup_iters=2",
+        "--eval_interval=3",
+        "--val_tokens=256",
+        "--eval_iters=2",
+        "--log_interval=1",
+        *extra,
+    ]
+
+
+def trainer(data, out_dir, *extra):
+    args = argv(data, out_dir, *extra)
+    return train.Trainer(configure(DEFAULTS, args), typed=command_line_keys(args))
+
+
+def test_the_dial_sets_what_base_train_sets(nanochat_data, tmp_path):
+    """The run's shape, horizon, batch, rates and weight decay are nanochat_recipe.resolve's (held
+    against base_train's own arithmetic in tests/test_nanochat_recipe.py) for the same inputs;
+    the model built is that shape."""
+    t = trainer(nanochat_data, tmp_path, "--max_iters=0", "--target_param_data_ratio=4")
+    recipe = nanochat_recipe.resolve(
+        depth=2,
+        aspect_ratio=16,
+        head_dim=16,
+        max_seq_len=32,
+        vocab_size=VOCAB,
+        window_pattern="SL",
+        target_param_data_ratio=4,
+        device_batch_size=4,
+        total_batch_size=256,
+        warmup_steps=2,
+    )
+    c = t.c
+    assert (c["n_layer"], c["n_head"], c["n_embd"]) == (2, 2, 32)
+    assert t.model_config.vocab_size == VOCAB and t.model_config.window_pattern == "SL"
+    assert c["max_iters"] == recipe.num_iterations > 0
+    assert (t.accum, c["batch_size"]) == (recipe.grad_accum_steps, 4)
+    assert math.isclose(c["weight_decay"], recipe.weight_decay)
+    assert math.isclose(c["learning_rate"], 0.008 * recipe.batch_lr_scale)
+    assert math.isclose(c["muon_learning_rate"], recipe.rates["muon"])
+    t.lock.close()
+
+
+def test_it_trains_reports_bits_per_byte_and_samples_in_its_tokenizer(
+    nanochat_data, tmp_path, capsys
+):
+    t = trainer(nanochat_data, tmp_path).run()
+    assert t.model_config.arch == "nanochat"
+    losses = [v for _, v in read_log(tmp_path, "loss")]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    bpb = read_log(tmp_path, "val_bpb")
+    assert [it for it, _ in bpb] == [0, 3, 6] and bpb[-1][1] < bpb[0][1]
+    out = capsys.readouterr().out
+    assert "nanochat's MuonAdamW: Muon (lr " in out and "val bpb" in out
+    # bits per byte from the val loss: nats over the bytes the val tokens spell, BOS (0 bytes) out
+    val = read_log(tmp_path, "val_loss")[-1][1]
+    assert 0.5 < bpb[-1][1] / (val / math.log(2)) < 2
+    sample.main(
+        [f"--out_dir={tmp_path}", "--start=ROMEO:", "--num_samples=1", "--max_new_tokens=8"]
+    )
+    text = capsys.readouterr().out
+    assert "<|bos|>ROMEO:" in text
+
+
+def test_resume_is_bit_for_bit(nanochat_data, tmp_path, monkeypatch):
+    """The loader's buffer read again, Muon's and Adam's state and the schedules' count restored:
+    a run stopped after 3 of its 6 steps (as SIGTERM stops it: its schedules are fractions of
+    max_iters, so it is the same run), then resumed, ends where 6 straight steps end."""
+    straight = trainer(nanochat_data, tmp_path / "a").run()
+    with monkeypatch.context() as m:
+        m.setattr(train_setup.Stops, "agreed", lambda self, it: "SIGTERM" if it == 3 else None)
+        trainer(nanochat_data, tmp_path / "b").run()
+    assert [it for it, _ in read_log(tmp_path / "b", "loss")] == [0, 1, 2]
+    resumed = trainer(nanochat_data, tmp_path / "b", "--init_from=resume").run()
+    assert read_log(tmp_path / "a", "loss") == read_log(tmp_path / "b", "loss")
+    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "extra, line",
+    [
+        (GPT2 + ["--optimizer=adamw"], "depth is nanochat's depth dial: use it with --arch"),
+        (["--n_layer=4"], r"depth=2 sets n_layer \(nanochat's dial\): leave n_layer out"),
+        (["--lr_schedule=cosine"], "optimizer='muonadamw' takes nanochat's schedule"),
+        (GPT2 + ["--depth=0"], "optimizer='muonadamw' is nanochat's MuonAdamW"),
+        (["--window_pattern=SXL"], "window_pattern of the letters S and L"),
+        (["--total_batch_size=200"], "must be a multiple of device_batch_size x max_seq_len"),
+    ],
+)
+def test_bad_settings_are_one_line(nanochat_data, tmp_path, extra, line):
+    with pytest.raises(UsageError, match=line):
+        args = argv(nanochat_data, tmp_path, *extra)
+        c = configure(DEFAULTS, args)
+        validate(c)
+        train.Trainer(c, typed=command_line_keys(args))
+    assert not os.path.exists(tmp_path / "ckpt")
