@@ -151,9 +151,12 @@ def exit_on_interrupt(message, signals=(signal.SIGINT,)):
     os.set_blocking(write_fd, False)
     armed = threading.Event()
     armed.set()
+    # the Python handler (main thread) and the watcher thread both see the signal: the first to
+    # take this prints and exits, the other returns (on a busy machine both reached the print)
+    first = threading.Lock()
 
     def stop(signum):
-        if armed.is_set():
+        if armed.is_set() and first.acquire(blocking=False):
             print(f"error: {message}", file=sys.stderr, flush=True)
             os._exit(128 + signum)
 

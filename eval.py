@@ -30,10 +30,11 @@ import jax
 
 from compute import sharding
 from configurator import UsageError, configure, exit_on_bad_input, require_extras
+from dataio.chat_tokenizer import ChatTokenizer
 from dataio.weights import HF_NAMES, hf_directory
 from hellaswag import check_bpe
 from run import core_eval
-from run.checkpoint import load_bpe_model
+from run.checkpoint import load_with_codec, refuse_char_level
 from run.runlog import check_results_file, write_results
 from run.settings import resolve_dtype
 
@@ -163,11 +164,19 @@ def evaluate(lm, cfg, manager):
 
 
 def load(cfg, why):
-    """The model of cfg (a character-level one is one line saying `why` not), its checkpoint step
-    and the mesh it is on, said on stderr."""
+    """The model of cfg (a character-level one is one line saying `why` not), what encodes its
+    text, its checkpoint step and the mesh it is on, said on stderr. lm-eval's text is GPT-2's BPE:
+    a model of nanochat's tokenizer is scored by CORE alone."""
     cfg["dtype"] = resolve_dtype(cfg["dtype"], jax.default_backend())
     t0 = time.time()
-    model, step = load_bpe_model(cfg["init_from"], cfg["out_dir"], cfg["dtype"], why)
+    model, codec, step = load_with_codec(cfg["init_from"], cfg["out_dir"], cfg["dtype"])
+    where = cfg["out_dir"] if cfg["init_from"] == "resume" else cfg["init_from"]
+    refuse_char_level(codec, where, why)
+    if isinstance(codec, ChatTokenizer) and cfg["tasks"] != CORE:
+        raise UsageError(
+            f"{where} speaks nanochat's tokenizer, and lm-eval's tasks are scored in GPT-2's BPE: "
+            "score it with --tasks=core"
+        )
     mesh = sharding.make_mesh(cfg["fsdp"], cfg["tensor_parallel"])
     sharding.check_model_fits_mesh(model.config, mesh)
     print(
@@ -178,7 +187,7 @@ def load(cfg, why):
         f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}",
         file=sys.stderr,
     )
-    return model, step, mesh
+    return model, codec, step, mesh
 
 
 def core(cfg):
@@ -188,11 +197,15 @@ def core(cfg):
     for task in tasks:
         core_eval.bundle_file(cfg["core_bundle"], "eval_data", task.dataset_uri)
     check_bpe(cfg["init_from"], cfg["out_dir"], NOT_BPE_CORE)
-    model, step, mesh = load(cfg, NOT_BPE_CORE)
+    model, codec, step, mesh = load(cfg, NOT_BPE_CORE)
     scorer = core_eval.Scorer(model, mesh, cfg["batch_size"])
     t0 = time.time()
+    # nanochat's tokenizer as nanochat's CORE runs it, or GPT-2's BPE behind its interface
+    tokens = (
+        ChatTokenizer(codec.enc) if isinstance(codec, ChatTokenizer) else core_eval.GPT2Tokens()
+    )
     report = core_eval.evaluate_core(
-        scorer, core_eval.GPT2Tokens(), cfg["core_bundle"], cfg["max_per_task"], labels
+        scorer, tokens, cfg["core_bundle"], cfg["max_per_task"], labels
     )
     if jax.process_index() != 0:
         return 0
@@ -229,7 +242,7 @@ def main(argv=None):
     from run.eval_lm import JaxLM
 
     manager = task_manager(cfg["tasks"].split(","), cfg["include_path"])
-    model, step, mesh = load(cfg, NOT_BPE)
+    model, _, step, mesh = load(cfg, NOT_BPE)
     lm = JaxLM(model, mesh, cfg["batch_size"], cfg["seed"])
     t0 = time.time()
     results = evaluate(lm, cfg, manager)

@@ -119,6 +119,9 @@ class ChatTokenizer:
                 )
         return tokenizer
 
+    def get_bos_token_id(self):  # nanochat's name (run/core_eval.py asks it)
+        return self.bos_token_id
+
     def encode_special(self, name):
         return self.enc.encode_single_token(name)
 

@@ -219,11 +219,16 @@ def hf_state_from_ours(params):
 
 
 def from_orbax(out_dir, step=None):
-    from model import RUNTIME_FIELDS  # JAX is loaded by now (read_orbax)
+    from model import RUNTIME_FIELDS, GPTConfig  # JAX is loaded by now (read_orbax)
 
     params, meta = read_orbax(out_dir, step)
     args = meta["model_args"]
-    unknown = sorted(set(args) - set(ARCH_FIELDS) - set(RUNTIME_FIELDS))
+    # another architecture's fields (nanochat's n_kv_head) pass at their defaults
+    unknown = sorted(
+        k
+        for k in set(args) - set(ARCH_FIELDS) - set(RUNTIME_FIELDS)
+        if args[k] != getattr(GPTConfig, k, not args[k])
+    )
     if unknown:
         raise UsageError(f"{out_dir}: model_args {unknown} are unknown to the torch reference")
     if args.get("arch", "gpt2") != "gpt2":

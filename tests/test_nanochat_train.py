@@ -11,8 +11,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import REPO, read_log
+from helpers import REPO, exit_line, read_log
+from helpers.core_bundle import write_bundle
 
+import eval as eval_py
 import sample
 import train
 from archs import nanochat_recipe
@@ -118,6 +120,14 @@ def test_it_trains_reports_bits_per_byte_and_samples_in_its_tokenizer(
     )
     text = capsys.readouterr().out
     assert "<|bos|>ROMEO:" in text
+    # CORE in its own tokenizer (its BOS first); lm-eval's tasks, in GPT-2's BPE, refused
+    bundle = write_bundle(tmp_path / "bundle")
+    core = ["--init_from=resume", f"--out_dir={tmp_path}", f"--core_bundle={bundle}"]
+    assert eval_py.main([*core, "--tasks=core", "--batch_size=4"]) == 0
+    assert "CORE metric: " in capsys.readouterr().out
+    lm_eval = [f"--out_dir={tmp_path}", "--init_from=resume", "--tasks=hellaswag"]
+    code, line = exit_line(lambda: eval_py.main(lm_eval), capsys)
+    assert code == 2 and "speaks nanochat's tokenizer" in line and "--tasks=core" in line
 
 
 def test_resume_is_bit_for_bit(nanochat_data, tmp_path, monkeypatch):
