@@ -295,21 +295,27 @@ class NanochatGPT(GPT):
         return {k: (v.T if k in linear else v).copy(order="C") for k, v in state.items()}
 
     @classmethod
+    def from_state(cls, config: GPTConfig, state, mesh=None):
+        """A model holding nanochat's state dict `state` ({its name: array} in its layout: an
+        nn.Linear's weight (out, in), the transpose of our kernel), as GPT.from_state holds HF's."""
+        model = nnx.eval_shape(lambda: cls(config, nnx.Rngs(0)))
+        linear = {name for name, _, is_linear in model.weight_rows() if is_linear}
+        ours = {k: np.asarray(v).T if k in linear else v for k, v in state.items()}
+        return super().from_state(config, ours, mesh)
+
+    @classmethod
     def from_nanochat(cls, model_config, state, mesh=None, **settings):
         """A model holding nanochat's state dict `state` ({its name: torch tensor or numpy}, as its
         model_*.pt; torch.compile's '_orig_mod.' prefix dropped, bf16 tables read as float32), of
         its GPTConfig fields `model_config` (config_from_nanochat; settings: the run's). Without
         resid_lambdas or x0_lambdas (nanochat's older checkpoints) they are 1 and 0."""
         config = config_from_nanochat(model_config, **settings)
-        model = nnx.eval_shape(lambda: cls(config, nnx.Rngs(0)))
-        linear = {name for name, _, is_linear in model.weight_rows() if is_linear}
         # as its checkpoint_manager patches checkpoints from before the lambdas: neutral ones
         ours = {"resid_lambdas": np.ones(config.n_layer), "x0_lambdas": np.zeros(config.n_layer)}
         for name, value in state.items():
-            name = name.removeprefix("_orig_mod.")
             if hasattr(value, "detach"):  # a torch tensor (torch is optional here)
                 value = value.detach().float().cpu().numpy()
-            ours[name] = value.T if name in linear else value
+            ours[name.removeprefix("_orig_mod.")] = value
         return cls.from_state(config, ours, mesh)
 
 
