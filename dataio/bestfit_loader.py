@@ -172,12 +172,14 @@ class BestFitLoader:
             yield x[0], y[0]
 
 
-def for_folder(data_dir, parquet, split, block_size, rows, row_slice=None, vocab_size=None):
+def for_folder(
+    data_dir, parquet, split, block_size, rows, row_slice=None, vocab_size=None, tokenizer=""
+):
     """The loader of a nanochat data folder: `parquet`, its shards/*.parquet (the last the val
-    split), in the tokenizer of data_dir/tokenizer/; this process packs its rows of `row_slice`
-    as nanochat's rank of as many processes does."""
+    split), in the tokenizer of the directory `tokenizer`, else data_dir/tokenizer/; this process
+    packs its rows of `row_slice` as nanochat's rank of as many processes does."""
     lo, hi, _ = (row_slice or slice(0, rows)).indices(rows)
-    tokenizer = ChatTokenizer.from_directory(storage.join(data_dir, "tokenizer"))
+    tokenizer = ChatTokenizer.from_directory(tokenizer or storage.join(data_dir, "tokenizer"))
     shards = parquet_shards.split_shards(parquet, split)
     stream = parquet_stream(shards, rank=lo // (hi - lo), world=rows // (hi - lo))
 

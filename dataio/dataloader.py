@@ -361,11 +361,12 @@ def make_loader(
     shuffle_shards=False,
     vocab_size=None,
     record20=False,
+    tokenizer="",
 ):
     """The loader for what `data_dir` (a folder, or a URL: gs://bucket/folder) holds: `{split}.bin`
     (nanoGPT), llm.c `*_{split}_*.bin` shards (modded-nanogpt; record20: its record 20's steps),
-    `shards/*.parquet` and `tokenizer/` (nanochat) or `*{split}*.npy` shards (build-nanogpt).
-    vocab_size: the model's, which no token id may reach."""
+    `shards/*.parquet` and `tokenizer/` (nanochat; `tokenizer`: another tokenizer directory) or
+    `*{split}*.npy` shards (build-nanogpt). vocab_size: the model's, which no token id may reach."""
     bin_path = storage.join(data_dir, f"{split}.bin")
     if storage.exists(bin_path):
         return BinLoader(bin_path, block_size, rows, seed, row_slice, vocab_size)
@@ -381,7 +382,7 @@ def make_loader(
     parquet = shards_in(storage.join(data_dir, "shards"), "*.parquet")
     if parquet:
         return bestfit_loader.for_folder(
-            data_dir, parquet, split, block_size, rows, row_slice, vocab_size
+            data_dir, parquet, split, block_size, rows, row_slice, vocab_size, tokenizer
         )
     shards = shards_in(data_dir, f"*{split}*.npy")
     if shards:
@@ -407,18 +408,18 @@ def make_loader(
 TOKENIZER_FILE = ("tokenizer", "tokenizer.pkl")  # a nanochat data folder's tokenizer
 
 
-def data_meta(data_dir):
+def data_meta(data_dir, tokenizer=""):
     """(vocab_size, vocab) of the data's characters (nanoGPT's char-level datasets write a meta.pkl;
     a meta.json is read first), read by tokenizer.read_vocab, which runs nothing: vocab_size and the
-    characters, which each checkpoint saves as what decodes its tokens; a nanochat folder's
-    tokenizer's size and 'nanochat' (its tokenizer/ decodes); (0, 'gpt2') where there is none of
-    them: GPT-2's BPE. data_dir may be a URL."""
+    characters, which each checkpoint saves as what decodes its tokens; nanochat's tokenizer's size
+    and 'nanochat' for `tokenizer` (its directory) or a folder with a tokenizer/; (0, 'gpt2') where
+    there is none of them: GPT-2's BPE. data_dir may be a URL."""
     path = vocab_file(data_dir)
-    if path:
+    if path and not tokenizer:
         return read_vocab(path)
-    if storage.exists(storage.join(data_dir, *TOKENIZER_FILE)):
-        tokenizer = ChatTokenizer.from_directory(storage.join(data_dir, TOKENIZER_FILE[0]))
-        return tokenizer.n_vocab, "nanochat"
+    if tokenizer or storage.exists(storage.join(data_dir, *TOKENIZER_FILE)):
+        found = ChatTokenizer.from_directory(tokenizer or storage.join(data_dir, TOKENIZER_FILE[0]))
+        return found.n_vocab, "nanochat"
     return 0, "gpt2"
 
 

@@ -129,6 +129,9 @@ DEFAULTS = dict(
     # n_head) and its windows tiled over the layers, L the whole block, S a quarter (the last L)
     n_kv_head=0,
     window_pattern="SSSL",
+    # a nanochat tokenizer directory (tokenizer.pkl: data/nanochat/prepare.py, or nanochat's own
+    # ~/.cache/nanochat/tokenizer); "": the dataset folder's tokenizer/
+    tokenizer="",
     # nanochat's one dial: depth > 0 sets n_layer = depth, n_embd = depth x aspect_ratio rounded up
     # to heads of head_dim, n_head; max_iters=0 from target_param_data_ratio (tokens per scaling
     # param) or target_flops; total_batch_size=0 from its batch rule; the four rates and

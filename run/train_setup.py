@@ -57,7 +57,9 @@ def start_for(c, runtime, data_vocab_size, data_dir, master, typed=()):
     if c["init_from"] == "scratch":
         vocab_size = c["vocab_size"] or data_vocab_size
         if not c["vocab_size"] and data_vocab_size:
-            source = vocab_file(data_dir) or storage.join(data_dir, *TOKENIZER_FILE)
+            source = (
+                c["tokenizer"] or vocab_file(data_dir) or storage.join(data_dir, *TOKENIZER_FILE)
+            )
             print(f"found vocab_size = {vocab_size} (inside {source})")
         keys = ("block_size", "n_layer", "n_head", "n_embd", "bias", "gelu", "arch")
         keys += ("n_kv_head", "window_pattern")
@@ -102,6 +104,7 @@ def make_loaders(c, data_dir, batch_sharding, accum, rows, vocab_size, data_voca
         row_slice=row_slice,
         shuffle_shards=c["shuffle_shards"],
         vocab_size=vocab_size,
+        tokenizer=c["tokenizer"],
         **models.arch_of(c["arch"]).loader,
     )
     # else the first batch's ids say it, after out_dir exists

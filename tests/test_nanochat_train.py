@@ -18,7 +18,7 @@ import eval as eval_py
 import sample
 import train
 from archs import nanochat_recipe
-from configurator import UsageError, command_line_keys, configure
+from configurator import InputNotFound, UsageError, command_line_keys, configure
 from dataio.chat_tokenizer import ChatTokenizer
 from run import train_setup
 from run.settings import DEFAULTS, validate
@@ -154,12 +154,25 @@ def test_resume_is_bit_for_bit(nanochat_data, tmp_path, monkeypatch):
         (GPT2 + ["--depth=0"], "optimizer='muonadamw' is nanochat's MuonAdamW"),
         (["--window_pattern=SXL"], "window_pattern of the letters S and L"),
         (["--total_batch_size=200"], "must be a multiple of device_batch_size x max_seq_len"),
+        (["--tokenizer=nowhere"], r"no tokenizer at nowhere/tokenizer.pkl: train it again"),
     ],
 )
 def test_bad_settings_are_one_line(nanochat_data, tmp_path, extra, line):
-    with pytest.raises(UsageError, match=line):
+    with pytest.raises((UsageError, InputNotFound), match=line):
         args = argv(nanochat_data, tmp_path, *extra)
         c = configure(DEFAULTS, args)
         validate(c)
         train.Trainer(c, typed=command_line_keys(args))
     assert not os.path.exists(tmp_path / "ckpt")
+
+
+def test_a_tokenizer_directory_elsewhere(nanochat_data, tmp_path):
+    """--tokenizer: the shards of one folder in the tokenizer of another (nanochat's own
+    ~/.cache/nanochat/tokenizer, say)."""
+    os.makedirs(tmp_path / "data")
+    os.symlink(nanochat_data / "shards", tmp_path / "data" / "shards")
+    t = trainer(tmp_path / "data", tmp_path / "out", f"--tokenizer={nanochat_data / 'tokenizer'}")
+    assert t.model_config.vocab_size == VOCAB
+    x, _ = t.train_loader.next(1)
+    assert x[0, 0, 0] == ChatTokenizer.from_directory(nanochat_data / "tokenizer").bos_token_id
+    t.lock.close()

@@ -9,6 +9,9 @@ characters, 2B characters), into data/nanochat/tokenizer/ (tokenizer.pkl, token_
     python data/nanochat/prepare.py --shards=170       # nanochat's speedrun: enough for its d20
     python data/nanochat/prepare.py --tokenizer_only   # train on the shards already here
     python data/nanochat/prepare.py --shards=2 --vocab_size=4096 --max_chars=50000000
+    # offline: Shakespeare's paragraphs as shards (config/nanochat_cpu.py's quick run)
+    python data/nanochat/prepare.py --text=data/shakespeare_char/input.txt --shards=4 \
+        --vocab_size=4096
 
 A rerun keeps the shards that are here (a shard lands whole, renamed from .tmp, or not at all).
 """
@@ -82,6 +85,31 @@ def train_tokenizer(shards_dir, tokenizer_dir, vocab_size, max_chars, doc_cap):
     print(f"saved {tokenizer_dir}: tokenizer.pkl" + ", token_bytes.pt" * has_torch)
 
 
+def shards_from_text(path, folder, n_train):
+    """`path`'s paragraphs as documents: the first nine tenths in n_train shards, the rest the val
+    shard (the last), row groups of 256 documents, as the downloaded ones are laid out."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if n_train < 1:
+        raise UsageError(f"--shards={n_train}: give at least 1")
+    try:
+        with open(path, encoding="utf-8") as f:
+            docs = [d.strip() for d in f.read().split("\n\n") if d.strip()]
+    except OSError as e:
+        raise UsageError(f"cannot read --text={path}: {e.strerror or e}") from None
+    if len(docs) < 2 * (n_train + 1):
+        raise UsageError(f"{path} has {len(docs)} paragraphs: too few for {n_train} + 1 shards")
+    cut = len(docs) * 9 // 10
+    parts = [docs[i * cut // n_train : (i + 1) * cut // n_train] for i in range(n_train)]
+    os.makedirs(folder, exist_ok=True)
+    for index, part in enumerate([*parts, docs[cut:]]):
+        name = os.path.join(folder, parquet_shards.shard_name(index))
+        pq.write_table(pa.table({"text": part}), name + ".tmp", row_group_size=256)
+        os.replace(name + ".tmp", name)  # whole or not at all, as a download
+    print(f"wrote {n_train} + 1 shards of {len(docs):,} paragraphs of {path} into {folder}")
+
+
 def main(argv=None):
     title, usage = __doc__.strip().split("\n\n", 1)
     p = argparse.ArgumentParser(
@@ -100,11 +128,19 @@ def main(argv=None):
         "--tokenizer_only", action="store_true", help="download nothing: train on --dir's shards"
     )
     p.add_argument("--base_url", default=parquet_shards.BASE_URL, help="a mirror of the shards")
+    p.add_argument(
+        "--text",
+        default="",
+        help="offline: shards cut from this text file's paragraphs (blank-line separated), the "
+        "last tenth the val shard, instead of the download",
+    )
     args = p.parse_args(argv)
     for flag in ("workers", "max_chars", "doc_cap"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag}={getattr(args, flag)}: give at least 1")
-    if not args.tokenizer_only:
+    if args.text:
+        shards_from_text(args.text, args.dir, args.shards)
+    elif not args.tokenizer_only:
         indices = parquet_shards.shard_indices(args.shards)
         print(f"downloading {len(indices)} shards into {args.dir} on {args.workers} workers")
         failed = parquet_shards.download_shards(

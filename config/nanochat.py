@@ -1,14 +1,15 @@
-# nanochat's speedrun pretraining (karpathy/nanochat runs/speedrun.sh: base_train --depth=24
-# --target-param-data-ratio=8 --device-batch-size=16 on 8 GPUs): its GPT (arch='nanochat') on its
-# ClimbMix shards in its own tokenizer, every other setting from its depth dial: width, heads, the
-# horizon, the batch, the rates and weight decay (archs/nanochat_recipe.py; docs/nanochat.md).
-# data: python data/nanochat/prepare.py --shards=170   run: python train.py config/nanochat_d24.py
+# nanochat's pretraining at its base_train's defaults (karpathy/nanochat scripts/base_train.py:
+# depth 20, 12 tokens per scaling param, 32 sequences of 2048 a device): its GPT (arch='nanochat')
+# on its ClimbMix shards in its own tokenizer, every other setting from its depth dial (width,
+# heads, horizon, batch, rates, weight decay: archs/nanochat_recipe.py; docs/nanochat.md); another
+# depth with --depth=N. data: python data/nanochat/prepare.py --shards=N
+# run: python train.py config/nanochat.py [--depth=12]
 
-out_dir = "out-nanochat-d24"
+out_dir = "out-nanochat"
 dataset = "nanochat"  # data/nanochat/shards/*.parquet and data/nanochat/tokenizer/
 
 arch = "nanochat"
-depth = 24
+depth = 20
 aspect_ratio = 64
 head_dim = 128
 block_size = 2048  # its max_seq_len
@@ -17,12 +18,12 @@ bias = False
 dropout = 0.0
 vocab_size = 0  # the tokenizer's
 
-# the dial: max_iters and total_batch_size 0 are its rules' (8 tokens per scaling param; the batch
+# the dial: max_iters and total_batch_size 0 are its rules' (12 tokens per scaling param; the batch
 # from its Power Lines rule against d12)
 max_iters = 0
-target_param_data_ratio = 8.0
+target_param_data_ratio = 12.0
 total_batch_size = 0
-batch_size = 16  # its device_batch_size
+batch_size = 32  # its device_batch_size
 
 optimizer = "muonadamw"
 learning_rate = 0.008  # its unembedding_lr (the head's)
@@ -43,4 +44,4 @@ eval_iters = 20
 log_interval = 1
 always_save_checkpoint = False
 wandb_project = "nanochat"
-wandb_run_name = "d24"
+wandb_run_name = "base"
