@@ -19,8 +19,9 @@ root turns into full steps of either sign, on either side.
 
     python -m parity.check_nanochat_train                    # the torch reference
     python -m parity.check_nanochat_train --own ../nanochat  # nanochat's own code
+    python -m parity.check_nanochat_train --drift --own ../nanochat  # bf16's drift, each side
 
-Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input.
+Exit code: 0 parity holds (--drift: 0, it reports), 1 a tolerance is exceeded, 2 bad input.
 """
 
 import argparse
@@ -29,6 +30,7 @@ import contextlib
 import math
 import os
 import sys
+import tempfile
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -40,7 +42,7 @@ from flax import nnx
 from compute import sharding
 from configurator import UsageError, configure, exit_on_bad_input, require_extras
 from model import RUNTIME_FIELDS
-from parity import nanochat_optim_reference, nanochat_reference
+from parity import nanochat_drift, nanochat_optim_reference, nanochat_reference
 from parity.check_nanochat import perturbed
 from parity.common import pin_numerics, print_table, verdict
 from run import auto_settings, train_setup, train_step
@@ -242,7 +244,7 @@ class TorchSide:
         return float(np.mean(losses))
 
     def state_dict(self):
-        return {k: v.detach().numpy().copy() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().float().numpy().copy() for k, v in self.model.state_dict().items()}
 
     def load(self, state):
         """Hold `state` ({nanochat's name: float32 numpy}) in place of the init."""
@@ -382,12 +384,39 @@ def print_steps(steps):
     )
 
 
+def drift(args, c, mesh, side):
+    """--drift: the steps four ways from the same start, ours and nanochat's own (`side`) each in
+    float32 and bf16 (parity/nanochat_drift.py); each side's bf16 against its float32 printed."""
+    start = perturbed(side.state_dict(), args.seed)
+    side.load(start)
+    batches = make_batches(args.steps, args.seed)
+    bf16, _ = run_settings(args.steps, "--dtype=bfloat16")
+    with tempfile.TemporaryDirectory() as folder:
+        runs = {
+            "ours float32": nanochat_drift.trained(Ours(c, mesh, start), batches),
+            "ours bf16": nanochat_drift.trained(Ours(bf16, mesh, start), batches),
+            "torch float32": nanochat_drift.trained(side, batches),
+            "torch bf16": nanochat_drift.own_bf16(args.own, args.steps, args.seed, start, folder),
+        }
+    print(
+        f"nanochat training steps in bf16 against float32, from the same start on the same "
+        f"batches: ours (train.py's step, dtype bfloat16 / float32) and torch (nanochat's own "
+        f"code, NANOCHAT_DTYPE bfloat16 / float32); {args.steps} steps, the check's run"
+    )
+    nanochat_drift.print_drifts(nanochat_drift.drifts(runs, compare))
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--own", metavar="CHECKOUT", help="nanochat's own code from a checkout")
     parser.add_argument("--steps", type=int, default=6, help="steps, the run's max_iters (>= 3)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drift", action="store_true", help="bf16's drift, each side (--own)")
+    parser.add_argument("--bf16-child", help=argparse.SUPPRESS)  # --drift's own bf16 run
     args = parser.parse_args(argv)
+    if (args.drift or args.bf16_child) and args.own is None:
+        raise UsageError("--drift: nanochat's own code in bf16 (--own CHECKOUT); no reference's")
     if args.steps < 3:
         raise UsageError("--steps must be >= 3: the warmup (2) and the warmdown both within it")
     require_extras("parity")
@@ -398,6 +427,12 @@ def main(argv=None):
     else:
         side = own_side(args.own, c, args.seed)
         name = "nanochat's own GPT, MuonAdamW, base_train schedules"
+    if args.bf16_child:
+        side.load(nanochat_drift.load_start(args.bf16_child))
+        batches = make_batches(args.steps, args.seed)
+        return nanochat_drift.save_trained(nanochat_drift.trained(side, batches), args.bf16_child)
+    if args.drift:
+        return drift(args, c, mesh, side)
     records = run_steps(c, mesh, side, make_batches(args.steps, args.seed), args.seed)
     print(
         f"nanochat training steps: ours (train.py's step, float32) vs {name} (float32); depth "
