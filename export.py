@@ -1,6 +1,7 @@
 """
-A checkpoint of ours out of the project: an HF GPT-2 directory, a nanoGPT ckpt.pt, or
-(arch='speedrun' or 'speedrun20') a modded-nanogpt state_step*.pt of record 5 or 20.
+A checkpoint of ours out of the project: an HF GPT-2 directory, a nanoGPT ckpt.pt,
+(arch='speedrun' or 'speedrun20') a modded-nanogpt state_step*.pt of record 5 or 20, or
+(arch='nanochat') a nanochat checkpoint directory.
 
     # GPT2LMHeadModel.from_pretrained
     python export.py --out_dir=out-shakespeare-char --format=hf --to=hf-shakespeare
@@ -10,35 +11,46 @@ A checkpoint of ours out of the project: an HF GPT-2 directory, a nanoGPT ckpt.p
     python export.py --out_dir=out --step=2000 --format=nanogpt --to=ckpt-2000.pt
     # record 5's (or record 20's) GPT.load_state_dict
     python export.py --out_dir=out-speedrun --format=modded --to=state_step005100.pt
+    # nanochat's checkpoint_manager.build_model(DIR, step, ...)
+    python export.py --out_dir=out-nanochat --format=nanochat --to=DIR
 
 A character-level run's vocabulary goes beside the weights twice: meta.json, which sample.py
 --init_from=DIR reads (no pickle), and nanoGPT's meta.pkl, for nanoGPT's own sample.py. --step: a
 saved step (default: the latest). --to: a directory for hf; for nanogpt a directory (ckpt.pt goes in
 it, nanoGPT's out_dir layout) or a file ending in .pt; for modded a file ending in .pt (its state
-dict's keys carry torch.compile's _orig_mod. prefix, as the record's files do). A speedrun model
-(arch='speedrun' or 'speedrun20') exports to modded only, a GPT-2 one to hf and nanogpt only. Bad
+dict's keys carry torch.compile's _orig_mod. prefix, as the record's files do); for nanochat a
+directory: model_NNNNNN.pt and meta_NNNNNN.json of the step, as its base_train saves them, and the
+run's tokenizer as DIR/tokenizer/ (set NANOCHAT_BASE_DIR=DIR for nanochat's scripts to find it). A
+speedrun model (arch='speedrun' or 'speedrun20') exports to modded only, a nanochat one to nanochat
+only, a GPT-2 one to hf and nanogpt only. Bad
 input (no checkpoint, an unwritable target, a model the format cannot hold, a target holding an
 earlier export) fails with one line, exit code 2, and writes nothing. An export is whole or not at
 all: --overwrite=True replaces an earlier one at --to, every file of it removed first, never mixed
 with the new.
 """
 
+import json
 import os
 import sys
 import tempfile
 
 from configurator import InputNotFound, UsageError, configure, exit_on_bad_input
 from dataio import storage
-from dataio.tokenizer import VOCAB_FILES, CharCodec, codec_for, save_vocab
-from run.runlog import nearest_existing
+from dataio.tokenizer import VOCAB_FILES, CharCodec, ChatCodec, codec_for, save_vocab
+from run.runlog import LOG_FILE, nearest_existing
 
-FORMATS = ("hf", "nanogpt", "modded")
+NANOCHAT_FILES = (("model", "pt"), ("meta", "json"))  # of each step
+CHAT_TOKENIZER_FILES = ("tokenizer.pkl", "token_bytes.pt")
+FORMATS = ("hf", "nanogpt", "modded", "nanochat")
+DIRECTORY_FORMATS = ("hf", "nanochat")  # --to is a folder
 defaults = dict(
     out_dir="out",  # our training run's out_dir
     step=-1,  # the saved step to export; -1: the latest
     # 'hf' | 'nanogpt' | 'modded' (modded-nanogpt's state_step*.pt: arch='speedrun', 'speedrun20')
+    # | 'nanochat' (its checkpoint directory: arch='nanochat')
     format="hf",
-    to="",  # where to write: a folder (hf), a ckpt.pt (nanogpt), a state_step*.pt (modded)
+    # where to write: a folder (hf, nanochat), a ckpt.pt (nanogpt), a state_step*.pt (modded)
+    to="",
     # replace an earlier export at --to, whole (its weights and vocabulary files first removed)
     overwrite=False,
 )
@@ -50,13 +62,20 @@ def target(cfg):
     if not to:
         raise UsageError("--to is required: where to write the export")
     if cfg["format"] not in FORMATS:
-        raise UsageError(f"--format must be 'hf', 'nanogpt' or 'modded', got {cfg['format']!r}")
+        raise UsageError(
+            f"--format must be 'hf', 'nanogpt', 'modded' or 'nanochat', got {cfg['format']!r}"
+        )
     if cfg["format"] == "modded" and not to.endswith(".pt"):
         raise UsageError(
             f"--format=modded writes one file: --to must end in .pt (e.g. state_step000100.pt), "
             f"got {to!r}"
         )
-    hf = cfg["format"] == "hf"
+    hf = cfg["format"] in DIRECTORY_FORMATS
+    if cfg["format"] == "nanochat" and to.endswith(".pt"):
+        raise UsageError(
+            "--format=nanochat writes a directory (model_NNNNNN.pt, meta_NNNNNN.json, "
+            f"tokenizer/): give --to a folder, got {to!r}"
+        )
     path = to if hf or to.endswith(".pt") else storage.join(to, "ckpt.pt")
     if storage.is_url(to):  # an object store: the bucket and its access; no folders to check
         storage.check_reachable(to, "--to")
@@ -84,8 +103,8 @@ def check_local_target(to, path, hf):
         )
     if hf and os.path.exists(to) and not os.path.isdir(to):
         raise UsageError(
-            f"cannot write to {to}: it is a file, and --format=hf writes a directory; give another "
-            "--to"
+            f"cannot write to {to}: it is a file, and this format writes a directory; give "
+            "another --to"
         )
     existing = nearest_existing(directory or ".")
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
@@ -94,7 +113,12 @@ def check_local_target(to, path, hf):
 
 def export_files(fmt, path):
     """The files an export to `path` writes, which an earlier export there may have left: the
-    weights (HF: the config and the safetensors) and the character vocabulary beside them."""
+    weights (HF: the config and the safetensors; nanochat: every step's model and meta, so that
+    its largest step is the export's) and the vocabulary beside them."""
+    if fmt == "nanochat":
+        steps = [storage.glob(storage.join(path, f"{k}_*.{e}")) for k, e in NANOCHAT_FILES]
+        tokenizer = [storage.join(path, "tokenizer", f) for f in CHAT_TOKENIZER_FILES]
+        return [f for found in steps for f in found] + tokenizer
     directory = path if fmt == "hf" else storage.dirname(path)
     weights = (
         [storage.join(path, f) for f in ("config.json", "model.safetensors")]
@@ -104,12 +128,46 @@ def export_files(fmt, path):
     return weights + [storage.join(directory, f) for f in VOCAB_FILES]
 
 
+def codec_of(meta):
+    """What decodes the run's ids: its --tokenizer directory (nanochat's), else codec_for."""
+    if meta["config"].get("tokenizer"):
+        return ChatCodec.from_directory(meta["config"]["tokenizer"])
+    return codec_for(
+        meta["model_args"]["vocab_size"], meta.get("vocab"), meta["config"].get("dataset")
+    )
+
+
+def base_train_meta(out_dir, meta):
+    """The run's side of nanochat's meta_NNNNNN.json (nanochat_checkpoint.save_nanochat): val bits
+    per byte at the step and the least up to it from the run's log (None where not logged), its
+    settings as user_config, its batch: rows of a device and tokens a step."""
+    c, step = meta["config"], meta["iter_num"]
+    try:
+        lines = storage.read_bytes(storage.join(out_dir, LOG_FILE)).decode().splitlines()
+    except OSError:  # no log beside the checkpoints: nothing known
+        lines = []
+    records = [json.loads(line) for line in lines if '"val_bpb"' in line]
+    bpbs = {r["iter"]: r["val_bpb"] for r in records if r.get("iter", step + 1) <= step}
+    tokens = c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"]
+    return {
+        "val_bpb": bpbs.get(step),
+        "user_config": c,
+        "device_batch_size": c["batch_size"],
+        "total_batch_size": c.get("total_batch_size") or tokens,
+        "loop_state": {
+            "min_val_bpb": min(bpbs.values(), default=None),
+            "smooth_train_loss": None,  # base_train's running mean: not kept here
+            "total_training_time": None,
+        },
+    }
+
+
 def main(argv=None):
     cfg = configure(defaults, sys.argv[1:] if argv is None else argv)
     path, earlier = target(cfg)
     # here, once the settings are checked: jax, flax and orbax take seconds to import
     from compute import sharding
-    from dataio import pretrained, weights
+    from dataio import nanochat_checkpoint, pretrained, weights
     from run import checkpoint
 
     sharding.start_backend()
@@ -117,12 +175,20 @@ def main(argv=None):
         cfg["out_dir"], None if cfg["step"] == -1 else cfg["step"]
     )
     c = model.config
+    weights.check_export(model, cfg["format"])  # before an earlier export is removed
     try:
-        codec = codec_for(c.vocab_size, meta.get("vocab"), meta["config"].get("dataset"))
+        codec = codec_of(meta)
     # the weights are whole without it; sample.py will say the same of the export
     except InputNotFound as e:
+        if cfg["format"] == "nanochat":  # nanochat's build_model loads its tokenizer too
+            raise
         codec = None
         print(f"note: {e}")
+    if cfg["format"] == "nanochat" and not isinstance(codec, ChatCodec):
+        raise UsageError(
+            "--format=nanochat writes the run's nanochat tokenizer beside the weights, and "
+            f"{cfg['out_dir']} was not trained in one: train on a folder holding a tokenizer/"
+        )
     try:
         for f in earlier:  # --overwrite: the earlier export goes first, whole
             storage.remove(f)
@@ -134,6 +200,10 @@ def main(argv=None):
                 weights.save_hf(model, local)
             elif cfg["format"] == "modded":
                 pretrained.save_modded(model, local, meta["iter_num"])
+            elif cfg["format"] == "nanochat":
+                run = base_train_meta(cfg["out_dir"], meta)
+                nanochat_checkpoint.save_nanochat(model, local, meta["iter_num"], run)
+                codec.save(os.path.join(local, "tokenizer"))  # where its get_tokenizer looks
             else:
                 pretrained.save_nanogpt(
                     model, local, meta["iter_num"], meta["best_val_loss"], meta["config"]
@@ -143,8 +213,8 @@ def main(argv=None):
                 save_vocab(os.path.dirname(local) if local.endswith(".pt") else local, codec.itos)
             if remote:
                 storage.upload(
-                    local if cfg["format"] == "hf" else staging,
-                    path if cfg["format"] == "hf" else storage.dirname(path),
+                    local if cfg["format"] in DIRECTORY_FORMATS else staging,
+                    path if cfg["format"] in DIRECTORY_FORMATS else storage.dirname(path),
                 )
     # a path that looked writable and is not: under /proc, a read-only mount, a full disk
     except OSError as e:

@@ -37,7 +37,7 @@ from compute.layers import (
     tied_head,
 )
 from configurator import UsageError
-from dataio import weights
+from dataio import nanochat_checkpoint, weights
 from model import GPT, MLP, GPTConfig, check_tokens, cropped, normal
 
 SOFTCAP = 15.0  # logits = 15 * tanh(logits / 15), in float32
@@ -79,23 +79,9 @@ def layer_lambdas(n_layer):
 
 
 def config_from_nanochat(model_config, **settings):
-    """GPTConfig from nanochat's GPTConfig fields (its meta_*.json's model_config; window_pattern
-    'L' when absent, as its checkpoint_manager patches old ones). settings: the run's choices."""
-    c = {"window_pattern": "L", **model_config}
-    return GPTConfig(
-        **{
-            "arch": "nanochat",
-            "bias": False,
-            "block_size": c["sequence_len"],
-            "vocab_size": c["vocab_size"],
-            "n_layer": c["n_layer"],
-            "n_head": c["n_head"],
-            "n_kv_head": c["n_kv_head"],
-            "n_embd": c["n_embd"],
-            "window_pattern": c["window_pattern"],
-            **settings,
-        }
-    )
+    """GPTConfig from nanochat's GPTConfig fields (its meta_*.json's model_config: the format's
+    mapping, nanochat_checkpoint.config_args). settings: the run's choices."""
+    return GPTConfig(**{**nanochat_checkpoint.config_args(model_config), **settings})
 
 
 class NanochatMLP(Record5MLP):  # ReLU², no biases
@@ -122,7 +108,7 @@ class NanochatBlock(nnx.Module):
 class NanochatGPT(GPT):
     arch = "nanochat"
     title = "nanochat's GPT"
-    exports = ()  # nanochat's own files: nanochat_state()
+    exports = ("nanochat",)  # nanochat's checkpoint directory (nanochat_state)
 
     def __init__(self, config: GPTConfig, rngs: nnx.Rngs):
         self.check_config(config)

@@ -46,6 +46,12 @@ PARAM_SPECS = [
     (r"mlp\.c_fc\.kernel", P("fsdp", "tensor")),  # (C, 4C) column parallel
     (r"mlp\.c_fc\.bias", P("tensor")),  # (4C,)
     (r"mlp\.c_proj\.kernel", P("tensor", "fsdp")),  # (4C, C) row parallel
+    # nanochat's (arch='nanochat'; its c_proj, c_fc and wte take the rows above): q, k and v as
+    # three Linears, each split by its heads; the value embeddings, keyed by layer, split as wte is.
+    # Its gates (ve_gate (12, n_kv_head), smear_gate (24, 1)) and scalars stay replicated. Its
+    # untied lm_head has no row: the path is record 20's too, whose head stays replicated.
+    (r"attn\.c_[qkv]\.kernel", P("fsdp", "tensor")),  # (C, heads x hs) column parallel
+    (r"value_embeds\.\d+\.embedding", P("tensor", "fsdp")),  # (vocab, n_kv_head x hs)
 ]
 
 
@@ -74,12 +80,18 @@ def batch_shards(mesh):
 
 
 def check_model_fits_mesh(config, mesh):
-    """Tensor parallelism splits heads and the MLP's hidden units: both must divide evenly."""
+    """Tensor parallelism splits heads and the MLP's hidden units: both must divide evenly, and so
+    must the key/value heads where fewer than the query heads (n_kv_head: nanochat's GQA)."""
     tp = mesh.shape["tensor"]
     if config.n_head % tp or (4 * config.n_embd) % tp:
         raise UsageError(
             f"tensor_parallel={tp} must divide n_head={config.n_head} and 4*n_embd="
             f"{4 * config.n_embd}: change --tensor_parallel"
+        )
+    if config.n_kv_head % tp:
+        raise UsageError(
+            f"tensor_parallel={tp} must divide n_kv_head={config.n_kv_head} (the key/value heads, "
+            "split over 'tensor' with their query heads): change --tensor_parallel or --n_kv_head"
         )
 
 

@@ -1,7 +1,8 @@
 """
 Pretrained weights from any format, and the torch .pt formats in and out (on dataio/weights.py's
 table): read_pretrained takes a GPT-2 hub name or HF directory (dataio/weights.py), a nanoGPT
-ckpt.pt (or its out_dir) or a modded-nanogpt state_step*.pt, told apart by their keys.
+ckpt.pt (or its out_dir) or a modded-nanogpt state_step*.pt, told apart by their keys, or a
+nanochat checkpoint directory (dataio/nanochat_checkpoint.py).
 
 - nanoGPT's ckpt.pt (torch.save of {'model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss',
   'config'}): torch is needed to read or write it, imported only then.
@@ -16,6 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from configurator import UsageError
+from dataio.nanochat_checkpoint import nanochat_checkpoint, read_nanochat
 from dataio.weights import (
     MASK_BUFFERS,
     TIED_KEY,
@@ -367,9 +369,13 @@ def record20_config(state, n_head=None):
 
 def read_pretrained(name_or_path, n_head=None):
     """(GPTConfig's arguments, {HF name: array}, training config or None) from a GPT-2 hub name, an
-    HF directory, a nanoGPT ckpt.pt (a file or a nanoGPT out_dir) or a modded-nanogpt state_step*.pt
-    (n_head: its heads, see read_modded; other formats know theirs): the config carries a nanoGPT
-    run's dataset, for its meta.pkl."""
+    HF directory, a nanoGPT ckpt.pt (a file or a nanoGPT out_dir), a modded-nanogpt state_step*.pt
+    (n_head: its heads, see read_modded; other formats know theirs) or a nanochat checkpoint (its
+    directory or a model_NNNNNN.pt: its names, read_nanochat): the config carries a nanoGPT run's
+    dataset, for its meta.pkl, or a nanochat checkpoint's vocab, 'nanochat'."""
+    nanochat = nanochat_checkpoint(name_or_path)
+    if nanochat is not None:
+        return read_nanochat(*nanochat)
     ckpt = nanogpt_checkpoint(name_or_path)
     if ckpt is not None:
         return read_pt(ckpt, n_head)

@@ -235,13 +235,24 @@ def chat_codec(dirs):
     )
 
 
+def nanochat_base_dirs(beside):
+    """The folders above a nanochat checkpoint directory `beside` that may hold its tokenizer/, up
+    to two levels (its base dir: ~/.cache/nanochat/base_checkpoints/d20/ and
+    ~/.cache/nanochat/tokenizer/)."""
+    if not beside or storage.is_url(beside):
+        return []
+    parent = os.path.dirname(os.path.abspath(beside))
+    return [parent, os.path.dirname(parent)]
+
+
 def codec_for(vocab_size, vocab=None, dataset=None, beside=None):
     """What turns a model's token ids into text. `vocab`: what our checkpoints carry ('gpt2', the
-    list of a character-level run's characters, or 'nanochat': the tokenizer/ of its dataset's
-    folder or beside the weights, chat_codec). Without it, as nanoGPT: a meta.pkl (or our
-    meta.json, first) beside the weights (`beside`: an exported directory) or in the training
-    dataset's folder (data/<dataset>/ or the path), else GPT-2's BPE. A vocabulary smaller than
-    GPT-2's is never decoded as BPE: when no meta.pkl is found for it, one line says so."""
+    list of a character-level run's characters, or 'nanochat': the tokenizer/ beside the weights,
+    in its dataset's folder or up to two folders above the weights, chat_codec). Without it, as
+    nanoGPT: a meta.pkl (or our meta.json, first) beside the weights (`beside`: an exported
+    directory) or in the training dataset's folder (data/<dataset>/ or the path), else GPT-2's
+    BPE. A vocabulary smaller than GPT-2's is never decoded as BPE: when no meta.pkl is found for
+    it, one line says so."""
     if isinstance(vocab, list):
         return CharCodec(vocab, f"the checkpoint ({len(vocab)} characters)")
     if vocab == "gpt2":
@@ -250,7 +261,7 @@ def codec_for(vocab_size, vocab=None, dataset=None, beside=None):
     if dataset:
         dirs += [dataset] if storage.is_url(dataset) else [os.path.join("data", dataset), dataset]
     if vocab == "nanochat":
-        return chat_codec(dirs)
+        return chat_codec(dirs + nanochat_base_dirs(beside))
     found = next(filter(None, map(vocab_file, dirs)), None)
     if found:
         # read first: a file it refuses is the one line on stderr

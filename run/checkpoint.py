@@ -409,8 +409,9 @@ def meta_for(model_config: GPTConfig, config: dict, iter_num, best_val_loss, loa
 
 def load_with_codec(init_from, out_dir, dtype):
     """(model, codec, step): the model; what decodes its ids: the vocabulary our checkpoint carries,
-    a nanoGPT checkpoint's dataset's meta.pkl, or one beside an exported model
-    (tokenizer.codec_for), else GPT-2's BPE; and our checkpoint's step (None for other formats)."""
+    a nanoGPT checkpoint's dataset's meta.pkl or one beside an exported model, a nanochat
+    checkpoint's tokenizer/ (tokenizer.codec_for), else GPT-2's BPE; and our checkpoint's step
+    (None for other formats)."""
     if init_from == "resume":
         model, meta = load_checkpoint_model(out_dir, dtype=dtype)
         codec = tokenizer.codec_for(
@@ -425,8 +426,10 @@ def load_with_codec(init_from, out_dir, dtype):
         if os.path.isfile(init_from)
         else None
     )  # a hub name
-    dataset = (train_config or {}).get("dataset")
-    return model, tokenizer.codec_for(model.config.vocab_size, dataset=dataset, beside=beside), None
+    # a nanoGPT run's dataset (its meta.pkl), a nanochat checkpoint's vocab (its tokenizer/)
+    vocab, dataset = ((train_config or {}).get(k) for k in ("vocab", "dataset"))
+    codec = tokenizer.codec_for(model.config.vocab_size, vocab, dataset, beside)
+    return model, codec, None
 
 
 def load_bpe_model(init_from, out_dir, dtype, why):

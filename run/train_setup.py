@@ -82,6 +82,13 @@ def start_for(c, runtime, data_vocab_size, data_dir, master, typed=()):
         start = Start(config, meta, None, mngr, meta["iter_num"], meta["best_val_loss"])
     else:  # a pretrained model; a record's .pt needs n_head
         config_args, weights, _ = read_pretrained(c["init_from"], n_head=c["n_head"])
+        shape = ("n_layer", "n_head", "n_embd")
+        if c["depth"] and any(config_args[k] != c[k] for k in shape):
+            raise UsageError(  # the dial's rates and horizon are for the model it sizes
+                f"depth={c['depth']} dials {', '.join(f'{k}={c[k]}' for k in shape)}, and "
+                f"{c['init_from']} holds {', '.join(f'{k}={config_args[k]}' for k in shape)}: "
+                "give the depth, aspect_ratio and head_dim it was trained with"
+            )
         start = Start(replace(GPTConfig(**config_args), **runtime), weights=weights)
     if c["block_size"] > start.model_config.block_size:
         raise UsageError(

@@ -52,6 +52,8 @@ ONE_WORKER = {
     "test_fineweb.py",
     "test_eval.py",
     "test_core_eval.py",
+    "test_nanochat_mesh.py",
+    "test_nanochat_interop.py",
     "test_gcs_run.py",
 }
 
