@@ -14,11 +14,10 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from flax import nnx
 from helpers import REPO, assert_close, exit_line, read_log, rel_diff, save_ours, tiny_config
+from helpers.nanochat_data import shakespeare_folder
 
 import export
 import sample
@@ -66,14 +65,7 @@ def run_dir(tmp_path_factory):
     tests/test_nanochat_train.py runs it) on Shakespeare's paragraphs in a tokenizer of VOCAB ids;
     -> its out_dir."""
     folder = tmp_path_factory.mktemp("nanochat")
-    with open(os.path.join(REPO, "data", "shakespeare_char", "input.txt")) as f:
-        docs = [p for p in f.read().split("\n\n") if p.strip()][:600]
-    os.makedirs(folder / "data" / "shards")
-    for k, part in enumerate([docs[:300], docs[300:]]):  # the last shard is the val split
-        pq.write_table(
-            pa.table({"text": part}), folder / "data" / "shards" / f"shard_{k:05d}.parquet"
-        )
-    ChatTokenizer.train(docs[:300], VOCAB).save(folder / "data" / "tokenizer", token_bytes_pt=False)
+    shakespeare_folder(folder / "data", VOCAB, docs=600, shards=2, row_group_size=600)
     train_run(folder / "data", folder / "run")
     return folder / "run"
 

@@ -16,15 +16,13 @@ from dataclasses import replace
 
 import jax
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from helpers import REPO, assert_close, fake_devices, read_log
+from helpers.nanochat_data import shakespeare_folder
 
 import train
 from compute import sharding
 from configurator import UsageError, command_line_keys, configure
-from dataio.chat_tokenizer import ChatTokenizer
 from model import GPTConfig
 from run.settings import DEFAULTS
 
@@ -38,23 +36,9 @@ WARM, STEPS = 2, 2  # steps on 1 device before the meshes take over, and theirs
 
 @pytest.fixture(scope="module")
 def nanochat_data(tmp_path_factory):
-    """Shakespeare's paragraphs as three shards (the last the val split), as
-    data/nanochat/prepare.py leaves them, and a tokenizer of VOCAB ids trained on the train
-    shards."""
-    folder = tmp_path_factory.mktemp("nanochat")
-    with open(os.path.join(REPO, "data", "shakespeare_char", "input.txt")) as f:
-        docs = [p for p in f.read().split("\n\n") if p.strip()][:1500]
-    parts = [docs[:600], docs[600:1200], docs[1200:]]
-    os.makedirs(folder / "shards")
-    for k, part in enumerate(parts):
-        pq.write_table(
-            pa.table({"text": part}),
-            folder / "shards" / f"shard_{k:05d}.parquet",
-            row_group_size=64,
-        )
-    tokenizer = ChatTokenizer.train((d for part in parts[:2] for d in part), VOCAB)
-    tokenizer.save(folder / "tokenizer", token_bytes_pt=False)
-    return folder
+    """Shakespeare's paragraphs as three shards, as data/nanochat/prepare.py leaves them, and a
+    tokenizer of VOCAB ids."""
+    return shakespeare_folder(tmp_path_factory.mktemp("nanochat"), VOCAB)
 
 
 def argv(data, out_dir, fsdp=1, tp=1, *extra):

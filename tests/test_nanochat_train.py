@@ -8,11 +8,10 @@ import os
 
 import jax
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from helpers import REPO, exit_line, read_log
 from helpers.core_bundle import write_bundle
+from helpers.nanochat_data import shakespeare_folder
 
 import eval as eval_py
 import sample
@@ -29,19 +28,9 @@ GPT2 = ["--arch=gpt2", "--bias=True", "--window_pattern=SSSL"]
 
 @pytest.fixture(scope="module")
 def nanochat_data(tmp_path_factory):
-    """Shakespeare's paragraphs as three shards (the last the val split) of row groups of 64
-    documents, and a tokenizer of VOCAB ids trained on the train shards."""
-    folder = tmp_path_factory.mktemp("nanochat")
-    with open(os.path.join(REPO, "data", "shakespeare_char", "input.txt")) as f:
-        docs = [p for p in f.read().split("\n\n") if p.strip()][:1500]
-    parts = [docs[:600], docs[600:1200], docs[1200:]]
-    os.makedirs(folder / "shards")
-    for k, part in enumerate(parts):
-        table = pa.table({"text": part})
-        pq.write_table(table, folder / "shards" / f"shard_{k:05d}.parquet", row_group_size=64)
-    tokenizer = ChatTokenizer.train((d for part in parts[:2] for d in part), VOCAB)
-    tokenizer.save(folder / "tokenizer", token_bytes_pt=False)
-    return folder
+    """Shakespeare's paragraphs as three shards of row groups of 64 documents, a tokenizer of
+    VOCAB ids."""
+    return shakespeare_folder(tmp_path_factory.mktemp("nanochat"), VOCAB)
 
 
 def argv(data, out_dir, *extra):
