@@ -46,8 +46,8 @@ DIRECTORY_FORMATS = ("hf", "nanochat")  # --to is a folder
 defaults = dict(
     out_dir="out",  # our training run's out_dir
     step=-1,  # the saved step to export; -1: the latest
-    # 'hf' | 'nanogpt' | 'modded' (modded-nanogpt's state_step*.pt: arch='speedrun', 'speedrun20')
-    # | 'nanochat' (its checkpoint directory: arch='nanochat')
+    # 'hf' | 'nanogpt' | 'modded' (modded-nanogpt's state_step*.pt: arch='speedrun', 'speedrun20') |
+    # 'nanochat' (its checkpoint directory: arch='nanochat')
     format="hf",
     # where to write: a folder (hf, nanochat), a ckpt.pt (nanogpt), a state_step*.pt (modded)
     to="",
