@@ -170,9 +170,7 @@ def test_eval_on_a_train_py_checkpoint_and_its_exports(bpe_run, tmp_path, capsys
     assert printed.err.count("cut from the left") <= 1  # said once per call, if at all
     # what was loaded and how long it took: the model's size in millions, the mesh, then the
     # evaluation's time
-    n_params = lm_eval_py.load_bpe_model("resume", bpe_run, "float32", lm_eval_py.NOT_BPE)[
-        0
-    ].num_params()
+    n_params = lm_eval_py.load_with_codec("resume", bpe_run, "float32")[0].num_params()
     assert f"(step 2): {n_params / 1e6:.2f}M params, block_size 64, loaded in " in printed.err, (
         printed.err
     )

@@ -56,7 +56,7 @@ def test_a_character_level_model_is_refused_before_any_download_lm_eval_or_load(
     monkeypatch.setattr(hellaswag_data, "download", fails_loudly("HellaSwag was downloaded"))
     monkeypatch.setattr(hellaswag, "load_model", fails_loudly("the model was loaded"))
     monkeypatch.setattr(lm_eval_py, "task_manager", fails_loudly("lm-eval indexed its tasks"))
-    monkeypatch.setattr(lm_eval_py, "load_bpe_model", fails_loudly("the model was loaded"))
+    monkeypatch.setattr(lm_eval_py, "load_with_codec", fails_loudly("the model was loaded"))
     refusal = r" is a character-level model \(a vocabulary of 64 characters\): "
     with pytest.raises(UsageError, match=refusal + "HellaSwag is scored in GPT-2's BPE, give a"):
         hellaswag.main(char_level[source])
