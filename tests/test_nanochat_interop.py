@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import REPO, assert_close, exit_line, read_log, rel_diff, save_ours, tiny_config
-from helpers.nanochat_data import shakespeare_folder
+from helpers import assert_close, exit_line, read_log, rel_diff, save_ours, tiny_config
+from helpers.nanochat_data import shakespeare_folder, tiny_argv
 
 import export
 import sample
@@ -73,24 +73,16 @@ def run_dir(tmp_path_factory):
 def train_run(data, out_dir, *extra):
     """train.py with config/nanochat_cpu.py at depth 2: 2 layers of 2 heads of 16, 32 tokens, 4
     rows a step, an eval at the start and at STEP."""
-    args = [
-        os.path.join(REPO, "config", "nanochat_cpu.py"),
-        f"--dataset={data}",
-        f"--out_dir={out_dir}",
-        "--depth=2",
-        "--aspect_ratio=16",
-        "--head_dim=16",
-        "--block_size=32",
-        "--window_pattern=SL",
-        "--batch_size=4",
+    args = tiny_argv(
+        data,
+        out_dir,
         "--total_batch_size=128",
         f"--max_iters={STEP}",
         "--warmup_iters=1",
         f"--eval_interval={STEP}",
         "--val_tokens=128",
-        "--log_interval=1",
         *extra,
-    ]
+    )
     return train.Trainer(configure(DEFAULTS, args), typed=command_line_keys(args)).run()
 
 

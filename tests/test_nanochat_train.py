@@ -9,9 +9,9 @@ import os
 import jax
 import numpy as np
 import pytest
-from helpers import REPO, exit_line, read_log
+from helpers import exit_line, read_log
 from helpers.core_bundle import write_bundle
-from helpers.nanochat_data import shakespeare_folder
+from helpers.nanochat_data import shakespeare_folder, tiny_argv
 
 import eval as eval_py
 import sample
@@ -33,32 +33,8 @@ def nanochat_data(tmp_path_factory):
     return shakespeare_folder(tmp_path_factory.mktemp("nanochat"), VOCAB)
 
 
-def argv(data, out_dir, *extra):
-    """config/nanochat_cpu.py at a tiny depth: 2 layers of 2 heads of 16, 32 tokens, 8 rows a
-    step in two micro-batches."""
-    return [
-        os.path.join(REPO, "config", "nanochat_cpu.py"),
-        f"--dataset={data}",
-        f"--out_dir={out_dir}",
-        "--depth=2",
-        "--aspect_ratio=16",
-        "--head_dim=16",
-        "--block_size=32",
-        "--window_pattern=SL",
-        "--batch_size=4",
-        "--total_batch_size=256",
-        "--max_iters=6",
-        "--warmup_iters=2",
-        "--eval_interval=3",
-        "--val_tokens=256",
-        "--eval_iters=2",
-        "--log_interval=1",
-        *extra,
-    ]
-
-
 def trainer(data, out_dir, *extra):
-    args = argv(data, out_dir, *extra)
+    args = tiny_argv(data, out_dir, *extra)
     return train.Trainer(configure(DEFAULTS, args), typed=command_line_keys(args))
 
 
@@ -148,7 +124,7 @@ def test_resume_is_bit_for_bit(nanochat_data, tmp_path, monkeypatch):
 )
 def test_bad_settings_are_one_line(nanochat_data, tmp_path, extra, line):
     with pytest.raises((UsageError, InputNotFound), match=line):
-        args = argv(nanochat_data, tmp_path, *extra)
+        args = tiny_argv(nanochat_data, tmp_path, *extra)
         c = configure(DEFAULTS, args)
         validate(c)
         train.Trainer(c, typed=command_line_keys(args))

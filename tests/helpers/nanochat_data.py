@@ -28,3 +28,27 @@ def shakespeare_folder(folder, vocab, docs=1500, shards=3, row_group_size=64):
         folder / "tokenizer", token_bytes_pt=False
     )
     return folder
+
+
+def tiny_argv(data, out_dir, *extra):
+    """config/nanochat_cpu.py at a tiny depth: 2 layers of 2 heads of 16, 32 tokens, 8 rows a
+    step in two micro-batches."""
+    return [
+        os.path.join(REPO, "config", "nanochat_cpu.py"),
+        f"--dataset={data}",
+        f"--out_dir={out_dir}",
+        "--depth=2",
+        "--aspect_ratio=16",
+        "--head_dim=16",
+        "--block_size=32",
+        "--window_pattern=SL",
+        "--batch_size=4",
+        "--total_batch_size=256",
+        "--max_iters=6",
+        "--warmup_iters=2",
+        "--eval_interval=3",
+        "--val_tokens=256",
+        "--eval_iters=2",
+        "--log_interval=1",
+        *extra,
+    ]
