@@ -10,6 +10,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 
@@ -76,7 +77,15 @@ def test_every_shipped_config_is_valid():
     ]
     assert len(configs) >= 3
     for path in configs:
-        validate(configure(DEFAULTS, [path]))  # every range checked, not only the names and types
+        # a config stacked after another (cpu.py, nanochat_gpt2.py) as the command its comment gives
+        with open(path) as f:
+            stacked = re.search(
+                rf"python train\.py ((config/\S+\.py )+)config/{os.path.basename(path)}", f.read()
+            )
+        first = [os.path.join(REPO, p) for p in stacked.group(1).split()] if stacked else []
+        validate(
+            configure(DEFAULTS, [*first, path])
+        )  # every range checked, not only names and types
 
 
 # --- optimizer
