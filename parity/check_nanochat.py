@@ -57,7 +57,7 @@ class OwnCode:
     def __init__(self, checkout):
         if not os.path.isfile(os.path.join(checkout, "nanochat", "gpt.py")):
             raise UsageError(f"--own {checkout}: no nanochat/gpt.py there (a nanochat checkout?)")
-        os.environ.setdefault("NANOCHAT_DTYPE", "float32")
+        os.environ["NANOCHAT_DTYPE"] = "float32"  # its import fixes its dtype: this check's
         sys.path.insert(0, os.path.abspath(checkout))
         from nanochat import engine, gpt
 

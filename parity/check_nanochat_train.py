@@ -263,12 +263,13 @@ def reference_side(c, seed):
     return TorchSide(model, optimizer, BaseTrainSchedules(c))
 
 
-def own_side(checkout, c, seed):
+def own_side(checkout, c, seed, dtype="float32"):
     """nanochat's own GPT (init_weights from `seed`), its setup_optimizer at the run's rates, its
-    MuonAdamW, base_train's own schedules (own_schedules)."""
+    MuonAdamW, base_train's own schedules (own_schedules), in `dtype` (its COMPUTE_DTYPE, fixed as
+    it is imported: a shell's NANOCHAT_DTYPE does not reach it)."""
     if not os.path.isfile(os.path.join(checkout, "nanochat", "gpt.py")):
         raise UsageError(f"--own {checkout}: no nanochat/gpt.py there (a nanochat checkout?)")
-    os.environ.setdefault("NANOCHAT_DTYPE", "float32")
+    os.environ["NANOCHAT_DTYPE"] = dtype
     sys.path.insert(0, os.path.abspath(checkout))
     from nanochat import gpt
 
@@ -425,7 +426,7 @@ def main(argv=None):
     if args.own is None:
         side, name = reference_side(c, args.seed), "the torch reference"
     else:
-        side = own_side(args.own, c, args.seed)
+        side = own_side(args.own, c, args.seed, "bfloat16" if args.bf16_child else "float32")
         name = "nanochat's own GPT, MuonAdamW, base_train schedules"
     if args.bf16_child:
         side.load(nanochat_drift.load_start(args.bf16_child))

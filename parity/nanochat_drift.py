@@ -45,12 +45,12 @@ def load_start(folder):
 
 def own_bf16(checkout, steps, seed, start, folder):
     """nanochat's own code in bf16 from `start` over the check's batches (steps, seed): the check
-    run again in a child with NANOCHAT_DTYPE=bfloat16 -> trained's list."""
+    run again in a child (--bf16-child: NANOCHAT_DTYPE=bfloat16 before nanochat is imported) ->
+    trained's list."""
     np.savez(os.path.join(folder, START), **start)
     argv = ["--own", checkout, f"--steps={steps}", f"--seed={seed}", "--bf16-child", folder]
-    env = dict(os.environ, NANOCHAT_DTYPE="bfloat16")
     cmd = [sys.executable, "-m", "parity.check_nanochat_train", *argv]
-    subprocess.run(cmd, env=env, cwd=ROOT, check=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
     with np.load(os.path.join(folder, TRAINED)) as f:
         losses, saved = f["loss"], dict(f)
     return [(float(loss), {k: saved[f"{it}/{k}"] for k in start}) for it, loss in enumerate(losses)]
