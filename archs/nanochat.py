@@ -26,6 +26,7 @@ from archs.nanochat_attention import (
     uniform,
     window_sizes,
 )
+from archs.nanochat_recipe import SMEAR_CHANNELS, VOCAB_MULTIPLE
 from archs.record5 import ZERO, Record5MLP
 from compute.layers import (
     REMAT,
@@ -41,8 +42,6 @@ from dataio import nanochat_checkpoint, weights
 from model import GPT, MLP, GPTConfig, check_tokens, cropped, normal
 
 SOFTCAP = 15.0  # logits = 15 * tanh(logits / 15), in float32
-VOCAB_MULTIPLE = 64  # the embedding's and the head's rows: the vocabulary padded to a multiple
-SMEAR_CHANNELS = 24  # the smear's gate reads the embedding's first 24 channels
 WTE_STD = 0.8  # nanochat's init_weights (its docstring says 1.0; its code draws 0.8)
 LM_HEAD_STD = 0.001
 MLP_SCALE = 0.4  # c_fc's bound is 0.4 of the other matrices'
@@ -296,13 +295,7 @@ class NanochatGPT(GPT):
         its GPTConfig fields `model_config` (config_from_nanochat; settings: the run's). Without
         resid_lambdas or x0_lambdas (nanochat's older checkpoints) they are 1 and 0."""
         config = config_from_nanochat(model_config, **settings)
-        # as its checkpoint_manager patches checkpoints from before the lambdas: neutral ones
-        ours = {"resid_lambdas": np.ones(config.n_layer), "x0_lambdas": np.zeros(config.n_layer)}
-        for name, value in state.items():
-            if hasattr(value, "detach"):  # a torch tensor (torch is optional here)
-                value = value.detach().float().cpu().numpy()
-            ours[name.removeprefix("_orig_mod.")] = value
-        return cls.from_state(config, ours, mesh)
+        return cls.from_state(config, nanochat_checkpoint.as_read(state, config.n_layer), mesh)
 
 
 class Nanochat(Arch):

@@ -14,14 +14,18 @@ import math
 from dataclasses import dataclass
 
 from archs import nanochat_optim
+from archs.nanochat_attention import VE_GATE_CHANNELS, has_ve, window_sizes
 from configurator import UsageError
+from dataio.nanochat_checkpoint import config_args
+from model import GPTConfig
 
 REF_DEPTH = 12  # the model the hyperparameters were tuned at (muP style, transferred by depth)
 B_REF = 2**19  # d12's optimal batch in tokens (measured by nanochat)
 BATCH_EXPONENT = 0.383  # Power Lines: B_opt ~ D^0.383 (Bergsma et al., arXiv 2505.13738)
-VOCAB_MULTIPLE = 64  # GPT pads its vocabulary to a multiple of 64
-VE_GATE_CHANNELS = 12  # the value-embedding gate reads the first 12 channels
-SMEAR_CHANNELS = 24  # the smear gate reads the first 24
+# nanochat's GPT's (archs/nanochat.py, which imports this module, takes them from here): its
+# vocabulary padded to a multiple of 64, its smear gate reading the embedding's first 24 channels
+VOCAB_MULTIPLE = 64
+SMEAR_CHANNELS = 24
 
 
 def model_shape(
@@ -42,11 +46,6 @@ def model_shape(
     )
 
 
-def has_value_embedding(layer, n_layer):
-    """gpt.has_ve: alternating layers, the last one always."""
-    return layer % 2 == (n_layer - 1) % 2
-
-
 def param_counts(shape):
     """num_scaling_params of a GPT of `shape` (model_shape): each group's params and the total."""
     n_layer, n_embd, n_head, n_kv_head = (
@@ -54,7 +53,7 @@ def param_counts(shape):
     )
     vocab = -(-shape["vocab_size"] // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     kv_dim = n_kv_head * (n_embd // n_head)
-    with_ve = sum(has_value_embedding(i, n_layer) for i in range(n_layer))
+    with_ve = sum(has_ve(i, n_layer) for i in range(n_layer))
     attention = n_embd * n_embd + 2 * n_embd * kv_dim + n_embd * n_embd  # c_q, c_k, c_v, c_proj
     mlp = 2 * 4 * n_embd * n_embd  # c_fc, c_proj
     ve_gates = with_ve * VE_GATE_CHANNELS * n_kv_head
@@ -75,16 +74,6 @@ def scaling_params(counts):
     return counts["transformer_matrices"] + counts["lm_head"]
 
 
-def window_sizes(shape):
-    """Each layer's attention window: window_pattern tiled ('L' the whole sequence, 'S' a
-    quarter of it rounded up to 128), the last layer always 'L'."""
-    long = shape["sequence_len"]
-    short = -(-long // 4 // 128) * 128
-    pattern = shape["window_pattern"].upper()
-    sizes = [long if pattern[i % len(pattern)] == "L" else short for i in range(shape["n_layer"])]
-    return sizes[:-1] + [long]
-
-
 def flops_per_token(shape):
     """estimate_flops: 6 per matmul weight (the blocks, the head, the smear gate; embeddings are
     lookups), plus 12 x heads x head_dim x each layer's attended length."""
@@ -92,7 +81,8 @@ def flops_per_token(shape):
     matmul = counts["transformer_matrices"] + counts["lm_head"] + SMEAR_CHANNELS
     head_dim = shape["n_embd"] // shape["n_head"]
     attention = sum(
-        12 * shape["n_head"] * head_dim * min(w, shape["sequence_len"]) for w in window_sizes(shape)
+        12 * shape["n_head"] * head_dim * min(w, shape["sequence_len"])
+        for w in window_sizes(GPTConfig(**config_args(shape)))
     )
     return 6 * matmul + attention
 

@@ -118,16 +118,31 @@ def read_nanochat(directory, step):
         )
     state = {k.removeprefix(COMPILED_PREFIX): v for k, v in saved.items()}
     args = config_args(meta["model_config"])
-    # as its checkpoint_manager patches checkpoints from before the lambdas: neutral ones
-    neutral = {"resid_lambdas": np.ones, "x0_lambdas": np.zeros}
-    patched = {
-        k: make(args["n_layer"], np.float32) for k, make in neutral.items() if k not in state
-    }
+    patched = missing_lambdas(state, args["n_layer"])
 
     def read(name):
-        return patched[name] if name in patched else state[name].detach().float().numpy()
+        return patched[name] if name in patched else as_array(state[name])
 
     return args, LazyState([*state, *patched], read), {"vocab": "nanochat"}
+
+
+def missing_lambdas(state, n_layer):
+    """The per-layer lambdas a checkpoint from before them lacks, neutral (resid 1, x0 0), as its
+    checkpoint_manager patches them."""
+    neutral = {"resid_lambdas": np.ones, "x0_lambdas": np.zeros}
+    return {k: make(n_layer, np.float32) for k, make in neutral.items() if k not in state}
+
+
+def as_array(value):
+    """A torch tensor (bf16 too) as float32 numpy; numpy as it is (torch is optional here)."""
+    return value.detach().float().cpu().numpy() if hasattr(value, "detach") else value
+
+
+def as_read(state, n_layer):
+    """A nanochat state dict in memory ({its name: tensor or array}) as read_nanochat reads one
+    from a file: _orig_mod. dropped, float32 numpy, missing lambdas neutral."""
+    state = {k.removeprefix(COMPILED_PREFIX): as_array(v) for k, v in state.items()}
+    return {**missing_lambdas(state, n_layer), **state}
 
 
 def save_nanochat(model, directory, step, run):
