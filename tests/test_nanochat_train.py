@@ -141,3 +141,34 @@ def test_a_tokenizer_directory_elsewhere(nanochat_data, tmp_path):
     x, _ = t.train_loader.next(1)
     assert x[0, 0, 0] == ChatTokenizer.from_directory(nanochat_data / "tokenizer").bos_token_id
     t.lock.close()
+
+
+def test_bits_per_byte_is_nanochats_formula():
+    """The eval step's [loss, nats, bytes] over two batches -> bits per byte: the cross-entropy of
+    the targets that spell bytes, summed, over ln 2 x their bytes (a special token's 0 bytes leave
+    it out), as nanochat's evaluate_bpb sums them; the loss over every target."""
+    from flax import nnx
+    from helpers import tiny_config
+
+    from archs.models import build
+    from run.train_step import bits_per_byte, make_eval_step
+
+    model = build(tiny_config(arch="nanochat", bias=False, n_embd=32), nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    rng = np.random.default_rng(0)
+    token_bytes = rng.integers(0, 5, 128)
+    token_bytes[:8] = 0  # special tokens
+    step = make_eval_step(graphdef, params, token_bytes)
+    batches = [rng.integers(0, 128, (2, 2, 16)) for _ in range(2)]
+    terms = [step(jax.tree.leaves(params), x, y) for x, y in batches]
+    loss, bpb = bits_per_byte(terms)
+    nats, nbytes, every = 0.0, 0, []
+    for x, y in batches:
+        logits = np.asarray(model(x)[0], np.float64)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        nll = -np.take_along_axis(logp, y[..., None], -1)[..., 0]
+        nats += nll[token_bytes[y] > 0].sum()
+        nbytes += token_bytes[y].sum()
+        every.append(nll.mean())
+    assert math.isclose(bpb, nats / (math.log(2) * nbytes), rel_tol=1e-5)
+    assert math.isclose(loss, np.mean(every), rel_tol=1e-5)
