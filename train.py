@@ -81,6 +81,7 @@ class Trainer:
         # dataset fails before anything is written)
         self.data_dir = data_dir_for(c["dataset"])
         data_vocab_size, self.vocab = data_meta(self.data_dir, c["tokenizer"])
+        train_setup.take_pretrained_windows(c, typed)
         train_setup.dial(c, data_vocab_size, self.mesh, self.master)  # nanochat's depth
         # until compiled
         runtime = {**{k: c[k] for k in RUNTIME_FIELDS}, **auto_settings.first_candidate(c)}

@@ -379,7 +379,10 @@ def make_loader(
             )
         loader = Record20ShardLoader if record20 else BinShardLoader
         return loader(bin_shards, block_size, rows, row_slice, vocab_size)
-    parquet = shards_in(storage.join(data_dir, "shards"), "*.parquet")
+    # ours (data/nanochat/shards/) or nanochat's own folder as it is (base_data_climbmix/)
+    parquet = shards_in(storage.join(data_dir, "shards"), "*.parquet") or shards_in(
+        data_dir, "*.parquet"
+    )
     if parquet:
         return bestfit_loader.for_folder(
             data_dir, parquet, split, block_size, rows, row_slice, vocab_size, tokenizer

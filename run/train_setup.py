@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 from archs import models
 from compute import sharding
 from configurator import InputNotFound, RunStopped, UsageError, exit_on_interrupt
-from dataio import hellaswag_data, storage
+from dataio import hellaswag_data, nanochat_checkpoint, storage
 from dataio.dataloader import TOKENIZER_FILE, make_loader
 from dataio.pretrained import read_pretrained
 from dataio.tokenizer import vocab_file
@@ -46,6 +46,19 @@ def dial(c, data_vocab_size, mesh, master):
         check_model(c)
         if master:
             print(summary)
+
+
+def take_pretrained_windows(c, typed=()):
+    """A nanochat checkpoint's window_pattern, which its weights do not fix, into `c` unless one is
+    typed on the command line (a config file's, written for a new run, passes without a word, as
+    on resume): before the dial counts and prints the model, so that what runs is what it says."""
+    checkpoints = nanochat_checkpoint
+    found = c["init_from"] not in ("scratch", "resume") and checkpoints.nanochat_checkpoint(
+        c["init_from"]
+    )
+    if found and "window_pattern" not in typed:
+        meta = checkpoints.read_meta(os.path.join(found[0], checkpoints.meta_file(found[1])))
+        c["window_pattern"] = checkpoints.config_args(meta["model_config"])["window_pattern"]
 
 
 def start_for(c, runtime, data_vocab_size, data_dir, master, typed=()):
@@ -89,6 +102,8 @@ def start_for(c, runtime, data_vocab_size, data_dir, master, typed=()):
                 f"{c['init_from']} holds {', '.join(f'{k}={config_args[k]}' for k in shape)}: "
                 "give the depth, aspect_ratio and head_dim it was trained with"
             )
+        if "window_pattern" in config_args:  # take_pretrained_windows's choice
+            config_args["window_pattern"] = c["window_pattern"]
         start = Start(replace(GPTConfig(**config_args), **runtime), weights=weights)
     if c["block_size"] > start.model_config.block_size:
         raise UsageError(
