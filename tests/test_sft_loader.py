@@ -6,7 +6,6 @@ sft_data_generator_bos_bestfit (its definition run from its source: the script t
     python -m pytest tests/test_sft_loader.py -q
 """
 
-import ast
 import os
 import random
 import sys
@@ -19,6 +18,7 @@ from configurator import UsageError
 from dataio.chat_tokenizer import ChatTokenizer
 from dataio.conversations import render_conversation
 from dataio.sft_loader import ConversationLoader
+from parity import chat_sft_code
 from tests.helpers import REPO
 
 BOS = 0
@@ -117,16 +117,13 @@ def random_conversations(n, seed=0):
 
 
 def own_generator(checkout, tokenizer, dataset, args, rank, world):
-    """chat_sft.py's sft_data_generator_bos_bestfit, defined from its source with the globals it
-    reads (the script itself trains at import); its progress globals read through `scope`."""
+    """chat_sft.py's sft_data_generator_bos_bestfit over `dataset`; its progress globals read
+    through the namespace returned."""
     import torch
 
-    with open(os.path.join(checkout, "scripts", "chat_sft.py")) as f:
-        tree = ast.parse(f.read())
-    (node,) = [
-        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("sft_data")
-    ]
-    scope = dict(
+    scope = chat_sft_code.definitions(
+        checkout,
+        ["sft_data_generator_bos_bestfit"],
         torch=torch,
         args=args,
         tokenizer=tokenizer,
@@ -140,7 +137,6 @@ def own_generator(checkout, tokenizer, dataset, args, rank, world):
         approx_progress=0.0,
         current_epoch=1,
     )
-    exec(compile(ast.Module([node], []), "chat_sft.py", "exec"), scope)
     return scope["sft_data_generator_bos_bestfit"]("train"), scope
 
 
