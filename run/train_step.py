@@ -297,7 +297,8 @@ def make_eval_step(graphdef, params, token_bytes=None):
         if token_bytes is None:
             return batch_loss(model, x, y, None, inputs)
         _, hidden = model.hidden_states(x)
-        nbytes = token_bytes[y]
+        # an ignored target (-1: finetuning's unlearned tokens) spells no bytes
+        nbytes = jnp.where(y >= 0, token_bytes[jnp.maximum(y, 0)], 0)
         nats, _ = model.loss_terms(hidden, jnp.where(nbytes > 0, y, -1))
         loss = mean_of(*model.loss_terms(hidden, y))
         return jnp.stack([loss, nats, jnp.sum(nbytes).astype(jnp.float32)])

@@ -118,3 +118,37 @@ def test_chat_sfts_own_loop_takes_the_steps_of_the_table(max_iters):
         num_iterations=max(iterations, 0),
     )
     assert nanochat_sft.progress_table(ours, accum) == (len(theirs), theirs)
+
+
+def test_bits_per_byte_leaves_the_ignored_targets_out():
+    """Finetuning's val batches hold targets of -1 (not learned): they carry no nats and no bytes
+    (nanochat's evaluate_bpb: never index token_bytes with them), and the loss is the mean over
+    the others."""
+    import math
+
+    import jax
+    from flax import nnx
+    from helpers import tiny_config
+
+    from archs.models import build
+    from run.train_step import bits_per_byte, make_eval_step
+
+    model = build(tiny_config(arch="nanochat", bias=False, n_embd=32), nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    rng = np.random.default_rng(0)
+    token_bytes = rng.integers(1, 5, 128)
+    token_bytes[:8] = 0  # special tokens
+    x = rng.integers(0, 128, (2, 16))
+    y = np.where(rng.random((2, 16)) < 0.4, -1, rng.integers(0, 128, (2, 16)))
+    loss, bpb = bits_per_byte(
+        [make_eval_step(graphdef, params, token_bytes)(jax.tree.leaves(params), x, y)]
+    )
+    logits = np.asarray(model(x)[0], np.float64)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, np.maximum(y, 0)[..., None], -1)[..., 0]
+    learned = y >= 0
+    spells = learned & (token_bytes[np.maximum(y, 0)] > 0)
+    assert math.isclose(loss, nll[learned].mean(), rel_tol=1e-5)
+    assert math.isclose(
+        bpb, nll[spells].sum() / (math.log(2) * token_bytes[y[spells]].sum()), rel_tol=1e-5
+    )
