@@ -48,8 +48,8 @@ from run.train_step import (
     all_finite,
     bits_per_byte,
     first_nonfinite,
-    get_lr,
     init_state,
+    lr_of,
     make_eval_step,
     make_optimizer,
 )
@@ -80,8 +80,8 @@ class Trainer:
         # meta (read once) or the weights' files; then the batches and the data (a missing or bad
         # dataset fails before anything is written)
         self.data_dir = data_dir_for(c["dataset"])
+        train_setup.take_from_nanochat_checkpoint(c, self.data_dir, typed)
         data_vocab_size, self.vocab = data_meta(self.data_dir, c["tokenizer"])
-        train_setup.take_pretrained_windows(c, typed)
         train_setup.dial(c, data_vocab_size, self.mesh, self.master)  # nanochat's depth
         # until compiled
         runtime = {**{k: c[k] for k in RUNTIME_FIELDS}, **auto_settings.first_candidate(c)}
@@ -119,6 +119,9 @@ class Trainer:
             self.model_config.vocab_size,
             data_vocab_size,
         )
+        self.progress = None  # lr_schedule='sft': each step's progress through the conversations
+        if c["lr_schedule"] == "sft":
+            self.progress = train_setup.sft_horizon(c, self.train_loader, self.accum, self.master)
         if start.meta is not None:
             self.train_loader.load_state_dict(start.meta["loader"])
         train_setup.check_one_run(c)
@@ -141,7 +144,7 @@ class Trainer:
     def _build(self, model_config, pretrained, meta, hellaswag_file):
         """The model, optimizer state and compiled steps, in out_dir's lock."""
         c = self.c
-        tx = make_optimizer(c)
+        tx = make_optimizer(c, self.progress)
         self.graphdef, params, opt_state = init_state(
             model_config,
             self.mesh,
@@ -205,7 +208,7 @@ class Trainer:
             self.batch_sharding,
             self.settings,
             c["grad_clip"],
-            lr_schedule=partial(get_lr, c=c),
+            lr_schedule=lr_of(c, self.progress),
             **models.arch_of(c["arch"]).step_inputs(c, self.accum * c["batch_size"]),
         )
         self.state_bytes, self.step_peak_bytes = fit.state_bytes, fit.peak
@@ -403,7 +406,7 @@ class Trainer:
         losses = self.estimate_loss()
         if losses is None:  # a stop came: the loop's next step saves and exits
             return
-        lr = float(get_lr(self.iter_num, c))
+        lr = float(lr_of(c, self.progress)(self.iter_num))
         self.out.eval_line(self.iter_num, losses, lr, time.time() - began)
         improved = losses["val"] < self.best_val_loss
         self.best_val_loss = min(self.best_val_loss, losses["val"])

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from archs import nanochat_sft
 from archs.muon import in_float32, lerp, on_every_device
 
 # Polar Express's coefficients for 5 iterations, safety factor 2e-2, cushion 2 (arXiv 2505.16932)
@@ -362,7 +363,8 @@ def for_run(c, lr_multiplier):
     as the depth dial left them): the head at learning_rate, the embeddings at
     embed_learning_rate, the scalars at scalar_learning_rate, the blocks' matrices at
     muon_learning_rate (group_rates), each times lr_multiplier(count); Muon's momentum and weight
-    decay on base_train's schedules over max_iters. Polar Express in the compute dtype, as
+    decay on base_train's schedules over max_iters (lr_schedule='sft': chat_sft's momentum and no
+    weight decay). Polar Express in the compute dtype, as
     nanochat runs it in its COMPUTE_DTYPE."""
     rates = group_rates(
         c["n_embd"],
@@ -371,8 +373,11 @@ def for_run(c, lr_multiplier):
         c["muon_learning_rate"],
         c["scalar_learning_rate"],
     )
-    _, momentum, weight_decay = schedules(
-        c["max_iters"], c["weight_decay"], c["warmup_iters"], c["cooldown_frac"]
-    )
+    if c["lr_schedule"] == "sft":  # chat_sft's: its momentum warmup, Muon's weight decay 0
+        momentum, weight_decay = nanochat_sft.muon_momentum, lambda it: 0.0
+    else:
+        _, momentum, weight_decay = schedules(
+            c["max_iters"], c["weight_decay"], c["warmup_iters"], c["cooldown_frac"]
+        )
     dtype = jnp.bfloat16 if c["dtype"] == "bfloat16" else None
     return muon_adamw(rates, lr_multiplier, momentum, weight_decay, dtype=dtype)

@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from configurator import InputNotFound, UsageError
-from dataio import bestfit_loader, storage
+from dataio import bestfit_loader, sft_loader, storage
 from dataio.chat_tokenizer import ChatTokenizer
 from dataio.token_files import (
     LLMC_HEADER,
@@ -362,11 +362,17 @@ def make_loader(
     vocab_size=None,
     record20=False,
     tokenizer="",
+    sft=None,
 ):
     """The loader for what `data_dir` (a folder, or a URL: gs://bucket/folder) holds: `{split}.bin`
     (nanoGPT), llm.c `*_{split}_*.bin` shards (modded-nanogpt; record20: its record 20's steps),
     `shards/*.parquet` and `tokenizer/` (nanochat; `tokenizer`: another tokenizer directory) or
-    `*{split}*.npy` shards (build-nanogpt). vocab_size: the model's, which no token id may reach."""
+    `*{split}*.npy` shards (build-nanogpt); with `sft` (sft_loader.for_folder's), the conversations
+    nanochat finetunes on. vocab_size: the model's, which no token id may reach."""
+    if sft is not None:  # nanochat's finetuning: its conversations (dataio/sft_loader.py)
+        return sft_loader.for_folder(
+            data_dir, split, block_size, rows, row_slice, vocab_size, tokenizer, sft
+        )
     bin_path = storage.join(data_dir, f"{split}.bin")
     if storage.exists(bin_path):
         return BinLoader(bin_path, block_size, rows, seed, row_slice, vocab_size)

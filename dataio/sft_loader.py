@@ -15,9 +15,14 @@ buffer, as in nanochat. The state resumes exactly: the cursor, the counts, and w
 the buffer and the micro-batch read ahead hold (rendered again on resume).
 """
 
+import os
+
 import numpy as np
 
 from configurator import UsageError
+from dataio import storage
+from dataio.chat_tokenizer import ChatTokenizer
+from dataio.conversations import render_conversation
 
 BUFFER_SIZE = 100  # conversations kept to choose from (chat_sft's buffer_size)
 
@@ -27,15 +32,17 @@ class ConversationLoader:
     `conversations`: a sequence (len, [i]) of conversations; `render(conversation)`: its (ids,
     mask), as render_conversation gives them."""
 
-    def __init__(
-        self, conversations, render, bos, block_size, rows, rank=0, world=1, num_iterations=0
-    ):
+    def __init__(self, conversations, render, bos, block_size, rows, rank=0, world=1, **how):
+        """how: num_iterations (chat_sft's, counted in micro-batches; 0: one epoch), vocab_size
+        (the model's, which no id may reach), token_bytes (each id's bytes: bits per byte)."""
         if not len(conversations):
             raise UsageError("the finetuning mixture holds no conversations: give it a task")
         self.conversations, self.render, self.bos = conversations, render, bos
         self.block_size, self.rows, self.world = block_size, rows, world
-        # chat_sft's --num-iterations, which it counts in micro-batches; 0: one epoch
-        self.num_iterations = num_iterations
+        self.how = how
+        self.num_iterations = how.get("num_iterations", 0)
+        self.vocab_size, self.token_bytes = how.get("vocab_size"), how.get("token_bytes")
+        self._arguments = (conversations, render, bos, block_size, rows, rank, world)
         self.cursor, self.consumed, self.epoch, self.fetched = rank, rank, 1, 0
         self.buffer = []  # [(index, ids, mask)] in nanochat's order
         self.last_step, self.progress = False, 0.0
@@ -83,6 +90,11 @@ class ConversationLoader:
         if self.consumed >= len(self.conversations):
             self.last_step = True
         ids = np.array([r for r, _ in rows], dtype=np.int64)
+        if self.vocab_size is not None and ids.max() >= self.vocab_size:
+            raise UsageError(
+                f"the tokenizer gave token id {ids.max()}, outside the model's vocabulary "
+                f"(vocab_size {self.vocab_size}): finetune in the model's own tokenizer"
+            )
         mask = np.array([m for _, m in rows], dtype=bool)
         targets = np.where(mask[:, 1:], ids[:, 1:], -1)
         return ids[:, :-1].astype(np.int32), targets.astype(np.int32)
@@ -119,3 +131,51 @@ class ConversationLoader:
         self.buffer = buffer
         self._state = self._snapshot()
         self.ahead = self._micro_batch()
+
+    def fresh(self, **how):
+        """A loader of the same conversations from their start (`how` changed)."""
+        return ConversationLoader(*self._arguments, **(self.how | how))
+
+    def eval_batches(self, n, tag=None):
+        """n batches of (rows, T) from the mixture's start, the same every time (chat_sft builds a
+        fresh val loader for each evaluation)."""
+        fresh = self.fresh(num_iterations=0)
+        for _ in range(n):
+            x, y = fresh.next(1)
+            yield x[0], y[0]
+
+
+def mixture(data_dir, split, **mix):
+    """chat_sft's conversations for `split` ('train' | 'val') from data_dir: its `train.jsonl` and
+    `val.jsonl` where it has them (CustomJSON's lines: one conversation each), else chat_sft's
+    mixture of the task files there (dataio/task_folder.py: each hub dataset where `hf download`
+    leaves it, or nanochat's base directory with its task_data/ cache); `mix`: sft_mixtures'
+    epochs and sizes."""
+    from dataio import chat_tasks, task_folder  # pyarrow: the nanochat extras
+
+    jsonl = os.path.join(data_dir, f"{split}.jsonl")
+    if os.path.exists(jsonl):
+        return chat_tasks.CustomJSON(jsonl)
+    return task_folder.sft_mixtures(data_dir, **mix)[split == "val"]
+
+
+def for_folder(data_dir, split, block_size, rows, row_slice, vocab_size, tokenizer, sft):
+    """The finetuning loader of data_dir's conversations (`mixture`), in the tokenizer of the
+    directory `tokenizer` (else data_dir/tokenizer/); this process packs its rows of `row_slice`
+    as nanochat's rank of as many processes does. sft: {'num_iterations' (chat_sft's, counted in
+    micro-batches; 0: one epoch), 'mix' (`mixture`'s)}."""
+    lo, hi, _ = (row_slice or slice(0, rows)).indices(rows)
+    tok = ChatTokenizer.from_directory(tokenizer or storage.join(data_dir, "tokenizer"))
+    conversations = mixture(data_dir, split, **sft["mix"])
+    return ConversationLoader(
+        conversations,
+        lambda conversation: render_conversation(tok, conversation),
+        tok.bos_token_id,
+        block_size,
+        hi - lo,
+        rank=lo // (hi - lo),
+        world=rows // (hi - lo),
+        num_iterations=sft["num_iterations"] if split == "train" else 0,
+        vocab_size=vocab_size,
+        token_bytes=tok.token_bytes,
+    )

@@ -5,9 +5,10 @@ NANOCHAT_BASE_DIR, which the caller sets):
 
 - start: its GPT at the run's shape, its own init_weights, the zero output projections then drawn
   N(0, PROJECTION_STD) (unless --own_start), saved by its own save_checkpoint as step 0;
-- train: its scripts/base_train.py run as its command, with two things added and none changed:
-  GPT.init_weights ends by loading that step-0 file (base_train has no init-from; its resume would
-  also want an optimizer state), and every training forward's loss is recorded to --losses;
+- train: its scripts/base_train.py (or --script: chat_sft) run as its command, with two things
+  added and none changed: GPT.init_weights ends by loading that step-0 file (base_train has no
+  init-from; its resume would also want an optimizer state; chat_sft loads its base checkpoint
+  itself, no --start), and every training forward's loss is recorded to --losses;
 - compare: two or three checkpoint directories read by its own checkpoint_manager.build_model,
   every tensor's largest difference from the first;
 - gradients: the first gradient of the residual, x0 and backout lambdas from the step-0 file on
@@ -80,11 +81,12 @@ def start_weights_loader(gpt, path):
     return init_then_load
 
 
-def train(args, base_train_argv):
+def train(args, script_argv):
     torch.set_num_threads(args.threads)
     gpt, _ = import_nanochat(args.checkout)
     sys.modules.setdefault("wandb", type(sys)("wandb"))  # imported, unused at --run=dummy
-    gpt.GPT.init_weights = start_weights_loader(gpt, args.start)
+    if args.start:
+        gpt.GPT.init_weights = start_weights_loader(gpt, args.start)
     losses, own_forward = [], gpt.GPT.forward
 
     def recorded_forward(model, idx, targets=None, **kw):
@@ -94,9 +96,9 @@ def train(args, base_train_argv):
         return loss
 
     gpt.GPT.forward = recorded_forward
-    sys.argv = ["scripts/base_train.py", *base_train_argv]
+    sys.argv = [args.script.replace(".", "/") + ".py", *script_argv]
     try:
-        runpy.run_module("scripts.base_train", run_name="__main__")
+        runpy.run_module(args.script, run_name="__main__")
     finally:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
@@ -156,6 +158,7 @@ def main():
     p.add_argument("--out", help="start: the step-0 checkpoint's directory")
     p.add_argument("--start", help="train, gradients: the step-0 model file")
     p.add_argument("--losses", help="train: where each training forward's loss is written")
+    p.add_argument("--script", default="scripts.base_train", help="train: its script (module)")
     p.add_argument("--threads", type=int, default=2, help="train: torch's CPU threads")
     p.add_argument("--dirs", nargs="+", help="compare: checkpoint directories")
     p.add_argument("--step", type=int, help="compare: the step")
@@ -168,12 +171,12 @@ def main():
     p.add_argument("--own_start", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     argv = sys.argv[1:]
-    ours, base_train_argv = (
+    ours, script_argv = (
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )
     args = p.parse_args(ours)
     if args.part == "train":
-        train(args, base_train_argv)
+        train(args, script_argv)
     else:
         {"start": start, "compare": compare, "gradients": gradients}[args.part](args)
 

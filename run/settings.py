@@ -144,6 +144,19 @@ DEFAULTS = dict(
     # lr_schedule='warmdown' (nanochat's): warmup_iters up, constant, then linearly to final_lr_frac
     # x the rate over the last cooldown_frac of max_iters
     final_lr_frac=0.05,
+    # lr_schedule='sft' (nanochat's chat_sft, docs/chat.md): each rate starts at init_lr_frac of
+    # itself, then moves with the fraction of the conversations consumed: up over warmup_frac,
+    # constant, linearly to final_lr_frac over the last cooldown_frac; max_iters=0: one epoch
+    init_lr_frac=1.0,
+    warmup_frac=0.0,
+    # ... and its mixture (dataio/task_folder.py): MMLU's and GSM8K's epochs; the identity
+    # conversations' epochs and the spelling tasks' sizes, which its history mixed in (2, 200000,
+    # 80000) and its checkout does not
+    mmlu_epochs=3,
+    gsm8k_epochs=4,
+    identity_epochs=0,
+    simple_spelling=0,
+    spelling_bee=0,
     profile="",  # 'START:STOP': a jax.profiler trace of iterations START..STOP-1 to out_dir/profile
     seed=1337,  # the init's, the data order's and dropout's
 )
@@ -185,9 +198,16 @@ NOT_NEGATIVE = (
     "target_param_data_ratio",
     "target_flops",
     "final_lr_frac",
+    "init_lr_frac",
+    "warmup_frac",
+    "mmlu_epochs",
+    "gsm8k_epochs",
+    "identity_epochs",
+    "simple_spelling",
+    "spelling_bee",
 )
 OPTIMIZERS = ("adamw", "muon", "muon20", "muonadamw")
-LR_SCHEDULES = ("cosine", "trapezoid", "cooldown", "warmdown")
+LR_SCHEDULES = ("cosine", "trapezoid", "cooldown", "warmdown", "sft")
 
 
 def validate(c):
@@ -274,8 +294,8 @@ def check_optimizer(c):
         )
     if c["lr_schedule"] not in LR_SCHEDULES:
         raise UsageError(
-            "lr_schedule must be 'cosine' or 'trapezoid' (record 5), 'cooldown' (record 20) or "
-            f"'warmdown' (nanochat), got {c['lr_schedule']!r}"
+            "lr_schedule must be 'cosine' or 'trapezoid' (record 5), 'cooldown' (record 20), "
+            f"'warmdown' (nanochat) or 'sft' (nanochat's finetuning), got {c['lr_schedule']!r}"
         )
     if not 0 <= c["final_lr_frac"] <= 1:
         raise UsageError(f"final_lr_frac must be in [0, 1], got {c['final_lr_frac']}")
@@ -290,10 +310,20 @@ def check_optimizer(c):
         )
     if c["optimizer"] == "muon20":
         check_muon20(c)
-    if c["optimizer"] == "muonadamw" and c["lr_schedule"] != "warmdown":
+    if c["optimizer"] == "muonadamw" and c["lr_schedule"] not in ("warmdown", "sft"):
         raise UsageError(
-            "optimizer='muonadamw' takes nanochat's schedule: set --lr_schedule=warmdown (got "
-            f"{c['lr_schedule']!r})"
+            "optimizer='muonadamw' takes nanochat's schedule: set --lr_schedule=warmdown "
+            f"(pretraining) or sft (finetuning) (got {c['lr_schedule']!r})"
+        )
+    if c["lr_schedule"] == "sft" and c["optimizer"] != "muonadamw":
+        raise UsageError(
+            "lr_schedule='sft' is nanochat's finetuning, with its optimizer: set "
+            f"--optimizer=muonadamw (got {c['optimizer']!r})"
+        )
+    if not 0 < c["init_lr_frac"] <= 1 or c["warmup_frac"] + c["cooldown_frac"] > 1:
+        raise UsageError(
+            f"init_lr_frac must be in (0, 1] and warmup_frac + cooldown_frac at most 1, got "
+            f"{c['init_lr_frac']}, {c['warmup_frac']} + {c['cooldown_frac']}"
         )
     if c["lr_schedule"] == "trapezoid" and c["decay_lr"]:
         if c["warmdown_iters"] > c["max_iters"]:

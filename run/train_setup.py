@@ -14,13 +14,13 @@ from functools import partial
 import jax
 from jax.experimental import multihost_utils
 
-from archs import models
+from archs import models, nanochat_sft
 from compute import sharding
 from configurator import InputNotFound, RunStopped, UsageError, exit_on_interrupt
 from dataio import hellaswag_data, nanochat_checkpoint, storage
 from dataio.dataloader import TOKENIZER_FILE, make_loader
 from dataio.pretrained import read_pretrained
-from dataio.tokenizer import vocab_file
+from dataio.tokenizer import nanochat_base_dirs, vocab_file
 from model import GPTConfig
 from run import checkpoint, watchdog
 from run.settings import check_model, fixed_by_checkpoint
@@ -48,17 +48,51 @@ def dial(c, data_vocab_size, mesh, master):
             print(summary)
 
 
-def take_pretrained_windows(c, typed=()):
+def take_from_nanochat_checkpoint(c, data_dir, typed=()):
     """A nanochat checkpoint's window_pattern, which its weights do not fix, into `c` unless one is
     typed on the command line (a config file's, written for a new run, passes without a word, as
-    on resume): before the dial counts and prints the model, so that what runs is what it says."""
+    on resume): before the dial counts and prints the model, so that what runs is what it says.
+    And its tokenizer (beside it or up to two folders up, as nanochat keeps it) where neither
+    --tokenizer nor the dataset's folder gives one: finetuning's conversations are in its ids."""
     checkpoints = nanochat_checkpoint
     found = c["init_from"] not in ("scratch", "resume") and checkpoints.nanochat_checkpoint(
         c["init_from"]
     )
-    if found and "window_pattern" not in typed:
-        meta = checkpoints.read_meta(os.path.join(found[0], checkpoints.meta_file(found[1])))
+    if not found:
+        return
+    meta = checkpoints.read_meta(os.path.join(found[0], checkpoints.meta_file(found[1])))
+    if "window_pattern" not in typed:
         c["window_pattern"] = checkpoints.config_args(meta["model_config"])["window_pattern"]
+    if c["lr_schedule"] == "sft":
+        inherit_pretraining(c, meta, typed)
+    if not c["tokenizer"] and not storage.exists(storage.join(data_dir, *TOKENIZER_FILE)):
+        for folder in [found[0], *nanochat_base_dirs(found[0])]:
+            if storage.exists(storage.join(folder, *TOKENIZER_FILE)):
+                c["tokenizer"] = storage.join(folder, TOKENIZER_FILE[0])
+                break
+
+
+# chat_sft's inheritance from the base checkpoint's meta: (ours, where in the meta, its name)
+INHERITED = (
+    ("block_size", (), "max_seq_len"),
+    ("batch_size", (), "device_batch_size"),
+    ("total_batch_size", (), "total_batch_size"),
+    ("embed_learning_rate", ("user_config",), "embedding_lr"),
+    ("learning_rate", ("user_config",), "unembedding_lr"),
+    ("muon_learning_rate", ("user_config",), "matrix_lr"),
+)
+
+
+def inherit_pretraining(c, meta, typed):
+    """Finetuning takes the base run's row length, batch and three rates from its checkpoint's
+    meta, as chat_sft does, unless typed (the config's are chat_sft's fallbacks, for a meta
+    without them)."""
+    for ours, where, theirs in INHERITED:
+        found = meta
+        for key in where:
+            found = found.get(key) or {}
+        if ours not in typed and found.get(theirs) is not None:
+            c[ours] = found[theirs]
 
 
 def start_for(c, runtime, data_vocab_size, data_dir, master, typed=()):
@@ -102,8 +136,11 @@ def start_for(c, runtime, data_vocab_size, data_dir, master, typed=()):
                 f"{c['init_from']} holds {', '.join(f'{k}={config_args[k]}' for k in shape)}: "
                 "give the depth, aspect_ratio and head_dim it was trained with"
             )
-        if "window_pattern" in config_args:  # take_pretrained_windows's choice
+        if "window_pattern" in config_args:  # take_from_nanochat_checkpoint's choice
             config_args["window_pattern"] = c["window_pattern"]
+        # the run's settings say the model it trains (its optimizer reads n_embd: nanochat's
+        # AdamW rates scale by 1/sqrt(n_embd / 768))
+        c.update({k: config_args[k] for k in shape})
         start = Start(replace(GPTConfig(**config_args), **runtime), weights=weights)
     if c["block_size"] > start.model_config.block_size:
         raise UsageError(
@@ -127,6 +164,7 @@ def make_loaders(c, data_dir, batch_sharding, accum, rows, vocab_size, data_voca
         shuffle_shards=c["shuffle_shards"],
         vocab_size=vocab_size,
         tokenizer=c["tokenizer"],
+        sft=sft_data(c, accum),
         **models.arch_of(c["arch"]).loader,
     )
     # else the first batch's ids say it, after out_dir exists
@@ -137,6 +175,32 @@ def make_loaders(c, data_dir, batch_sharding, accum, rows, vocab_size, data_voca
             f"--vocab_size={data_vocab_size} or more (or 0: the data's)"
         )
     return {"train": loader("train"), "val": loader("val")}, loader("train")
+
+
+def sft_data(c, accum):
+    """lr_schedule='sft' (nanochat's finetuning): what its conversation loader takes; else None.
+    max_iters steps of accum micro-batches are chat_sft's --num-iterations=max_iters x accum + 1
+    (it counts the micro-batches its loader fetches, one ahead of the step)."""
+    if c["lr_schedule"] != "sft":
+        return None
+    iterations = c["max_iters"] * accum + 1 if c["max_iters"] else 0
+    mix = ("mmlu_epochs", "gsm8k_epochs", "identity_epochs", "simple_spelling", "spelling_bee")
+    return {"num_iterations": iterations, "mix": {k: c[k] for k in mix}}
+
+
+def sft_horizon(c, train_loader, accum, master):
+    """lr_schedule='sft': each step's progress through the conversations (the loader run once
+    over them: archs/nanochat_sft.progress_table), and into c its max_iters: one epoch's steps
+    where it is 0, as chat_sft's, else the steps given (fewer where the epoch ends first)."""
+    steps, progress = nanochat_sft.progress_table(train_loader.fresh(), accum)
+    if master:
+        horizon = "one epoch" if not c["max_iters"] else f"max_iters={c['max_iters']}"
+        print(
+            f"finetuning on {len(train_loader.conversations):,} conversations: {steps:,} steps "
+            f"({horizon})"
+        )
+    c["max_iters"] = steps
+    return progress
 
 
 def hellaswag_path(c, vocab, data_dir, master):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from archs import nanochat_optim
+from archs import nanochat_optim, nanochat_sft
 from archs.models import build, model_from
 from archs.muon import muon, muon20
 from compute import sharding
@@ -79,6 +79,22 @@ def warmdown(it, c):
 MULTIPLIERS = {"trapezoid": trapezoid, "cooldown": cooldown, "warmdown": warmdown}
 
 
+def sft_multiplier(c, progress):
+    """lr_schedule='sft' (nanochat's chat_sft): every group's multiplier at iteration `it`,
+    init_lr_frac times chat_sft's multiplier of the mixture's progress at that step (`progress`:
+    archs.nanochat_sft.progress_table's, one per step); past the table (a resume asked for more
+    steps), its last."""
+    table = jnp.asarray(progress, jnp.float32)
+
+    def multiplier(it):
+        at = table[jnp.minimum(jnp.asarray(it, jnp.int32), table.shape[0] - 1)]
+        return c["init_lr_frac"] * nanochat_sft.lr_multiplier(
+            at, c["warmup_frac"], c["cooldown_frac"], c["final_lr_frac"]
+        )
+
+    return multiplier
+
+
 def scheduled(it, c, rate):
     """A group's learning rate at iteration `it`, whose max is `rate`: on the schedule that takes
     Adam's from learning_rate (the records: one LambdaLR multiplier for every group; under
@@ -109,13 +125,25 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(c):
+def lr_of(c, progress=None):
+    """The head's learning rate at iteration `it`, which the step's metrics report: get_lr, or
+    under lr_schedule='sft' learning_rate times sft_multiplier's."""
+    if c["lr_schedule"] == "sft":
+        multiplier = sft_multiplier(c, progress)
+        return lambda it: c["learning_rate"] * multiplier(it)
+    return partial(get_lr, c=c)
+
+
+def make_optimizer(c, progress=None):
     """The optimizer of c["optimizer"]: 'adamw', nanoGPT's; 'muon', modded-nanogpt's record 5
     (muon.muon); 'muon20', its record 20 (muon.muon20); 'muonadamw', nanochat's
-    (nanochat_optim.for_run), each group's rate scheduled."""
+    (nanochat_optim.for_run), each group's rate scheduled (lr_schedule='sft': on `progress`,
+    sft_multiplier's table)."""
     if c["optimizer"] == "muon20":
         return muon20(c, lambda rate: partial(scheduled, c=c, rate=rate))
     if c["optimizer"] == "muonadamw":
+        if c["lr_schedule"] == "sft":
+            return nanochat_optim.for_run(c, sft_multiplier(c, progress))
         return nanochat_optim.for_run(c, partial(scheduled, c=c, rate=1.0))
     adamw = optax.adamw(
         learning_rate=partial(get_lr, c=c),

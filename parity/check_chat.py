@@ -1,0 +1,241 @@
+"""
+nanochat's supervised finetuning, ours against nanochat's own, as a user runs each: train.py's
+config/chat_sft.py and a nanochat checkout's scripts/chat_sft.py, from one base checkpoint on the
+same conversations, float32; every step's loss (the mean over the assistant's tokens of each
+micro-batch, averaged), then every tensor of our --format=nanochat export against nanochat's own
+chatsft checkpoint, both read by its checkpoint_manager.build_model.
+
+The data: chat_sft's own mixture, SmolTalk's conversations, MMLU's auxiliary_train and GSM8K's
+train (with its calculator calls as python parts), here tiny rows made from templates in each
+dataset's hub schema, written where nanochat's tasks read them ($NANOCHAT_BASE_DIR/task_data,
+its cache, which our --dataset=$NANOCHAT_BASE_DIR reads as it is). The base: nanochat's own
+init_weights at depth 2 with its zero output projections drawn N(0, 0.02)
+(parity/nanochat_own_run.py), saved by its own save_checkpoint with a meta that both sides take
+the row length, batch and rates from.
+Both sides start their optimizer fresh (chat_sft's --load-optimizer=0: the warm start from the
+pretraining state is not here yet) and train one epoch (its --num-iterations=-1). nanochat runs
+twice, on 2 threads and on 1, for the spread float32 leaves (check_nanochat_run.py); eager.
+
+    python -m parity.check_chat --own ../nanochat
+    python -m parity.check_chat --own ../nanochat --slip=init_lr_frac=0.7   # exits 1
+
+Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+
+from configurator import UsageError, exit_on_bad_input, require_extras
+from parity.check_nanochat_run import LOSS_RTOL, ROOT, TEXT, THREADS, relative, run, tolerance
+from parity.common import print_table, verdict
+
+VOCAB, DEPTH, SEQ, ROWS, TOTAL = 2048, 2, 256, 4, 2048
+# (train rows, test rows): chat_sft's val takes MMLU's first 5200 tests and GSM8K's first 420,
+# and nanochat's Task counts a stop past the rows there as rows (failing when it reaches them)
+SIZES = {"smoltalk": (60, 8), "mmlu": (40, 5200), "gsm8k": (40, 420)}
+NAMES = ["Romeo", "Juliet", "Hamlet", "Ophelia", "Lear", "Cordelia", "Macbeth", "Banquo"]
+TOPICS = ["the sea", "a storm", "the king", "the moon", "a letter", "the crown", "a ghost"]
+
+
+def smoltalk_row(rng):
+    """A conversation of 1 to 3 turns, some with a system message (its schema: messages)."""
+    messages = [{"role": "system", "content": "Answer briefly."}] if rng.random() < 0.3 else []
+    for _ in range(rng.randint(1, 3)):
+        who, what = rng.choice(NAMES), rng.choice(TOPICS)
+        messages.append({"role": "user", "content": f"What did {who} say of {what}?"})
+        words = " ".join(rng.choice(TOPICS) for _ in range(rng.randint(1, 12)))
+        messages.append({"role": "assistant", "content": f"{who} spoke of {words}."})
+    return {"prompt": messages[-2]["content"], "messages": messages}
+
+
+def mmlu_row(rng):
+    a, b = rng.randint(1, 20), rng.randint(1, 20)
+    choices = [str(a + b + d) for d in rng.sample(range(-3, 4), 4)]
+    answer = rng.randrange(4)
+    choices[answer] = str(a + b)
+    return {
+        "question": f"What is {a} + {b}?",
+        "subject": "arithmetic",
+        "choices": choices,
+        "answer": answer,
+    }
+
+
+def gsm8k_row(rng):
+    a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 30)
+    answer = (
+        f"{rng.choice(NAMES)} has {a} boxes of {b} apples, so <<{a}*{b}={a * b}>>{a * b} apples. "
+        f"With {c} more: <<{a * b}+{c}={a * b + c}>>{a * b + c}.\n#### {a * b + c}"
+    )
+    return {"question": f"{a} boxes of {b} apples and {c} more: how many apples?", "answer": answer}
+
+
+# dataset -> (its nanochat cache folder, subset, train split, row maker)
+DATASETS = {
+    "smoltalk": ("HuggingFaceTB--smol-smoltalk", "default", "train", smoltalk_row),
+    "mmlu": ("cais--mmlu", "all", "auxiliary_train", mmlu_row),
+    "gsm8k": ("openai--gsm8k", "main", "train", gsm8k_row),
+}
+
+
+def write_task_data(base, seed=0):
+    """Each dataset's train and test rows where nanochat's load_hub_dataset finds a finished
+    download: task_data/<org>--<name>/SUBSET/SPLIT/00000.parquet and its manifest.json."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    for name, (slug, subset, train, make) in DATASETS.items():
+        for split, count in zip((train, "test"), SIZES[name]):
+            folder = os.path.join(base, "task_data", slug, subset, split)
+            os.makedirs(folder, exist_ok=True)
+            pq.write_table(
+                pa.Table.from_pylist([make(rng) for _ in range(count)]),
+                os.path.join(folder, "00000.parquet"),
+            )
+            with open(os.path.join(folder, "manifest.json"), "w") as f:
+                json.dump(["00000.parquet"], f)
+
+
+class Work:
+    """nanochat's base directory (tokenizer, task data, the base checkpoint, its chatsft runs) and
+    ours, in one folder."""
+
+    def __init__(self, folder, checkout, slip=()):
+        self.folder, self.checkout, self.slip = folder, os.path.abspath(checkout), list(slip)
+        self.base = os.path.join(folder, "base")
+        self.start = os.path.join(self.base, "base_checkpoints", f"d{DEPTH}")
+
+    def own(self, part, *argv, threads=2):
+        env = dict(os.environ, NANOCHAT_BASE_DIR=self.base, NANOCHAT_DTYPE="float32")
+        env |= {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": str(threads)}
+        command = [sys.executable, "-m", "parity.nanochat_own_run", part, "--checkout"]
+        return run([*command, self.checkout, *argv], f"nanochat's {part}", env)
+
+    def prepare(self):
+        """The tokenizer (the shipped Shakespeare's, 2048 ids), the task data, and the base: its
+        init with the projections drawn, its meta holding base_train's batch and rates."""
+        run(
+            [sys.executable, os.path.join(ROOT, "data", "nanochat", "prepare.py"), f"--text={TEXT}"]
+            + [
+                "--shards=1",
+                f"--vocab_size={VOCAB}",
+                f"--dir={os.path.join(self.folder, 'shards')}",
+            ]
+            + [f"--tokenizer_dir={os.path.join(self.base, 'tokenizer')}"],
+            "data/nanochat/prepare.py",
+        )
+        write_task_data(self.base)
+        shape = ["--depth", str(DEPTH), "--seq", str(SEQ), "--vocab", str(VOCAB)]
+        self.own("start", "--out", self.start, *shape)
+        path = os.path.join(self.start, "meta_000000.json")
+        with open(path) as f:
+            meta = json.load(f)
+        meta |= {"max_seq_len": SEQ, "device_batch_size": ROWS, "total_batch_size": TOTAL}
+        meta["user_config"] = {"embedding_lr": 0.3, "unembedding_lr": 0.008, "matrix_lr": 0.02}
+        with open(path, "w") as f:
+            json.dump(meta, f)
+
+    def nanochat_run(self, threads):
+        """chat_sft's own loop; each training forward's loss; its checkpoint kept per run."""
+        losses = os.path.join(self.folder, f"nanochat_losses_{threads}.json")
+        self.own(
+            "train",
+            *("--script", "scripts.chat_sft", "--losses", losses, "--threads", str(threads)),
+            *("--", "--device-type=cpu", f"--model-tag=d{DEPTH}", "--load-optimizer=0"),
+            *("--eval-every=-1", f"--eval-tokens={ROWS * SEQ}", "--chatcore-every=-1"),
+            *("--mmlu-epochs=1", "--gsm8k-epochs=1"),
+            threads=threads,
+        )
+        saved = os.path.join(self.base, "chatsft_checkpoints", f"d{DEPTH}")
+        kept = os.path.join(self.base, f"chatsft_threads{threads}")
+        shutil.move(saved, kept)
+        with open(losses) as f:
+            micro = json.load(f)
+        accum = TOTAL // (ROWS * SEQ)
+        return [sum(micro[i : i + accum]) / accum for i in range(0, len(micro), accum)], kept
+
+    def our_run(self):
+        out_dir = os.path.join(self.folder, "ours")
+        run(
+            [sys.executable, "train.py", "config/chat_sft.py", f"--init_from={self.start}"]
+            + [f"--dataset={self.base}", "--dtype=float32"]
+            + ["--mmlu_epochs=1", "--gsm8k_epochs=1", "--log_interval=1", f"--out_dir={out_dir}"]
+            + [f"--val_tokens={ROWS * SEQ}", "--eval_iters=1"]
+            + [f"--{setting}" for setting in self.slip],
+            "train.py",
+        )
+        with open(os.path.join(out_dir, "log.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        export = os.path.join(self.folder, "ours_export")
+        run(
+            [sys.executable, "export.py", f"--out_dir={out_dir}", "--format=nanochat"]
+            + [f"--to={export}"],
+            "export.py",
+        )
+        return [r["loss"] for r in records if "loss" in r and "iter" in r], export
+
+    def tensors(self, step, theirs, export, spread):
+        found = json.loads(
+            self.own("compare", "--step", str(step), "--dirs", theirs, export, spread)
+        )
+        return {name: tuple(v[:3]) for name, v in found.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--own", metavar="CHECKOUT", required=True, help="a nanochat checkout")
+    parser.add_argument("--work", help="keep the runs in this folder (default: a temporary one)")
+    parser.add_argument(
+        "--slip",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting given to train.py's side only: a planted slip the check must catch",
+    )
+    args = parser.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.own, "scripts", "chat_sft.py")):
+        raise UsageError(f"--own {args.own}: no scripts/chat_sft.py there (a nanochat checkout?)")
+    require_extras("parity")
+    with tempfile.TemporaryDirectory() as temporary:
+        folder = args.work or temporary
+        os.makedirs(folder, exist_ok=True)
+        work = Work(folder, args.own, args.slip)
+        work.prepare()
+        (theirs, theirs_dir), (spread, spread_dir) = (work.nanochat_run(t) for t in THREADS)
+        ours, export = work.our_run()
+        tensors = work.tensors(len(theirs), theirs_dir, export, spread_dir)
+    print(
+        f"nanochat's finetuning: train.py config/chat_sft.py vs chat_sft (its own, {THREADS[0]} "
+        f"threads), depth {DEPTH}, {ROWS} x {SEQ} tokens a micro-batch, {TOTAL} a step, one epoch "
+        "of SmolTalk, MMLU and GSM8K rows, float32, both optimizers fresh"
+    )
+    print_table(
+        [
+            [str(i), f"{o:.7f}", f"{t:.7f}", f"{relative(o, t):.1e}", f"{relative(s, t):.1e}"]
+            for i, (o, t, s) in enumerate(zip(ours, theirs, spread))
+        ],
+        ["step", "ours", "nanochat", "|rel|", f"nanochat {THREADS[1]} thread |rel|"],
+    )
+    print()
+    print_table(
+        [
+            [name, f"{d:.1e}", f"{s:.1e}", f"{tolerance(s):.1e}", f"{m:.2g}"]
+            for name, (d, s, m) in tensors.items()
+        ],
+        ["tensor", "max |ours - its|", "its spread", "tolerance", "max |its|"],
+    )
+    ok = len(ours) == len(theirs) > 0 and all(
+        relative(o, t) <= LOSS_RTOL for o, t in zip(ours, theirs)
+    )
+    ok &= all(d <= tolerance(s) for d, s, _ in tensors.values())
+    return 0 if verdict(ok, "nanochat's finetuning") else 1
+
+
+if __name__ == "__main__":
+    exit_on_bad_input(main)

@@ -1,0 +1,192 @@
+"""nanochat's finetuning through train.py (config/chat_sft.py, docs/chat.md): from a nanochat
+checkpoint directory, on conversations, the loss on the assistant's tokens, one epoch's steps at
+chat_sft's rates of the mixture's progress, the base run's batch and rates inherited; with
+NANOCHAT_CHECKOUT, parity/check_chat.py against nanochat's own chat_sft.
+
+    python -m pytest tests/test_chat_sft.py -q
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import REPO
+from helpers.nanochat_data import shakespeare_folder
+
+import train
+from archs import nanochat_sft
+from archs.models import build
+from configurator import UsageError, command_line_keys, configure
+from dataio.chat_tokenizer import ChatTokenizer
+from dataio.nanochat_checkpoint import save_nanochat
+from model import GPTConfig
+from run import train_setup
+from run.settings import DEFAULTS, validate
+
+CHECKOUT = os.environ.get("NANOCHAT_CHECKOUT")
+CONFIG = os.path.join(REPO, "config", "chat_sft.py")
+VOCAB = 320
+NAMES = ["Romeo", "Juliet", "Hamlet", "Ophelia"]
+
+
+def conversation(i):
+    a, b = NAMES[i % 4], NAMES[(i + 1) % 4]
+    return [
+        {"role": "user", "content": f"Who loves {a}?"},
+        {"role": "assistant", "content": f"{b} loves {a}, {i} times."},
+    ]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A nanochat base directory: tokenizer/, a tiny model's checkpoint in base_checkpoints/d2 (its
+    meta: base_train's batch and rates), and a folder of train.jsonl and val.jsonl."""
+    root = tmp_path_factory.mktemp("nanochat_base")
+    shakespeare_folder(root / "text", VOCAB, docs=300)
+    os.rename(root / "text" / "tokenizer", root / "tokenizer")
+    config = GPTConfig(
+        arch="nanochat", bias=False, block_size=64, vocab_size=VOCAB, n_layer=2, n_head=2,
+        n_embd=32, window_pattern="L",
+    )  # fmt: skip
+    run = {"device_batch_size": 2, "total_batch_size": 256}
+    run["user_config"] = {"embedding_lr": 0.2, "unembedding_lr": 0.006, "matrix_lr": 0.01}
+    save_nanochat(build(config, nnx.Rngs(0)), str(root / "base_checkpoints" / "d2"), 0, run)
+    data = root / "chat"
+    data.mkdir()
+    for split, n in (("train", 40), ("val", 8)):
+        with open(data / f"{split}.jsonl", "w") as f:
+            f.writelines(json.dumps(conversation(i)) + "\n" for i in range(n))
+    return root
+
+
+def sft_argv(base, out_dir, *extra):
+    return [
+        CONFIG,
+        f"--init_from={base / 'base_checkpoints' / 'd2'}",
+        f"--dataset={base / 'chat'}",
+        f"--out_dir={out_dir}",
+        "--dtype=float32",
+        "--eval_interval=100",
+        "--val_tokens=0",
+        "--eval_iters=1",
+        *extra,
+    ]
+
+
+def test_one_epoch_at_chat_sfts_rates_with_the_base_runs_batch(base, tmp_path, capsys):
+    argv = sft_argv(base, tmp_path)
+    t = train.Trainer(configure(DEFAULTS, argv), typed=command_line_keys(argv))
+    c = t.c
+    # the base run's meta: its rows, batch and three rates; its model's width (the AdamW rates'
+    # 1/sqrt(n_embd / 768)); its tokenizer, two folders up as nanochat keeps it
+    assert (c["block_size"], c["batch_size"], c["total_batch_size"]) == (64, 2, 256)
+    assert (c["embed_learning_rate"], c["learning_rate"], c["muon_learning_rate"]) == (
+        0.2, 0.006, 0.01,
+    )  # fmt: skip
+    assert c["n_embd"] == 32 and c["tokenizer"] == str(base / "tokenizer")
+    steps, progress = nanochat_sft.progress_table(t.train_loader.fresh(), t.accum)
+    assert c["max_iters"] == steps and progress[-1] >= 1 > progress[-2]
+    t.run()
+    with open(tmp_path / "log.jsonl") as f:
+        steps_logged = [r for r in map(json.loads, f) if "loss" in r]
+    expected = [0.006 * 0.8 * float(nanochat_sft.lr_multiplier(p, 0.0, 0.5, 0.0)) for p in progress]
+    np.testing.assert_allclose([r["lr"] for r in steps_logged], expected, rtol=1e-6)
+    losses = [r["loss"] for r in steps_logged]
+    assert len(losses) == steps and all(math.isfinite(v) for v in losses)
+    assert f"finetuning on 40 conversations: {steps} steps (one epoch)" in capsys.readouterr().out
+
+
+def test_typed_settings_win_over_the_base_runs(base, tmp_path):
+    argv = sft_argv(base, tmp_path, "--batch_size=4", "--learning_rate=0.001")
+    t = train.Trainer(configure(DEFAULTS, argv), typed=command_line_keys(argv))
+    assert (t.c["batch_size"], t.c["learning_rate"], t.c["embed_learning_rate"]) == (4, 0.001, 0.2)
+    t.lock.close()
+
+
+def test_the_loss_is_the_assistants_tokens_only(base):
+    """A batch's targets are -1 on the user's turn, BOS and padding: the loss is the mean over
+    the rest, what the model's loss gives on those targets."""
+    from dataio import sft_loader
+
+    sft = {"num_iterations": 0, "mix": {}}
+    loader = sft_loader.for_folder(
+        str(base / "chat"), "train", 63, 2, None, VOCAB, str(base / "tokenizer"), sft
+    )
+    x, y = loader.next(1)
+    tok = ChatTokenizer.from_directory(str(base / "tokenizer"))
+    learned = tok.decode([int(t) for t in y[0][y[0] >= 0]])
+    assert "loves" in learned and "Who" not in learned and "<|assistant_end|>" in learned
+
+
+@pytest.mark.parametrize(
+    "extra, line",
+    [
+        (["--optimizer=adamw"], "lr_schedule='sft' is nanochat's finetuning"),
+        (["--init_lr_frac=0"], "init_lr_frac must be in (0, 1]"),
+        (["--warmup_frac=0.6"], "warmup_frac + cooldown_frac at most 1, got 0.8, 0.6 + 0.5"),
+    ],
+)
+def test_bad_finetuning_settings_are_one_line(base, tmp_path, extra, line):
+    with pytest.raises(UsageError, match=re.escape(line)):
+        validate(configure(DEFAULTS, sft_argv(base, tmp_path, *extra)))
+
+
+def test_the_inheritance_reads_only_what_the_meta_holds():
+    c = {"block_size": 2048, "batch_size": 32, "learning_rate": 0.004, "total_batch_size": 1}
+    c |= {"embed_learning_rate": 0.3, "muon_learning_rate": 0.02}
+    train_setup.inherit_pretraining(c, {"max_seq_len": 512, "user_config": {"matrix_lr": 0.05}}, ())
+    assert c["block_size"] == 512 and c["muon_learning_rate"] == 0.05
+    assert c["batch_size"] == 32 and c["learning_rate"] == 0.004  # not in the meta: the config's
+
+
+def check_chat(*argv):
+    return subprocess.run(
+        [sys.executable, "-m", "parity.check_chat", *argv], cwd=REPO, capture_output=True, text=True
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CHECKOUT, reason="NANOCHAT_CHECKOUT is not set: chat_sft needs a checkout")
+def test_chat_sft_py_is_nanochats_own_step_by_step():
+    done = check_chat("--own", CHECKOUT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().endswith("nanochat's finetuning: OK")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CHECKOUT, reason="NANOCHAT_CHECKOUT is not set: chat_sft needs a checkout")
+def test_a_rate_slipped_on_our_side_only_is_caught():
+    done = check_chat("--own", CHECKOUT, "--slip=init_lr_frac=0.7")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.strip().endswith("nanochat's finetuning: NOT OK")
+
+
+def test_the_check_without_a_checkout_is_one_line(tmp_path):
+    done = check_chat("--own", str(tmp_path))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"error: --own {tmp_path}: no scripts/chat_sft.py there (a nanochat checkout?)"
+    ]
+
+
+def test_the_checkouts_mixture_needs_neither_identity_nor_words(tmp_path):
+    """chat_sft as it is now: SmolTalk, MMLU x3, GSM8K x4, in TaskMixture's order; its history's
+    identity conversations and spelling tasks only when asked for."""
+    from helpers import chat_task_files
+
+    from dataio import sft_loader, task_folder
+
+    hub = chat_task_files.write_hub(str(tmp_path))
+    os.remove(os.path.join(hub, task_folder.IDENTITY_FILE))
+    os.remove(os.path.join(hub, task_folder.WORDS_FILE))
+    mix = {"identity_epochs": 0, "simple_spelling": 0, "spelling_bee": 0}
+    train = sft_loader.mixture(hub, "train", **mix)
+    assert [type(t).__name__ for t in train.tasks] == ["SmolTalk"] + ["MMLU"] * 3 + ["GSM8K"] * 4
+    with pytest.raises(Exception, match="identity_conversations.jsonl"):
+        sft_loader.mixture(hub, "train", **(mix | {"identity_epochs": 1}))
