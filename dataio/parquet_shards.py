@@ -118,18 +118,24 @@ def texts(folder, split, **where):
 
 def download_shard(index, folder, base_url=BASE_URL, attempts=ATTEMPTS, backoff_s=BACKOFF_S):
     """Shard `index` into `folder`: True once it is there (kept if it already is), False after
-    `attempts` failures. Written to <name>.tmp and renamed into place once whole and ending as
-    parquet does, so that neither a failure nor a crash leaves a partial shard (nanochat's listing
-    also skips .tmp)."""
+    `attempts` failures (download_file)."""
     name = shard_name(index)
-    path = os.path.join(folder, name)
+    return download_file(f"{base_url}/{name}", os.path.join(folder, name), attempts, backoff_s)
+
+
+def download_file(url, path, attempts=ATTEMPTS, backoff_s=BACKOFF_S):
+    """A parquet file at `url` into `path`: True once it is there (kept if it already is), False
+    after `attempts` failures. Written to <path>.tmp and renamed into place once whole and ending
+    as parquet does, so that neither a failure nor a crash leaves a partial file (nanochat's
+    listing also skips .tmp)."""
+    name = os.path.basename(path)
     if os.path.exists(path):
         print(f"{name}: here already")
         return True
     partial = path + ".tmp"
     for attempt in range(1, attempts + 1):
         try:
-            with urllib.request.urlopen(f"{base_url}/{name}", timeout=TIMEOUT_S) as response:
+            with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
                 with open(partial, "wb") as f:
                     while chunk := response.read(CHUNK):  # a short body raises IncompleteRead
                         f.write(chunk)

@@ -7,11 +7,11 @@ chatsft checkpoint, both read by its checkpoint_manager.build_model.
 
 The data: chat_sft's own mixture, SmolTalk's conversations, MMLU's auxiliary_train and GSM8K's
 train (with its calculator calls as python parts), here tiny rows made from templates in each
-dataset's hub schema, written where nanochat's tasks read them ($NANOCHAT_BASE_DIR/task_data,
-its cache, which our --dataset=$NANOCHAT_BASE_DIR reads as it is). The base: nanochat's own
-init_weights at depth 2 with its zero output projections drawn N(0, 0.02)
-(parity/nanochat_own_run.py), saved by its own save_checkpoint with a meta that both sides take
-the row length, batch and rates from.
+dataset's hub schema (dataio/toy_tasks.py), written where nanochat's tasks read them
+($NANOCHAT_BASE_DIR/task_data, its cache, which our --dataset=$NANOCHAT_BASE_DIR reads as it
+is). The base: nanochat's own init_weights at depth 2 with its zero output projections drawn
+N(0, 0.02) (parity/nanochat_own_run.py), saved by its own save_checkpoint with a meta that both
+sides take the row length, batch and rates from.
 Both sides start their optimizer fresh (chat_sft's --load-optimizer=0: the warm start from the
 pretraining state is not here yet) and train one epoch (its --num-iterations=-1). nanochat runs
 twice, on 2 threads and on 1, for the spread float32 leaves (check_nanochat_run.py); eager.
@@ -25,81 +25,17 @@ Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input.
 import argparse
 import json
 import os
-import random
 import shutil
 import sys
 import tempfile
 
 from configurator import UsageError, exit_on_bad_input, require_extras
+from dataio import toy_tasks
 from parity.check_nanochat_run import LOSS_RTOL, ROOT, TEXT, THREADS, relative, run, tolerance
 from parity.common import print_table, verdict
 
 VOCAB, DEPTH, SEQ, ROWS, TOTAL = 2048, 2, 256, 4, 2048
-# (train rows, test rows): chat_sft's val takes MMLU's first 5200 tests and GSM8K's first 420,
-# and nanochat's Task counts a stop past the rows there as rows (failing when it reaches them)
-SIZES = {"smoltalk": (60, 8), "mmlu": (40, 5200), "gsm8k": (40, 420)}
-NAMES = ["Romeo", "Juliet", "Hamlet", "Ophelia", "Lear", "Cordelia", "Macbeth", "Banquo"]
-TOPICS = ["the sea", "a storm", "the king", "the moon", "a letter", "the crown", "a ghost"]
-
-
-def smoltalk_row(rng):
-    """A conversation of 1 to 3 turns, some with a system message (its schema: messages)."""
-    messages = [{"role": "system", "content": "Answer briefly."}] if rng.random() < 0.3 else []
-    for _ in range(rng.randint(1, 3)):
-        who, what = rng.choice(NAMES), rng.choice(TOPICS)
-        messages.append({"role": "user", "content": f"What did {who} say of {what}?"})
-        words = " ".join(rng.choice(TOPICS) for _ in range(rng.randint(1, 12)))
-        messages.append({"role": "assistant", "content": f"{who} spoke of {words}."})
-    return {"prompt": messages[-2]["content"], "messages": messages}
-
-
-def mmlu_row(rng):
-    a, b = rng.randint(1, 20), rng.randint(1, 20)
-    choices = [str(a + b + d) for d in rng.sample(range(-3, 4), 4)]
-    answer = rng.randrange(4)
-    choices[answer] = str(a + b)
-    return {
-        "question": f"What is {a} + {b}?",
-        "subject": "arithmetic",
-        "choices": choices,
-        "answer": answer,
-    }
-
-
-def gsm8k_row(rng):
-    a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 30)
-    answer = (
-        f"{rng.choice(NAMES)} has {a} boxes of {b} apples, so <<{a}*{b}={a * b}>>{a * b} apples. "
-        f"With {c} more: <<{a * b}+{c}={a * b + c}>>{a * b + c}.\n#### {a * b + c}"
-    )
-    return {"question": f"{a} boxes of {b} apples and {c} more: how many apples?", "answer": answer}
-
-
-# dataset -> (its nanochat cache folder, subset, train split, row maker)
-DATASETS = {
-    "smoltalk": ("HuggingFaceTB--smol-smoltalk", "default", "train", smoltalk_row),
-    "mmlu": ("cais--mmlu", "all", "auxiliary_train", mmlu_row),
-    "gsm8k": ("openai--gsm8k", "main", "train", gsm8k_row),
-}
-
-
-def write_task_data(base, seed=0):
-    """Each dataset's train and test rows where nanochat's load_hub_dataset finds a finished
-    download: task_data/<org>--<name>/SUBSET/SPLIT/00000.parquet and its manifest.json."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rng = random.Random(seed)
-    for name, (slug, subset, train, make) in DATASETS.items():
-        for split, count in zip((train, "test"), SIZES[name]):
-            folder = os.path.join(base, "task_data", slug, subset, split)
-            os.makedirs(folder, exist_ok=True)
-            pq.write_table(
-                pa.Table.from_pylist([make(rng) for _ in range(count)]),
-                os.path.join(folder, "00000.parquet"),
-            )
-            with open(os.path.join(folder, "manifest.json"), "w") as f:
-                json.dump(["00000.parquet"], f)
+TRAIN_ROWS = {"smoltalk": 60, "mmlu": 40, "gsm8k": 40}
 
 
 class Work:
@@ -130,7 +66,7 @@ class Work:
             + [f"--tokenizer_dir={os.path.join(self.base, 'tokenizer')}"],
             "data/nanochat/prepare.py",
         )
-        write_task_data(self.base)
+        toy_tasks.write_task_cache(self.base, TRAIN_ROWS)
         shape = ["--depth", str(DEPTH), "--seq", str(SEQ), "--vocab", str(VOCAB)]
         self.own("start", "--out", self.start, *shape)
         path = os.path.join(self.start, "meta_000000.json")
