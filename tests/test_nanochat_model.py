@@ -75,6 +75,10 @@ def both(config, state):
     return reference.eval(), NanochatGPT.from_nanochat(config, state)
 
 
+# jitted: op by op, JAX compiles each of the model's ops alone (seconds more each test)
+forward = nnx.jit(lambda model, *args: model(*args))
+
+
 def tokens(config, seed=0, batch=2, length=T):
     idx = np.random.default_rng(seed).integers(0, config["vocab_size"], (batch, length))
     targets = np.roll(idx, -1, axis=1)
@@ -89,14 +93,16 @@ def test_logits_and_loss_equal_the_references(config):
     with torch.no_grad():
         expected = reference(torch.from_numpy(idx)).numpy()
         expected_loss = float(reference(torch.from_numpy(idx), torch.from_numpy(targets)))
-    logits, loss = ours(jnp.asarray(idx), jnp.asarray(targets))
+    logits, loss = forward(ours, jnp.asarray(idx), jnp.asarray(targets))
     assert logits.shape == (2, T, config["vocab_size"])
     assert_close(logits, expected, atol=LOGIT_TOL, what="logits")
     assert abs(float(loss) - expected_loss) <= LOSS_TOL
-    assert float(ours.loss(jnp.asarray(idx), jnp.asarray(targets))) == pytest.approx(float(loss))
+    loss_alone = nnx.jit(lambda m, i, t: m.loss(i, t))(ours, jnp.asarray(idx), jnp.asarray(targets))
+    assert float(loss_alone) == pytest.approx(float(loss))
     # the short windows bite: all-long windows give other logits
     _, long_only = both({**config, "window_pattern": "L"}, weights(config))
-    assert np.abs(np.asarray(long_only(jnp.asarray(idx))[0]) - expected).max() > 100 * LOGIT_TOL
+    long_logits = forward(long_only, jnp.asarray(idx))[0]
+    assert np.abs(np.asarray(long_logits) - expected).max() > 100 * LOGIT_TOL
 
 
 def test_windows_tile_the_pattern_with_the_last_layer_long():
@@ -113,7 +119,7 @@ def test_gradients_equal_the_references():
     idx, targets = tokens(config, seed=1)
     reference(torch.from_numpy(idx), torch.from_numpy(targets)).backward()
     expected = {k: p.grad.numpy() for k, p in reference.named_parameters()}
-    grads = nnx.grad(lambda m: m.loss(jnp.asarray(idx), jnp.asarray(targets)))(ours)
+    grads = nnx.jit(nnx.grad(lambda m: m.loss(jnp.asarray(idx), jnp.asarray(targets))))(ours)
     grads = dict(nnx.to_flat_state(grads))
     assert len(ours.weight_rows()) == len(expected)
     for name, path, linear in ours.weight_rows():
@@ -205,7 +211,7 @@ def test_kv_cache_decoding_equals_the_full_forward_past_the_short_window():
     config = EVEN
     reference, ours = both(config, weights(config, seed=2))
     idx, _ = tokens(config, seed=2, batch=1, length=T)
-    full = np.asarray(ours(jnp.asarray(idx))[0])
+    full = np.asarray(forward(ours, jnp.asarray(idx))[0])
     # prefill in chunks of 64 (the second and third start past position 0), then a token a step
     cache, logits = ours.init_cache(1, 192), []
     decode = nnx.jit(lambda m, x, c, pos: (lambda y: (m.logits(y[0]), y[1]))(m.decode(x, c, pos)))

@@ -95,6 +95,11 @@ def test_it_trains_reports_bits_per_byte_and_samples_in_its_tokenizer(
     assert code == 2 and "speaks nanochat's tokenizer" in line and "--tasks=core" in line
 
 
+# make test-slow (CI runs it): the same claim as GPT-2's resume (test_train_loop.py) with other
+# state. make test holds nanochat's loader resuming exactly (test_bestfit_loader.py) and its
+# MuonAdamW state restored (test_nanochat_mesh.py resumes a 1-device checkpoint on a mesh and ends
+# at the straight run's params)
+@pytest.mark.slow
 def test_resume_is_bit_for_bit(nanochat_data, tmp_path, monkeypatch):
     """The loader's buffer read again, Muon's and Adam's state and the schedules' count restored:
     a run stopped after 3 of its 6 steps (as SIGTERM stops it: its schedules are fractions of

@@ -171,7 +171,8 @@ def server(tmp_path):
     server = ShardServer()
     for i in (0, 1, MAX_SHARD):
         server.files[shard_name(i)] = shard_bytes(i, tmp_path)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # shutdown() waits out serve_forever's poll (0.5 s by default) at each test's end
+    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
     thread.start()
     yield server
     for event in server.stall.values():

@@ -1,7 +1,7 @@
 """python -m pytest tests/test_sharding.py -q
 
 Sharded training on the (data, fsdp, tensor) mesh: the same run on 1 device and on 8 fake CPU
-devices as data 8, fsdp 8, fsdp 4 x tensor 2 and (slow) data 2 x fsdp 2 x tensor 2 (losses, grad
+devices as fsdp 8, fsdp 4 x tensor 2 and (slow) data 8 and data 2 x fsdp 2 x tensor 2 (losses, grad
 norms, final params); memory that really divides under fsdp; resume across meshes; two processes
 with fsdp spanning both, preempted (SIGTERM to one) and resumed. (make test holds attention's
 forward and gradients under data 2 x fsdp 2 x tensor 2: test_attention.py.)"""
@@ -38,9 +38,10 @@ from run import checkpoint
 
 WIDE = ["--n_embd=64", "--max_iters=4", "--eval_interval=4", "--always_save_checkpoint=True"]
 ROWS = 8  # global micro-batch: every mesh below splits it differently
-MESHES = {"data8": (1, 1), "fsdp8": (8, 1), "fsdp4_tp2": (4, 2)}
-# all three axes at once: make test-slow (CI runs it), 6 s of compiling
-SLOW_MESHES = {"data2_fsdp2_tp2": (2, 2)}
+MESHES = {"fsdp8": (8, 1), "fsdp4_tp2": (4, 2)}
+# make test-slow (CI runs it), a compile each: data 8 (a mesh with neither axis that splits the
+# state, the batch split as fsdp 8 splits it) and all three axes at once
+SLOW_MESHES = {"data8": (1, 1), "data2_fsdp2_tp2": (2, 2)}
 
 
 def mesh_args(fsdp, tp, devices=8):
@@ -98,10 +99,10 @@ def run_8_devices(runs, tmp_path):
 
 @pytest.fixture(scope="module")
 def mesh_runs(dataset, tmp_path_factory):
-    """A 2-step fsdp 4 x tensor 2 run that saves at step 2 (copied twice, to resume from), its
-    resume on data 8, and every mesh's 4-step run; then the 1-device run and the resume on 1 device
-    here. Also the 1-device run's final params: the reference, and the template to restore any of
-    the checkpoints with."""
+    """A 2-step fsdp 4 x tensor 2 run that saves at step 2 (copied twice, to resume from: here, and
+    on data 8 in make test-slow), and every mesh's 4-step run; then the 1-device run and the resume
+    on 1 device here. Also the 1-device run's final params: the reference, and the template to
+    restore any of the checkpoints with; its state's bytes, the replicated figure."""
     tmp = tmp_path_factory.mktemp("meshes")
     common = TINY + WIDE + [f"--dataset={dataset}"]
     runs = [
@@ -112,11 +113,6 @@ def mesh_runs(dataset, tmp_path_factory):
             + [f"--out_dir={tmp / 'half'}", "--max_iters=2", "--checkpoint_interval=2"],
             ["resumed_data8", "resumed_one"],
         ),
-        (
-            "resumed_data8",
-            common + mesh_args(1, 1) + [f"--out_dir={tmp / 'resumed_data8'}", "--init_from=resume"],
-            [],
-        ),
     ]
     runs += [
         (name, common + mesh_args(*m) + [f"--out_dir={tmp / name}"], [])
@@ -124,6 +120,7 @@ def mesh_runs(dataset, tmp_path_factory):
     ]
     report = run_8_devices(runs, tmp)
     one = train.Trainer(settings(dataset, tmp / "one", *WIDE, f"--batch_size={ROWS}")).run()
+    report["one"] = {"state_bytes": one.state_bytes}
     train.Trainer(
         settings(dataset, tmp / "resumed_one", *WIDE, f"--batch_size={ROWS}", "--init_from=resume")
     ).run()
@@ -137,18 +134,20 @@ def test_every_mesh_trains_as_one_device(mesh_runs):
 
 
 @pytest.mark.slow
-def test_a_mesh_over_all_three_axes_trains_as_one_device(mesh_runs, dataset):
+def test_data_8_and_all_three_axes_train_as_one_device_and_resume(mesh_runs, dataset):
+    """Also fsdp 4 x tensor 2's checkpoint at step 2 resumed on data 8: steps 2 and 3 as the
+    uninterrupted run's."""
     tmp, _, template = mesh_runs
     common = TINY + WIDE + [f"--dataset={dataset}"]
+    resumed = [f"--out_dir={tmp / 'resumed_data8'}", "--init_from=resume"]
     run_8_devices(
-        [
-            (n, common + mesh_args(*m) + [f"--out_dir={tmp / n}"], [])
-            for n, m in SLOW_MESHES.items()
-        ],
+        [(n, common + mesh_args(*m) + [f"--out_dir={tmp / n}"], []) for n, m in SLOW_MESHES.items()]
+        + [("resumed_data8", common + mesh_args(1, 1) + resumed, [])],
         tmp,
     )
     for name in SLOW_MESHES:
         assert_trains_as_one_device(tmp, name, template)
+    assert_resumed_as_the_whole_run(tmp, "resumed_data8")
 
 
 def assert_trains_as_one_device(tmp, name, template):
@@ -173,12 +172,12 @@ def assert_trains_as_one_device(tmp, name, template):
 
 def test_fsdp_divides_the_state(mesh_runs):
     _, report, _ = mesh_runs
-    fsdp, replicated = report["fsdp8"], report["data8"]
+    fsdp, replicated = report["fsdp8"], report["one"]
     assert fsdp["shards"], "no >=2-D state found"
     for path, (held, total) in fsdp["shards"].items():
         assert held * 8 == total, f"{path}: a device holds {held} of {total} elements under fsdp 8"
-    # 1/8 of the replicated figure, + 2% of it for what stays replicated (LayerNorms, biases, Adam's
-    # count)
+    # 1/8 of the replicated figure (1 device's: all of it), + 2% of it for what stays replicated
+    # (LayerNorms, biases, Adam's count)
     assert fsdp["state_bytes"] <= replicated["state_bytes"] * (1 / 8 + 0.02), (
         fsdp["state_bytes"],
         replicated["state_bytes"],
@@ -186,16 +185,19 @@ def test_fsdp_divides_the_state(mesh_runs):
 
 
 def test_resume_across_meshes(mesh_runs):
-    """Saved under fsdp 4 x tensor 2 at step 2, resumed on data 8 and on 1 device: steps 2 and 3 as
-    the uninterrupted fsdp 4 x tensor 2 run's."""
+    """Saved under fsdp 4 x tensor 2 at step 2, resumed on 1 device (and on data 8, make test-slow,
+    above): steps 2 and 3 as the uninterrupted fsdp 4 x tensor 2 run's."""
     tmp, _, _ = mesh_runs
+    assert_resumed_as_the_whole_run(tmp, "resumed_one")
+
+
+def assert_resumed_as_the_whole_run(tmp, resumed):
     whole = read_log(tmp / "fsdp4_tp2", "loss")
-    for resumed in ("resumed_data8", "resumed_one"):
-        log = read_log(tmp / resumed, "loss")
-        assert [i for i, _ in log] == [0, 1, 2, 3]
-        assert_close(
-            [v for _, v in log[2:]], [v for _, v in whole[2:]], rtol=1e-5, atol=0, what=resumed
-        )
+    log = read_log(tmp / resumed, "loss")
+    assert [i for i, _ in log] == [0, 1, 2, 3]
+    assert_close(
+        [v for _, v in log[2:]], [v for _, v in whole[2:]], rtol=1e-5, atol=0, what=resumed
+    )
 
 
 def test_sample_and_hellaswag_load_a_checkpoint_of_any_mesh(mesh_runs, dataset):

@@ -183,8 +183,11 @@ def test_a_sequence_longer_than_the_band_takes_the_banded_kernel(monkeypatch):
     np.testing.assert_allclose(banded, masked, rtol=0, atol=1e-5)
 
 
-# make test-slow (CI runs it): flash's, which make test holds at the kernel and under a mesh
-@pytest.mark.parametrize("kernel", ["splash", pytest.param("flash", marks=pytest.mark.slow)])
+# make test-slow (CI runs it): make test holds both kernels against the masked one at three windows
+# and under a mesh (test_window_attention.py, test_attention.py), and GPT-2's whole model through
+# splash (test_attention.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["splash", "flash"])
 def test_the_model_with_splash_or_flash_computes_what_it_computes_with_xla(kernel):
     """attention='splash' and 'flash' (window_attention's Pallas kernels, interpret mode) against
     'xla' (the banded kernel) in a whole model, fp32, 1024 tokens with documents, window_size 256

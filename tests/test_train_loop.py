@@ -192,6 +192,9 @@ def test_best_val_loss_is_never_overwritten_by_a_worse_value(dataset, tmp_path, 
     assert t.best_val_loss == 2.0
 
 
+# make test-slow (CI runs it): make test holds accumulation equal to one batch on a mesh
+# (test_sharding.py: fsdp 4 x tensor 2's 4 micro-batches of 2 against 1 device's one batch of 8)
+@pytest.mark.slow
 def test_gradient_accumulation_equivalence(dataset, tmp_path):
     """accum 4 x micro-batch 2 == accum 1 x micro-batch 8: the same tokens, the same update."""
     a = run(
@@ -244,6 +247,10 @@ def test_eval_only_evaluates_a_run_resumed_at_any_step(dataset, tmp_path):
 # ----------------------------------------------------------------------
 
 
+# make test-slow (CI runs it): train.py as a command, SIGTERM'd. make test holds its pieces: a
+# SIGTERM'd loop saves (test_stop.py), a resume continues bit for bit
+# (test_exact_resume_bit_for_bit), a killed command stops in one line (test_multiprocess.py)
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_resume_continues(dataset, tmp_path):
     out = tmp_path / "out"
     args = TINY + [f"--dataset={dataset}", f"--out_dir={out}", "--max_iters=100000"]
