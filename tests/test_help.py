@@ -53,6 +53,10 @@ CONFIGURED = {
         ("eval.py", "defaults"),
         ["--init_from=gpt2", "--num_fewshot=None None: each task's own", "--batch_size=8 requests"],
     ),
+    "chat_eval.py": (
+        ("chat_eval.py", "defaults"),
+        ["--tasks_dir=data/chat", "--batch_size=8 problems a forward (the categorical tasks)"],
+    ),
     "export.py": (
         ("export.py", "defaults"),
         ["--step=-1 the saved step to export; -1: the latest", "--format=hf 'hf' | 'nanogpt'"],

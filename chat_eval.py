@@ -1,0 +1,106 @@
+"""
+Score a chat model as nanochat's chat_eval scores it: ARC-Easy/Challenge and MMLU by the logits of
+their answer letters, GSM8K (with the calculator) and HumanEval (in the sandbox) by sampled answers;
+each task's accuracy, then ChatCORE when all five were scored (docs/chat.md).
+
+    # nanochat's finetuned checkpoint (its tokenizer/ two folders up, as in its base directory)
+    python chat_eval.py --init_from=$HOME/.cache/nanochat/chatsft_checkpoints/d20
+    # our finetuning run, two tasks, the first 100 problems of each
+    python chat_eval.py --init_from=resume --out_dir=out-chat-sft --tasks=ARC-Easy,GSM8K \\
+        --max_problems=100
+    # pass@8 on HumanEval
+    python chat_eval.py --init_from=DIR --tasks=HumanEval --num_samples=8 --temperature=0.8
+
+Settings as sample.py's: an optional config file, then --key=value (configurator.py). The task
+files are read from --tasks_dir (python data/chat/prepare.py writes them, in nanochat's cache
+layout, to data/chat; nanochat's own base directory serves as it is).
+"""
+
+import sys
+import time
+
+import jax
+
+from compute import sharding
+from configurator import UsageError, configure, exit_on_bad_input
+from dataio.chat_tokenizer import ChatTokenizer
+from run.chat_scoring import ChatScorer, Settings, load_tasks, task_names
+from run.checkpoint import load_checkpoint_model, load_model, load_with_codec
+from run.settings import resolve_dtype
+
+defaults = dict(
+    # 'resume' (our run in out_dir) or a nanochat checkpoint directory (its model_*.pt, meta_*.json)
+    init_from="resume",
+    out_dir="out",  # ignored unless init_from is 'resume'
+    # nanochat's tokenizer directory (tokenizer.pkl); '': the checkpoint's (beside it or up to two
+    # folders up; our run's dataset's)
+    tokenizer="",
+    tasks_dir="data/chat",  # the task files: each dataset's folder, or nanochat's task_data/
+    # comma-separated: ARC-Easy,ARC-Challenge,MMLU,GSM8K,HumanEval,SpellingBee; '': the first five
+    tasks="",
+    max_problems=None,  # the first N problems of each task (None: all)
+    batch_size=8,  # problems a forward (the categorical tasks)
+    num_samples=1,  # completions a problem (the generative tasks): any one right passes it
+    max_new_tokens=512,  # tokens a completion at most
+    temperature=0.0,  # 0: greedy (argmax)
+    top_k=50,  # sample among the top_k most likely tokens (0: all)
+    dtype="auto",  # 'float32' | 'bfloat16' | 'auto' (bfloat16 on GPU/TPU, float32 on CPU)
+)
+
+
+def load_chat_model(init_from, out_dir, tokenizer_dir, dtype):
+    """(model, ChatTokenizer): the weights of init_from, and nanochat's tokenizer: --tokenizer's,
+    else the checkpoint's; a model without one is one line."""
+    if tokenizer_dir:
+        if init_from == "resume":
+            model, _ = load_checkpoint_model(out_dir, dtype=dtype)
+        else:
+            model, _ = load_model(init_from, dtype=dtype)
+        tokenizer = ChatTokenizer.from_directory(tokenizer_dir)
+    else:
+        model, codec, _ = load_with_codec(init_from, out_dir, dtype)
+        if not isinstance(codec, ChatTokenizer):
+            where = out_dir if init_from == "resume" else init_from
+            raise UsageError(
+                f"{where} is not a model of nanochat's tokenizer (chat_eval renders conversations "
+                "with its special tokens): give --tokenizer=DIR, nanochat's tokenizer directory"
+            )
+        tokenizer = ChatTokenizer(codec.enc)
+    if tokenizer.n_vocab > model.config.vocab_size:
+        raise UsageError(
+            f"the tokenizer has {tokenizer.n_vocab} ids, the model {model.config.vocab_size}: "
+            "give the tokenizer the model was trained with"
+        )
+    return model, tokenizer
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = configure(defaults, argv)
+    settings = Settings(
+        **{k: cfg[k] for k in ("batch_size", "num_samples", "max_new_tokens", "top_k")},
+        temperature=cfg["temperature"],
+        max_problems=cfg["max_problems"],
+    ).check()
+    resolve_dtype(cfg["dtype"], "cpu")
+    tasks = load_tasks(
+        task_names(cfg["tasks"]), cfg["tasks_dir"]
+    )  # bad files fail before the model
+    sharding.use_compilation_cache()
+    sharding.start_backend()
+    dtype = resolve_dtype(cfg["dtype"], jax.default_backend())
+
+    t0 = time.time()
+    model, tokenizer = load_chat_model(cfg["init_from"], cfg["out_dir"], cfg["tokenizer"], dtype)
+    print(
+        f"model {cfg['init_from']}: {model.num_params() / 1e6:.2f}M params, block_size "
+        f"{model.config.block_size}, {dtype} on {jax.devices()[0].platform} (loaded in "
+        f"{time.time() - t0:.1f}s); tasks {', '.join(tasks)}",
+        file=sys.stderr,
+    )
+    ChatScorer(model, tokenizer).score(tasks, settings)
+    return 0
+
+
+if __name__ == "__main__":
+    exit_on_bad_input(main)
