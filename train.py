@@ -80,7 +80,7 @@ class Trainer:
         # meta (read once) or the weights' files; then the batches and the data (a missing or bad
         # dataset fails before anything is written)
         self.data_dir = data_dir_for(c["dataset"])
-        train_setup.take_from_nanochat_checkpoint(c, self.data_dir, typed)
+        train_setup.take_from_start(c, self.data_dir, typed)
         data_vocab_size, self.vocab = data_meta(self.data_dir, c["tokenizer"])
         train_setup.dial(c, data_vocab_size, self.mesh, self.master)  # nanochat's depth
         # until compiled

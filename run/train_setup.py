@@ -48,16 +48,23 @@ def dial(c, data_vocab_size, mesh, master):
             print(summary)
 
 
-def take_from_nanochat_checkpoint(c, data_dir, typed=()):
-    """A nanochat checkpoint's window_pattern, which its weights do not fix, into `c` unless one is
-    typed on the command line (a config file's, written for a new run, passes without a word, as
-    on resume): before the dial counts and prints the model, so that what runs is what it says.
-    And its tokenizer (beside it or up to two folders up, as nanochat keeps it) where neither
-    --tokenizer nor the dataset's folder gives one: finetuning's conversations are in its ids."""
+def take_from_start(c, data_dir, typed=()):
+    """What the run's start says of settings the dial and the data read, into `c` before them.
+    A nanochat checkpoint: its window_pattern, which its weights do not fix, unless one is typed
+    (a config file's, written for a new run, passes without a word, as on resume), so that what
+    runs is what the dial prints; its tokenizer (beside it or up to two folders up, as nanochat
+    keeps it) where neither --tokenizer nor the dataset's folder gives one; and for finetuning
+    what chat_sft inherits from it (inherit_pretraining). A finetuning run resumed: what it
+    inherited then, from its own checkpoint's settings."""
+    if c["init_from"] == "resume":
+        if c["lr_schedule"] == "sft":  # no checkpoint there: the line start_for would give
+            saved = checkpoint.restore(c["out_dir"])["meta"]["config"]
+            for key in [ours for ours, _, _ in INHERITED] + ["tokenizer"]:
+                if key not in typed:
+                    c[key] = saved[key]
+        return
     checkpoints = nanochat_checkpoint
-    found = c["init_from"] not in ("scratch", "resume") and checkpoints.nanochat_checkpoint(
-        c["init_from"]
-    )
+    found = c["init_from"] != "scratch" and checkpoints.nanochat_checkpoint(c["init_from"])
     if not found:
         return
     meta = checkpoints.read_meta(os.path.join(found[0], checkpoints.meta_file(found[1])))
@@ -136,7 +143,7 @@ def start_for(c, runtime, data_vocab_size, data_dir, master, typed=()):
                 f"{c['init_from']} holds {', '.join(f'{k}={config_args[k]}' for k in shape)}: "
                 "give the depth, aspect_ratio and head_dim it was trained with"
             )
-        if "window_pattern" in config_args:  # take_from_nanochat_checkpoint's choice
+        if "window_pattern" in config_args:  # take_from_start's choice
             config_args["window_pattern"] = c["window_pattern"]
         # the run's settings say the model it trains (its optimizer reads n_embd: nanochat's
         # AdamW rates scale by 1/sqrt(n_embd / 768))

@@ -13,10 +13,11 @@ import re
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import REPO
+from helpers import REPO, read_log
 from helpers.nanochat_data import shakespeare_folder
 
 import train
@@ -190,3 +191,28 @@ def test_the_checkouts_mixture_needs_neither_identity_nor_words(tmp_path):
     assert [type(t).__name__ for t in train.tasks] == ["SmolTalk"] + ["MMLU"] * 3 + ["GSM8K"] * 4
     with pytest.raises(Exception, match="identity_conversations.jsonl"):
         sft_loader.mixture(hub, "train", **(mix | {"identity_epochs": 1}))
+
+
+def test_a_resumed_finetuning_ends_where_the_straight_one_ends(base, tmp_path, monkeypatch):
+    """Stopped after 3 steps (as SIGTERM stops it) and resumed with the config alone: the settings
+    it inherited from the base run and its tokenizer come back from its own checkpoint, the
+    loader and the rates' table continue, and every loss and param is the straight run's."""
+    argv = sft_argv(base, tmp_path / "a")
+    straight = train.Trainer(configure(DEFAULTS, argv), typed=command_line_keys(argv)).run()
+    with monkeypatch.context() as m:
+        m.setattr(train_setup.Stops, "agreed", lambda self, it: "SIGTERM" if it == 3 else None)
+        argv = sft_argv(base, tmp_path / "b")
+        train.Trainer(configure(DEFAULTS, argv), typed=command_line_keys(argv)).run()
+    argv = [
+        CONFIG,
+        "--init_from=resume",
+        f"--dataset={base / 'chat'}",
+        f"--out_dir={tmp_path / 'b'}",
+    ]
+    argv += ["--dtype=float32", "--eval_interval=100", "--val_tokens=0", "--eval_iters=1"]
+    argv += ["--log_interval=1"]
+    resumed = train.Trainer(configure(DEFAULTS, argv), typed=command_line_keys(argv)).run()
+    assert resumed.c["batch_size"] == 2 and resumed.c["tokenizer"] == str(base / "tokenizer")
+    assert read_log(tmp_path / "a", "loss") == read_log(tmp_path / "b", "loss")
+    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_array_equal(a, b)

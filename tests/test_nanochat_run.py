@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dataio.dataloader import make_loader
-from run.train_setup import take_from_nanochat_checkpoint
+from run.train_setup import take_from_start
 from tests.helpers import REPO
 from tests.helpers.nanochat_data import shakespeare_folder
 
@@ -65,10 +65,10 @@ def nanochat_start(folder, window_pattern):
 def test_a_nanochat_checkpoints_windows_hold_unless_typed(tmp_path, typed):
     c = {"init_from": nanochat_start(tmp_path / "ckpt", "SSL"), "window_pattern": "L"}
     c |= {"tokenizer": "given", "lr_schedule": "warmdown"}
-    take_from_nanochat_checkpoint(c, str(tmp_path), typed)
+    take_from_start(c, str(tmp_path), typed)
     assert c["window_pattern"] == ("L" if typed else "SSL")
     c = {"init_from": "scratch", "window_pattern": "L", "lr_schedule": "warmdown"}
-    take_from_nanochat_checkpoint(c, str(tmp_path))
+    take_from_start(c, str(tmp_path))
     assert c["window_pattern"] == "L"
 
 
@@ -82,15 +82,15 @@ def test_the_tokenizer_beside_a_nanochat_checkpoint_serves_where_none_is_given(t
     data = tmp_path / "data"
     data.mkdir()
     c = {"init_from": ckpt, "window_pattern": "L", "tokenizer": "", "lr_schedule": "warmdown"}
-    take_from_nanochat_checkpoint(c, str(data))
+    take_from_start(c, str(data))
     assert c["tokenizer"] == str(tmp_path / "tokenizer")
     c = {"init_from": ckpt, "window_pattern": "L", "tokenizer": "mine", "lr_schedule": "warmdown"}
-    take_from_nanochat_checkpoint(c, str(data))
+    take_from_start(c, str(data))
     assert c["tokenizer"] == "mine"
     (data / "tokenizer").mkdir()
     (data / "tokenizer" / "tokenizer.pkl").write_bytes(b"")
     c = {"init_from": ckpt, "window_pattern": "L", "tokenizer": "", "lr_schedule": "warmdown"}
-    take_from_nanochat_checkpoint(c, str(data))
+    take_from_start(c, str(data))
     assert c["tokenizer"] == ""
 
 
