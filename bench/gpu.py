@@ -10,7 +10,9 @@ name and the packages' versions.
     # (d) alone, ours with its 'auto' attention and with the flash kernel, against record 20's code
     python -m bench.gpu --rows d --attention20 auto,flash --record ../modded-nanogpt \
         --speedrun_steps 20
-    # any machine: the same three rows at tiny sizes (the tests)
+    # (e) alone: nanochat's d20 step, ours against its own base_train from a checkout
+    python -m bench.gpu --rows e --nanochat ../nanochat
+    # any machine: the same rows at tiny sizes (the tests)
     python -m bench.gpu --tiny
 
 (a) GPT-2 124M at config/train_gpt2.py's own settings (batch 64 x 1024, bf16, remat and loss_chunk
@@ -32,13 +34,18 @@ name and the packages' versions.
     the same steps (from the 11th; the window grows with the step), each stopped after its last
     step (the record's final val would compile its eval graph, which times no step). Ours once per
     --attention20 setting: a row each, against the same record run.
+(e) nanochat (bench/gpu_nanochat.py): `python train.py config/nanochat.py` at d20, 32 x 2048 a GPU,
+    4 micro-batches a step, bf16, against nanochat's own scripts/base_train.py from a checkout
+    (--nanochat, or NANOCHAT_CHECKOUT; skipped in one line without one) with the same settings, on
+    the same parquet shards of generated text and tokenizer in nanochat's layout (its
+    NANOCHAT_BASE_DIR); ms a step, the median from the 4th step, ours from train.py's log, its from
+    its printed dt; it says whether its attention ran Flash Attention 3 (a download) or SDPA.
 """
 
 import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -47,16 +54,20 @@ from importlib import metadata
 
 import numpy as np
 
+from bench import gpu_nanochat
 from bench import train as bench_train
+from bench.gpu_records import (  # noqa: F401 (the tests' names for them)
+    RECORD_5,
+    RECORD_20,
+    RECORDS,
+    record_code,
+    run_until,
+    speedrun_record,
+    write_shards,
+)
 from configurator import UsageError, exit_on_bad_input
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
-RECORD_5 = os.path.join("records", "track_1_short", "2024-10-14_ModernArch", "train_gpt2.py")
-# record 20's code is the part of its log before the first '====' line
-RECORD_20 = os.path.join(
-    "records", "track_1_short", "2025-01-16_Sub3Min", "1d3bd93b-a69e-4118-aeb8-8184239d7566.txt"
-)
-RECORDS = {5: RECORD_5, 20: RECORD_20}
 CONFIGS = {5: "config/speedrun_gpt2.py", 20: "config/speedrun20_gpt2.py"}
 TIMED_FROM = 10  # the records time their steps from the 11th (index 10)
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "torch", "transformers")
@@ -118,18 +129,6 @@ def gpt2_row(size):
     }
 
 
-def write_shards(folder, train_tokens, val_tokens, vocab_size=50257, seed=0):
-    """llm.c .bin shards of random token ids, one train and one val (modded-nanogpt's names), as the
-    record reads."""
-    from parity.check_speedrun import write_datafile
-
-    rng = np.random.default_rng(seed)
-    for split, n in (("train", train_tokens), ("val", val_tokens)):
-        write_datafile(
-            os.path.join(folder, f"fineweb_{split}_000000.bin"), rng.integers(0, vocab_size, n)
-        )
-
-
 def speedrun_ours(data_dir, steps, size, record=5, overrides=()):
     """(b) and (d), ours: train.py on the record's config for `steps` iterations, with `overrides`
     -> {ms: median ms a step (record 5: after the first 3; record 20: from the 11th, as the record
@@ -164,109 +163,6 @@ def speedrun_ours(data_dir, steps, size, record=5, overrides=()):
     timed = [m for it, m in ms if it >= first] or [m for _, m in ms]
     auto = next((line for line in p.stdout.splitlines() if line.startswith("auto settings:")), None)
     return {"ms": float(np.median(timed)), "wall_s": wall, "auto": auto, "log": p.stdout}
-
-
-def record_code(checkout, record, data_dir, steps):
-    """The record's code, its Hyperparameters' defaults (one a line: record 5's `name : type =
-    value`, record 20's `name = value`) pointed at the shards (record 20 globs them under its
-    folder: data/, a link to them) and `steps`, with no val before the end."""
-    source = os.path.join(checkout, RECORDS[record])
-    with open(source) as f:
-        code = f.read()
-    if record == 5:
-        form = "{} : ... = ..."
-        settings = {
-            "input_bin": f"'{data_dir}/fineweb_train_*.bin'",
-            "input_val_bin": f"'{data_dir}/fineweb_val_*.bin'",
-            "num_iterations": str(steps),
-            "val_loss_every": "0",
-        }
-    else:
-        code = code.split("\n====")[0]
-        # newer torch than the record's 2.7 (2.11 on the H200) checks a custom op's strides against
-        # its fake: the record's fake of the FP8 head's backward states the weight's gradient
-        # row-major where its kernel returns the transpose of a row-major product. The fake is made
-        # to say what the kernel returns.
-        fake, stated = "w_f8.to(torch.float32)", "w_f8.T.contiguous().T.to(torch.float32)"
-        if code.count(fake) != 1:
-            raise UsageError(f"{source}: no '{fake}' in its FP8 head's fake backward")
-        code = code.replace(fake, stated)
-        form = "{} = ..."
-        settings = {
-            "train_files": '"data/fineweb_train_*.bin"',
-            "val_files": '"data/fineweb_val_*.bin"',
-            "num_iterations": str(steps),
-            "val_loss_every": "0",
-        }
-    for name, value in settings.items():
-        code, n = re.subn(
-            rf"^(\s+{name}\s*(?::\s*\w+\s*)?=\s*)[^#\n]+",
-            lambda m: m[1] + value + " ",
-            code,
-            flags=re.M,
-        )
-        if n != 1:
-            raise UsageError(
-                f"{source}: no Hyperparameters line '{form.format(name)}' to point at the shards"
-            )
-    return code
-
-
-def speedrun_record(checkout, data_dir, steps, record=5, log_path=None):
-    """(b) and (d), the record's own code under torchrun on the shards, run until its last step's
-    line (its output into log_path as it comes) -> {ms: its last step_avg, wall_s}."""
-    code = record_code(checkout, record, data_dir, steps)
-    with tempfile.TemporaryDirectory() as run_dir:  # the record writes logs/ beside itself
-        with open(os.path.join(run_dir, "train_gpt.py"), "w") as f:
-            f.write(code)
-        os.symlink(data_dir, os.path.join(run_dir, "data"))
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=1",
-            "train_gpt.py",
-        ]
-        t0 = time.time()
-        returncode, log = run_until(cmd, run_dir, rf"step:{steps}/{steps} .*step_avg:", log_path)
-        wall = time.time() - t0
-    avgs = re.findall(rf"step:{steps}/{steps} .*step_avg:([\d.]+)ms", log)
-    if returncode or not avgs:
-        raise SystemExit(f"record {record} failed:\n{log[-5000:]}")
-    return {"ms": float(avgs[-1]), "wall_s": wall, "log": log}
-
-
-def run_until(cmd, cwd, last_line, log_path=None):
-    """Runs cmd (stderr into stdout; each line into log_path too) until it ends or prints a line
-    that matches `last_line`, then stops its process group -> (its return code, 0 if stopped; its
-    output)."""
-    p = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    lines, stopped = [], False
-    log = open(log_path, "w") if log_path else None
-    for line in p.stdout:
-        lines.append(line)
-        if log:
-            log.write(line)
-            log.flush()
-        if re.match(last_line, line):
-            stopped = True
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:  # it had ended
-                pass
-            break
-    p.wait()
-    if log:
-        log.close()
-    return (0 if stopped else p.returncode), "".join(lines)
 
 
 def sample_row(size):
@@ -311,7 +207,12 @@ def main(argv=None):
         "(a GPU)",
     )
     p.add_argument("--tiny", action="store_true", help="tiny sizes, for any machine (the tests)")
-    p.add_argument("--rows", default="abcd", help="the rows to run, e.g. bd (default: all four)")
+    p.add_argument("--rows", default="abcde", help="the rows to run, e.g. bd (default: all five)")
+    p.add_argument(
+        "--nanochat",
+        help="a checkout of karpathy/nanochat: (e) runs its base_train (default: "
+        "NANOCHAT_CHECKOUT)",
+    )
     p.add_argument(
         "--speedrun_steps", type=int, default=16, help="(b), (d): iterations of each speedrun run"
     )
@@ -321,13 +222,15 @@ def main(argv=None):
         help="(d): ours with each of these attention settings, e.g. auto,flash (a row each)",
     )
     p.add_argument(
-        "--logs", help="a folder for the speedrun runs' own output (train.py's, the record's)"
+        "--logs",
+        help="a folder for the runs' own output (train.py's, the records', nanochat's)",
     )
     args = p.parse_args(argv)
     size = "tiny" if args.tiny else "real"
     rows_asked = set(args.rows)
-    if not rows_asked or rows_asked - set("abcd"):
-        raise UsageError(f"--rows={args.rows}: give some of the letters abcd, e.g. --rows=bd")
+    if not rows_asked or rows_asked - set("abcde"):
+        raise UsageError(f"--rows={args.rows}: give some of the letters abcde, e.g. --rows=bd")
+    nanochat = gpu_nanochat.checkout_of(args.nanochat) if "e" in rows_asked else None
     for record, row in ((5, "b"), (20, "d")):
         if args.record and row in rows_asked:
             if not os.path.isfile(os.path.join(args.record, RECORDS[record])):
@@ -423,9 +326,14 @@ def main(argv=None):
                 )
             )
 
+    if "e" in rows_asked:
+        nanochat_lines, nanochat_rows = gpu_nanochat.row(nanochat, size, args.logs)
+        lines += nanochat_lines
+        rows += nanochat_rows
+
     print("\n".join(lines))
     print(f"\n{'':<52} {'ours':>14} {'PyTorch original':>32} {'ours / theirs (time)':>21}")
-    for what, a, b, ratio in sorted(rows, key=lambda row: row[0][:3]):  # (a) to (d)
+    for what, a, b, ratio in sorted(rows, key=lambda row: row[0][:3]):  # (a) to (e)
         print(f"{what:<52} {a:>14} {b:>32} {f'{ratio:.2f}' if ratio is not None else '-':>21}")
     print(f"\n(bench/gpu.py took {time.time() - t_start:.0f} s)")
     return 0

@@ -16,6 +16,8 @@ own process, so peak memory is that run's alone.
     python -m bench.train --memory --topology=v5e:2x4 --preset gpt2 --batch_size=16 --dtype=bfloat16
     # an H100, here
     python -m bench.train --memory --gpu=h100 --preset gpt2 --batch_size=64 --dtype=bfloat16
+    # nanochat's d20 (config/nanochat.py) on one v6e chip; nanochat-gpt2: its GPT-2-grade d24
+    python -m bench.train --memory --topology=v6e:2x4 --devices=1 --preset nanochat --dtype=bfloat16
 
 Prints ms/iter (median of the timed steps, compilation excluded), tokens/s, MFU where the device's
 peak is known, peak memory (the device's on GPU/TPU, the process's peak RSS on CPU) and, for ours,
@@ -38,6 +40,7 @@ import sys
 import tempfile
 import time
 
+from bench.presets import NANOCHAT, PRESETS, config_files, nanochat_settings
 from bench.train_workers import (
     MAIN_RUN,
     bench_jax,
@@ -53,61 +56,6 @@ from configurator import UsageError, configure, exit_on_bad_input
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 
-PRESETS = {
-    "baby": dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128, vocab_size=65),
-    "gpt2": dict(
-        block_size=1024, batch_size=16, n_layer=12, n_head=12, n_embd=768, vocab_size=50304
-    ),
-    # finetuning HF's gpt2-xl (its vocabulary, unpadded)
-    "gpt2-xl": dict(
-        block_size=1024, batch_size=1, n_layer=48, n_head=25, n_embd=1600, vocab_size=50257
-    ),
-    # the tests' (tests/test_tpu.py): block 128, as a TPU attention kernel's blocks take
-    "tiny": dict(block_size=128, batch_size=2, n_layer=2, n_head=2, n_embd=64, vocab_size=128),
-    # modded-nanogpt's record 5 (config/speedrun_gpt2.py): its architecture, Muon on the blocks,
-    # Adam on the rest
-    "speedrun": dict(
-        block_size=1024,
-        batch_size=64,
-        n_layer=12,
-        n_head=6,
-        n_embd=768,
-        vocab_size=50304,
-        arch="speedrun",
-        optimizer="muon",
-        muon_learning_rate=0.00036,
-        lr_schedule="trapezoid",
-        warmdown_iters=1450,
-        max_iters=5100,
-    ),
-    # record 20 (config/speedrun20_gpt2.py): one 64K-token sequence per device
-    "speedrun20": dict(
-        block_size=65536,
-        batch_size=1,
-        n_layer=12,
-        n_head=6,
-        n_embd=768,
-        vocab_size=50257,
-        arch="speedrun20",
-        fp8_head=True,
-        embed_dtype="bfloat16",
-        optimizer="muon20",
-        muon_learning_rate=0.05,
-        lr_schedule="cooldown",
-        max_iters=1393,
-        beta1=0.8,
-        weight_decay=0.0,
-    ),
-}
-# remat, loss_chunk and scan_layers unless given: the run each preset stands for
-PRESET_CONFIGS = {
-    "baby": "config/train_shakespeare_char.py",
-    "gpt2": "config/train_gpt2.py",
-    "gpt2-xl": "config/finetune_shakespeare.py",
-    "tiny": "config/train_shakespeare_char.py",
-    "speedrun": "config/speedrun_gpt2.py",
-    "speedrun20": "config/speedrun20_gpt2.py",
-}
 SCAN_LAYERS = {"on": True, "off": False, "auto": "auto"}  # --scan_layers: train.py's scan_layers
 
 
@@ -144,20 +92,22 @@ def step_options(p):
 def step_settings(args, **extra):
     """(settings, where its compute settings came from): the preset's shape at the options' batch
     size and dtype, `extra`, and remat, loss_chunk, scan_layers as given, else as the preset's
-    config file sets them for its run."""
+    config file sets them for its run (nanochat's: its configs' whole run, dialed by depth)."""
     compute = {
         "remat": args.remat,
         "loss_chunk": args.loss_chunk,
         "scan_layers": SCAN_LAYERS.get(args.scan_layers),
     }
-    path = PRESET_CONFIGS[args.preset] if None in compute.values() else None
-    if path:
+    paths = config_files(args.preset) if None in compute.values() else None
+    if paths:
         from run.settings import DEFAULTS
 
         # scan_layers may be 'auto': resolved where the step compiles
-        config = configure(DEFAULTS, [path])
+        config = configure(DEFAULTS, paths)
         compute = {k: config[k] if v is None else v for k, v in compute.items()}
     preset = PRESETS[args.preset]
+    if args.preset in NANOCHAT:
+        preset = dict(preset, **nanochat_settings(args.preset))
     return (
         dict(
             preset,
@@ -167,7 +117,7 @@ def step_settings(args, **extra):
             attention=args.attention,
             **extra,
         ),
-        f" (from {path})" if path else "",
+        f" (from {' + '.join(paths)})" if paths else "",
     )
 
 
@@ -374,6 +324,11 @@ def main():
     if (args.topology or args.gpu) and not args.memory:
         raise UsageError(
             "--topology and --gpu are for --memory: a step compiled here is sized, not run"
+        )
+    if args.preset in NANOCHAT and not args.memory and args.frameworks != "jax":
+        raise UsageError(
+            f"--preset={args.preset} times ours only (--frameworks=jax): nanochat's own base_train "
+            "runs beside it in bench/gpu.py's row (e)"
         )
     if args.full_run or args.memory:
         return full_run(args.repeats) if args.full_run else memory(args)

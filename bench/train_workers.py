@@ -26,6 +26,15 @@ OPTIMIZER_KEYS = (
     "max_iters",
     "beta1",
     "weight_decay",
+    # nanochat's muonadamw (bench/presets.py): its groups' rates from the width, on its schedule
+    "n_embd",
+    "dtype",
+    "learning_rate",
+    "embed_learning_rate",
+    "scalar_learning_rate",
+    "warmup_iters",
+    "cooldown_frac",
+    "final_lr_frac",
 )
 
 
@@ -97,7 +106,8 @@ def model_config(s, platform):
     from run.settings import resolve_scan_layers
 
     fields = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "dtype", "attention")
-    fields += tuple(k for k in ("fp8_head", "embed_dtype") if k in s)  # record 20's
+    # record 20's, nanochat's
+    fields += tuple(k for k in ("fp8_head", "embed_dtype", "n_kv_head", "window_pattern") if k in s)
     arch = s.get("arch", "gpt2")
     scan_layers = resolve_scan_layers(s["scan_layers"], platform, arch)
     return GPTConfig(
@@ -111,10 +121,11 @@ def model_config(s, platform):
 
 
 def optimizer_settings(s, **c):
-    """train.py's settings for the preset's optimizer: AdamW, or the speedrun's Muon + Adam."""
+    """train.py's settings for the preset's optimizer: AdamW, the speedrun's Muon + Adam, or
+    nanochat's MuonAdamW; the preset's own over `c`."""
     from run.settings import DEFAULTS
 
-    return dict(DEFAULTS, **c, **{k: s[k] for k in OPTIMIZER_KEYS if k in s})
+    return dict(DEFAULTS, **c) | {k: s[k] for k in OPTIMIZER_KEYS if k in s}
 
 
 def bench_memory(s):

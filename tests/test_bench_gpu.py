@@ -75,6 +75,7 @@ def test_the_four_rows_at_tiny_sizes():
             "-m",
             "bench.gpu",
             "--tiny",
+            "--rows=abcd",  # (e): tests/test_nanochat_bench.py
             "--speedrun_steps=4",
             "--attention20=auto,flash",
         ],
@@ -172,8 +173,8 @@ def test_bad_input_is_one_line(tmp_path):
         bench_gpu.main(["--record", str(tmp_path)])
     with pytest.raises(UsageError, match=r"^--speedrun_steps must be >= 2"):
         bench_gpu.main(["--speedrun_steps=1"])
-    with pytest.raises(UsageError, match=r"^--rows=ae: give some of the letters abcd"):
-        bench_gpu.main(["--rows=ae"])
+    with pytest.raises(UsageError, match=r"^--rows=af: give some of the letters abcde"):
+        bench_gpu.main(["--rows=af"])
     with pytest.raises(UsageError, match=r"^--attention20=auto,cudnn: give some of auto, xla, "):
         bench_gpu.main(["--rows=d", "--attention20=auto,cudnn"])
     os.makedirs(tmp_path / os.path.dirname(bench_gpu.RECORD_5))
