@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALL = pip install -q --no-cache-dir -c constraints.txt
 
-.PHONY: venv test test-slow test-all test-gpu-compile mutants shakespeare lock clean
+.PHONY: venv test test-slow test-all test-gpu-compile mutants shakespeare chat lock clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,29 @@ shakespeare: venv
 	$(BIN)/python data/shakespeare_char/prepare.py
 	$(BIN)/python train.py config/train_shakespeare_char.py config/cpu.py --start_over=True
 	$(BIN)/python sample.py --out_dir=out-shakespeare-char --num_samples=3 --max_new_tokens=300
+
+# nanochat's whole pipeline on a CPU in minutes (docs/chat.md), a toy like make shakespeare: its tokenizer and a
+# depth-4 base model on Shakespeare's paragraphs, exported as nanochat's checkpoint, finetuned on template
+# conversations, then asked a question. Each step starts over; its files are in out-chat-cpu/ and data/*/toy/
+CHAT := out-chat-cpu
+$(VENV)/.chat: pyproject.toml constraints.txt | $(BIN)/activate
+	$(BIN)/$(INSTALL) -e ".[nanochat,parity]"
+	touch $@
+
+chat: $(VENV)/.chat
+	$(BIN)/python data/nanochat/prepare.py --text=data/shakespeare_char/input.txt --shards=4 --vocab_size=4096 \
+		--dir=data/nanochat/toy/shards --tokenizer_dir=data/nanochat/toy/tokenizer
+	$(BIN)/python train.py config/nanochat_cpu.py --dataset=nanochat/toy --max_iters=120 --eval_interval=60 \
+		--out_dir=$(CHAT)/base --start_over=True
+	rm -rf $(CHAT)/nanochat && $(BIN)/python export.py --out_dir=$(CHAT)/base --format=nanochat \
+		--to=$(CHAT)/nanochat/base_checkpoints/d4
+	$(BIN)/python data/chat/prepare.py --toy --dir=data/chat/toy
+	$(BIN)/python train.py config/chat_sft.py --init_from=$(CHAT)/nanochat/base_checkpoints/d4 \
+		--dataset=chat/toy --dtype=float32 --mmlu_epochs=1 --gsm8k_epochs=1 --val_tokens=16384 --eval_iters=4 \
+		--log_interval=10 --out_dir=$(CHAT)/sft --start_over=True
+	$(BIN)/python export.py --out_dir=$(CHAT)/sft --format=nanochat --to=$(CHAT)/nanochat/chatsft_checkpoints/d4
+	$(BIN)/python chat_cli.py --init_from=$(CHAT)/nanochat/chatsft_checkpoints/d4 --temperature=0 \
+		--prompt="What did Romeo say of the sea?"
 
 # constraints.txt anew: what clean installs of the test and mutants groups, and of the GPU's (gpu-compile, and cuda's
 # libraries for GPU machines), resolve to today, frozen whole (pip freeze names versions, never the index they came

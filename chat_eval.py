@@ -22,10 +22,9 @@ import time
 import jax
 
 from compute import sharding
-from configurator import UsageError, configure, exit_on_bad_input
-from dataio.chat_tokenizer import ChatTokenizer
+from configurator import configure, exit_on_bad_input
+from run.chat_engine import load_chat_model
 from run.chat_scoring import ChatScorer, Settings, load_tasks, task_names
-from run.checkpoint import load_checkpoint_model, load_model, load_with_codec
 from run.settings import resolve_dtype
 
 defaults = dict(
@@ -46,32 +45,6 @@ defaults = dict(
     top_k=50,  # sample among the top_k most likely tokens (0: all)
     dtype="auto",  # 'float32' | 'bfloat16' | 'auto' (bfloat16 on GPU/TPU, float32 on CPU)
 )
-
-
-def load_chat_model(init_from, out_dir, tokenizer_dir, dtype):
-    """(model, ChatTokenizer): the weights of init_from, and nanochat's tokenizer: --tokenizer's,
-    else the checkpoint's; a model without one is one line."""
-    if tokenizer_dir:
-        if init_from == "resume":
-            model, _ = load_checkpoint_model(out_dir, dtype=dtype)
-        else:
-            model, _ = load_model(init_from, dtype=dtype)
-        tokenizer = ChatTokenizer.from_directory(tokenizer_dir)
-    else:
-        model, codec, _ = load_with_codec(init_from, out_dir, dtype)
-        if not isinstance(codec, ChatTokenizer):
-            where = out_dir if init_from == "resume" else init_from
-            raise UsageError(
-                f"{where} is not a model of nanochat's tokenizer (chat_eval renders conversations "
-                "with its special tokens): give --tokenizer=DIR, nanochat's tokenizer directory"
-            )
-        tokenizer = ChatTokenizer(codec.enc)
-    if tokenizer.n_vocab > model.config.vocab_size:
-        raise UsageError(
-            f"the tokenizer has {tokenizer.n_vocab} ids, the model {model.config.vocab_size}: "
-            "give the tokenizer the model was trained with"
-        )
-    return model, tokenizer
 
 
 def main(argv=None):

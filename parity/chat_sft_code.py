@@ -29,3 +29,28 @@ def definitions(checkout, names, **scope):
         raise UsageError(f"{path} defines no {', '.join(sorted(missing))}: another chat_sft.py")
     exec(compile(ast.Module(body=found, type_ignores=[]), path, "exec"), scope)
     return scope
+
+
+def loader(checkout, tokenizer, dataset, args, rank=0, world=1):
+    """(chat_sft's sft_data_generator_bos_bestfit('train') over `dataset`, the namespace whose
+    last_step and approx_progress it updates); args: device_batch_size, max_seq_len,
+    num_iterations."""
+    import torch
+
+    scope = definitions(
+        checkout,
+        ["sft_data_generator_bos_bestfit"],
+        torch=torch,
+        args=args,
+        tokenizer=tokenizer,
+        train_dataset=dataset,
+        val_dataset=dataset,
+        ddp_rank=rank,
+        ddp_world_size=world,
+        device_type="cpu",
+        device="cpu",
+        last_step=False,
+        approx_progress=0.0,
+        current_epoch=1,
+    )
+    return scope["sft_data_generator_bos_bestfit"]("train"), scope

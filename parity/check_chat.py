@@ -31,8 +31,15 @@ import tempfile
 
 from configurator import UsageError, exit_on_bad_input, require_extras
 from dataio import toy_tasks
-from parity.check_nanochat_run import LOSS_RTOL, ROOT, TEXT, THREADS, relative, run, tolerance
-from parity.common import print_table, verdict
+from parity.check_nanochat_run import (
+    ROOT,
+    TEXT,
+    THREADS,
+    print_comparison,
+    run,
+    within_tolerances,
+)
+from parity.common import verdict
 
 VOCAB, DEPTH, SEQ, ROWS, TOTAL = 2048, 2, 256, 4, 2048
 TRAIN_ROWS = {"smoltalk": 60, "mmlu": 40, "gsm8k": 40}
@@ -151,25 +158,8 @@ def main(argv=None):
         f"threads), depth {DEPTH}, {ROWS} x {SEQ} tokens a micro-batch, {TOTAL} a step, one epoch "
         "of SmolTalk, MMLU and GSM8K rows, float32, both optimizers fresh"
     )
-    print_table(
-        [
-            [str(i), f"{o:.7f}", f"{t:.7f}", f"{relative(o, t):.1e}", f"{relative(s, t):.1e}"]
-            for i, (o, t, s) in enumerate(zip(ours, theirs, spread))
-        ],
-        ["step", "ours", "nanochat", "|rel|", f"nanochat {THREADS[1]} thread |rel|"],
-    )
-    print()
-    print_table(
-        [
-            [name, f"{d:.1e}", f"{s:.1e}", f"{tolerance(s):.1e}", f"{m:.2g}"]
-            for name, (d, s, m) in tensors.items()
-        ],
-        ["tensor", "max |ours - its|", "its spread", "tolerance", "max |its|"],
-    )
-    ok = len(ours) == len(theirs) > 0 and all(
-        relative(o, t) <= LOSS_RTOL for o, t in zip(ours, theirs)
-    )
-    ok &= all(d <= tolerance(s) for d, s, _ in tensors.values())
+    print_comparison(ours, theirs, spread, tensors)
+    ok = within_tolerances(ours, theirs, tensors)
     return 0 if verdict(ok, "nanochat's finetuning") else 1
 
 

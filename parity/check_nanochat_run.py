@@ -149,13 +149,9 @@ def relative(a, b):
     return abs(a - b) / abs(b)
 
 
-def print_report(work, ours, theirs, spread_run, tensors, gradients):
-    start = "nanochat's init as it is" if work.own_start else "nanochat's init, projections drawn"
-    print(
-        f"nanochat's pretraining run: train.py vs base_train (its own, {THREADS[0]} threads), "
-        f"depth {DEPTH}, windows {work.window}, {ROWS} x {SEQ} tokens a micro-batch, {TOTAL} a "
-        f"step, {work.steps} steps, warmup {WARMUP}, float32; start: {start}"
-    )
+def print_comparison(ours, theirs, spread_run, tensors):
+    """Each step's loss, ours against nanochat's (and its other run's), then each tensor's largest
+    difference against its tolerance."""
     print_table(
         [
             [str(i), f"{o:.7f}", f"{t:.7f}", f"{relative(o, t):.1e}", f"{relative(s, t):.1e}"]
@@ -171,6 +167,23 @@ def print_report(work, ours, theirs, spread_run, tensors, gradients):
         ],
         ["tensor", "max |ours - its|", "its spread", "tolerance", "max |its|"],
     )
+
+
+def within_tolerances(ours, theirs, tensors):
+    """Every step there and within LOSS_RTOL, every tensor within its tolerance."""
+    ok = len(ours) == len(theirs) > 0
+    ok &= all(relative(o, t) <= LOSS_RTOL for o, t in zip(ours, theirs))
+    return ok and all(d <= tolerance(s) for d, s, _ in tensors.values())
+
+
+def print_report(work, ours, theirs, spread_run, tensors, gradients):
+    start = "nanochat's init as it is" if work.own_start else "nanochat's init, projections drawn"
+    print(
+        f"nanochat's pretraining run: train.py vs base_train (its own, {THREADS[0]} threads), "
+        f"depth {DEPTH}, windows {work.window}, {ROWS} x {SEQ} tokens a micro-batch, {TOTAL} a "
+        f"step, {work.steps} steps, warmup {WARMUP}, float32; start: {start}"
+    )
+    print_comparison(ours, theirs, spread_run, tensors)
     print("\nthe lambdas' first gradients on nanochat's own model and first batch, max |grad|:")
     print_table(
         [
@@ -216,10 +229,7 @@ def main(argv=None):
         print_report(work, ours, *runs, tensors, work.first_gradients())
     if args.own_start:
         return 0
-    ok = len(ours) == len(runs[0]) == args.steps and all(
-        relative(o, t) <= LOSS_RTOL for o, t in zip(ours, runs[0])
-    )
-    ok &= all(d <= tolerance(s) for d, s, _ in tensors.values())
+    ok = len(ours) == args.steps and within_tolerances(ours, runs[0], tensors)
     return 0 if verdict(ok, "nanochat's pretraining run") else 1
 
 

@@ -25,6 +25,8 @@ from flax import nnx
 
 from compute.generate import PREFILL_CHUNK, check_sampling, filter_logits
 from configurator import UsageError
+from dataio.chat_tokenizer import ChatTokenizer
+from run.checkpoint import load_checkpoint_model, load_model, load_with_codec
 from run.sandbox import calculator
 
 # the special tokens of the tool's state machine (nanochat's names)
@@ -231,3 +233,31 @@ def next_tokens(graphdef, state, cache, column, pos, key, step, sampling):
     x, cache = model.decode(column[:, None], cache, pos)
     logits = model.logits(x[:, 0])[:, : model.config.vocab_size]
     return sample(logits, jax.random.fold_in(key, step), sampling), cache
+
+
+def load_chat_model(init_from, out_dir, tokenizer_dir, dtype):
+    """(model, ChatTokenizer) for chat_cli.py and chat_eval.py: the weights of init_from ('resume':
+    out_dir's run; else a nanochat checkpoint directory) and nanochat's tokenizer: tokenizer_dir's,
+    else the checkpoint's (beside it or up to two folders up); a model without one is one line."""
+    if tokenizer_dir:
+        if init_from == "resume":
+            model, _ = load_checkpoint_model(out_dir, dtype=dtype)
+        else:
+            model, _ = load_model(init_from, dtype=dtype)
+        tokenizer = ChatTokenizer.from_directory(tokenizer_dir)
+    else:
+        model, codec, _ = load_with_codec(init_from, out_dir, dtype)
+        if not isinstance(codec, ChatTokenizer):
+            where = out_dir if init_from == "resume" else init_from
+            raise UsageError(
+                f"{where} has no nanochat tokenizer beside it (a chat renders conversations with "
+                "its special tokens): give --tokenizer=DIR, the folder of the tokenizer.pkl it was "
+                "trained with"
+            )
+        tokenizer = ChatTokenizer(codec.enc)
+    if tokenizer.n_vocab > model.config.vocab_size:
+        raise UsageError(
+            f"the tokenizer has {tokenizer.n_vocab} ids, the model {model.config.vocab_size}: "
+            "give the tokenizer the model was trained with"
+        )
+    return model, tokenizer

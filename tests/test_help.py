@@ -53,6 +53,10 @@ CONFIGURED = {
         ("eval.py", "defaults"),
         ["--init_from=gpt2", "--num_fewshot=None None: each task's own", "--batch_size=8 requests"],
     ),
+    "chat_cli.py": (
+        ("chat_cli.py", "defaults"),
+        ["--prompt='' one answer to this message, then exit", "--temperature=0.6 0: greedy"],
+    ),
     "chat_eval.py": (
         ("chat_eval.py", "defaults"),
         ["--tasks_dir=data/chat", "--batch_size=8 problems a forward (the categorical tasks)"],

@@ -43,7 +43,9 @@ def test_the_reading_finds_an_import_of_a_test_module(tmp_path):
 
 ROOT = TESTS.parent
 # the user's files at the root (nanoGPT's, and the other scripts a user types), at most 12
-SCRIPTS = {"train", "sample", "eval", "export", "hellaswag", "fineweb", "plot", "chat_eval"}
+SCRIPTS = {
+    "train", "sample", "eval", "export", "hellaswag", "fineweb", "plot", "chat_eval", "chat_cli",
+}  # fmt: skip
 # from the ground up: a module may import its own room and the rooms below it, never one above
 FLOORS = [
     {"configurator"},

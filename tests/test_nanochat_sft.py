@@ -74,8 +74,6 @@ def test_chat_sfts_own_schedules_are_ours():
 @pytest.mark.parametrize("max_iters", [0, 4])
 def test_chat_sfts_own_loop_takes_the_steps_of_the_table(max_iters):
     """Its loop over its own loader: the same number of steps, each at the same progress."""
-    import torch
-
     accum, n = 2, 150
     rng = random.Random(1)
     lengths = [rng.randint(2, 20) for _ in range(n)]
@@ -85,23 +83,7 @@ def test_chat_sfts_own_loop_takes_the_steps_of_the_table(max_iters):
     )
     iterations = max_iters * accum + 1 if max_iters else -1
     args = SimpleNamespace(device_batch_size=2, max_seq_len=31, num_iterations=iterations)
-    scope = chat_sft_code.definitions(
-        CHECKOUT,
-        ["sft_data_generator_bos_bestfit"],
-        torch=torch,
-        args=args,
-        tokenizer=tokenizer,
-        train_dataset=list(range(n)),
-        val_dataset=[],
-        ddp_rank=0,
-        ddp_world_size=1,
-        device_type="cpu",
-        device="cpu",
-        last_step=False,
-        approx_progress=0.0,
-        current_epoch=1,
-    )
-    loader = scope["sft_data_generator_bos_bestfit"]("train")
+    loader, scope = chat_sft_code.loader(CHECKOUT, tokenizer, list(range(n)), args)
     next(loader)
     theirs, progress = [], 0
     while not scope["last_step"]:  # chat_sft's loop, its model left out

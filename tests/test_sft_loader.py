@@ -116,30 +116,6 @@ def random_conversations(n, seed=0):
     return [{"messages": [turn(i) for i in range(rng.randint(2, 5))]} for _ in range(n)]
 
 
-def own_generator(checkout, tokenizer, dataset, args, rank, world):
-    """chat_sft.py's sft_data_generator_bos_bestfit over `dataset`; its progress globals read
-    through the namespace returned."""
-    import torch
-
-    scope = chat_sft_code.definitions(
-        checkout,
-        ["sft_data_generator_bos_bestfit"],
-        torch=torch,
-        args=args,
-        tokenizer=tokenizer,
-        train_dataset=dataset,
-        val_dataset=dataset,
-        ddp_rank=rank,
-        ddp_world_size=world,
-        device_type="cpu",
-        device="cpu",
-        last_step=False,
-        approx_progress=0.0,
-        current_epoch=1,
-    )
-    return scope["sft_data_generator_bos_bestfit"]("train"), scope
-
-
 @pytest.mark.parametrize("rank", [0, 1])
 @pytest.mark.parametrize("num_iterations", [0, 9])
 def test_nanochats_own_generator_gives_the_same_batches(tmp_path, rank, num_iterations):
@@ -162,7 +138,7 @@ def test_nanochats_own_generator_gives_the_same_batches(tmp_path, rank, num_iter
     args = SimpleNamespace(
         device_batch_size=rows, max_seq_len=block_size, num_iterations=num_iterations
     )
-    theirs, scope = own_generator(checkout, theirs_tok, conversations, args, rank, 2)
+    theirs, scope = chat_sft_code.loader(checkout, theirs_tok, conversations, args, rank, 2)
     ours = ConversationLoader(
         conversations,
         lambda c: render_conversation(ours_tok, c),
