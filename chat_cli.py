@@ -21,14 +21,10 @@ Settings: --key=value (configurator.py); the start-up summary goes to stderr.
 import codecs
 import signal
 import sys
-import time
 
-import jax
-
-from compute import sharding
 from compute.generate import check_sampling
 from configurator import UsageError, configure, exit_on_bad_input
-from run.chat_engine import ASSISTANT_END, Engine, load_chat_model
+from run.chat_engine import ASSISTANT_END, Engine, start_chat_model
 from run.settings import resolve_dtype
 
 defaults = dict(
@@ -173,17 +169,7 @@ def settings(argv):
 
 def main(argv=None):
     cfg = settings(sys.argv[1:] if argv is None else argv)
-    sharding.use_compilation_cache()
-    sharding.start_backend()
-    dtype = resolve_dtype(cfg["dtype"], jax.default_backend())
-    t0 = time.time()
-    model, tokenizer = load_chat_model(cfg["init_from"], cfg["out_dir"], cfg["tokenizer"], dtype)
-    print(
-        f"model {cfg['init_from']}: {model.num_params() / 1e6:.2f}M params, block_size "
-        f"{model.config.block_size}, {dtype} on {jax.devices()[0].platform} (loaded in "
-        f"{time.time() - t0:.1f}s)",
-        file=sys.stderr,
-    )
+    model, tokenizer = start_chat_model(cfg)
     chat = Chat(model, tokenizer, cfg)
     stop_on_interrupt(chat)
     if cfg["prompt"]:

@@ -17,13 +17,9 @@ layout, to data/chat; nanochat's own base directory serves as it is).
 """
 
 import sys
-import time
 
-import jax
-
-from compute import sharding
 from configurator import configure, exit_on_bad_input
-from run.chat_engine import load_chat_model
+from run.chat_engine import start_chat_model
 from run.chat_scoring import ChatScorer, Settings, load_tasks, task_names
 from run.settings import resolve_dtype
 
@@ -59,18 +55,7 @@ def main(argv=None):
     tasks = load_tasks(
         task_names(cfg["tasks"]), cfg["tasks_dir"]
     )  # bad files fail before the model
-    sharding.use_compilation_cache()
-    sharding.start_backend()
-    dtype = resolve_dtype(cfg["dtype"], jax.default_backend())
-
-    t0 = time.time()
-    model, tokenizer = load_chat_model(cfg["init_from"], cfg["out_dir"], cfg["tokenizer"], dtype)
-    print(
-        f"model {cfg['init_from']}: {model.num_params() / 1e6:.2f}M params, block_size "
-        f"{model.config.block_size}, {dtype} on {jax.devices()[0].platform} (loaded in "
-        f"{time.time() - t0:.1f}s); tasks {', '.join(tasks)}",
-        file=sys.stderr,
-    )
+    model, tokenizer = start_chat_model(cfg, also=f"; tasks {', '.join(tasks)}")
     ChatScorer(model, tokenizer).score(tasks, settings)
     return 0
 

@@ -35,6 +35,7 @@ from parity.check_nanochat_run import (
     ROOT,
     TEXT,
     THREADS,
+    logged_losses_and_export,
     print_comparison,
     run,
     within_tolerances,
@@ -113,15 +114,7 @@ class Work:
             + [f"--{setting}" for setting in self.slip],
             "train.py",
         )
-        with open(os.path.join(out_dir, "log.jsonl")) as f:
-            records = [json.loads(line) for line in f]
-        export = os.path.join(self.folder, "ours_export")
-        run(
-            [sys.executable, "export.py", f"--out_dir={out_dir}", "--format=nanochat"]
-            + [f"--to={export}"],
-            "export.py",
-        )
-        return [r["loss"] for r in records if "loss" in r and "iter" in r], export
+        return logged_losses_and_export(out_dir, self.folder)
 
     def tensors(self, step, theirs, export, spread):
         found = json.loads(

@@ -119,15 +119,7 @@ class Work:
             + [f"--{setting}" for setting in self.slip],
             "train.py",
         )
-        with open(os.path.join(out_dir, "log.jsonl")) as f:
-            records = [json.loads(line) for line in f]
-        export = os.path.join(self.folder, "ours_export")
-        run(
-            [sys.executable, "export.py", f"--out_dir={out_dir}", "--format=nanochat"]
-            + [f"--to={export}"],
-            "export.py",
-        )
-        return [r["loss"] for r in records if "loss" in r and "iter" in r], export
+        return logged_losses_and_export(out_dir, self.folder)
 
     def tensors(self, export):
         """{name: (|ours - its|, |its 1 thread - its 2|, max |its|)} at the last step."""
@@ -143,6 +135,25 @@ class Work:
         start = os.path.join(self.start, "model_000000.pt")
         found = self.own("gradients", "--start", start, "--config", config, "--rows", str(ROWS))
         return json.loads(found)
+
+
+def logged_losses_and_export(out_dir, folder):
+    """(each step's loss in out_dir's log.jsonl, its checkpoint exported as nanochat's into
+    folder/ours_export)."""
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    export = os.path.join(folder, "ours_export")
+    run(
+        [
+            sys.executable,
+            "export.py",
+            f"--out_dir={out_dir}",
+            "--format=nanochat",
+            f"--to={export}",
+        ],
+        "export.py",
+    )
+    return [r["loss"] for r in records if "loss" in r and "iter" in r], export
 
 
 def relative(a, b):

@@ -15,6 +15,8 @@ forced tokens, stops) is Python between steps, as nanochat's.
 """
 
 import functools
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -23,11 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from compute import sharding
 from compute.generate import PREFILL_CHUNK, check_sampling, filter_logits
 from configurator import UsageError
 from dataio.chat_tokenizer import ChatTokenizer
 from run.checkpoint import load_checkpoint_model, load_model, load_with_codec
 from run.sandbox import calculator
+from run.settings import resolve_dtype
 
 # the special tokens of the tool's state machine (nanochat's names)
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
@@ -260,4 +264,21 @@ def load_chat_model(init_from, out_dir, tokenizer_dir, dtype):
             f"the tokenizer has {tokenizer.n_vocab} ids, the model {model.config.vocab_size}: "
             "give the tokenizer the model was trained with"
         )
+    return model, tokenizer
+
+
+def start_chat_model(cfg, also=""):
+    """load_chat_model of a chat script's settings (init_from, out_dir, tokenizer, dtype) on this
+    machine's backend, its compilation cache on; one summary line on stderr (and `also`)."""
+    sharding.use_compilation_cache()
+    sharding.start_backend()
+    dtype = resolve_dtype(cfg["dtype"], jax.default_backend())
+    began = time.time()
+    model, tokenizer = load_chat_model(cfg["init_from"], cfg["out_dir"], cfg["tokenizer"], dtype)
+    print(
+        f"model {cfg['init_from']}: {model.num_params() / 1e6:.2f}M params, block_size "
+        f"{model.config.block_size}, {dtype} on {jax.devices()[0].platform} (loaded in "
+        f"{time.time() - began:.1f}s){also}",
+        file=sys.stderr,
+    )
     return model, tokenizer
