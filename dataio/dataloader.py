@@ -10,6 +10,9 @@ and 2 hosts x 4 devices train on the same tokens.
   (a 256-int32 header, then uint16 tokens), as the record's DistributedDataLoader reads them.
 - BestFitLoader (nanochat, dataio/bestfit_loader.py): documents of `shards/*.parquet` tokenized on
   threads by `tokenizer/`, packed BOS-first by best fit; each process packs its own rows.
+- ConversationLoader (nanochat's finetuning, dataio/sft_loader.py): conversations rendered with
+  their loss masks, packed by best fit with padding.
+Where a dataset's folder is and what vocabulary it speaks: dataio/data_folder.py.
 The data folder is local or a URL (gs://bucket/folder, any fsspec URL); every file is read through
 token_files (pread, or ranged reads at a URL; no memory map, no download). Each loader's state
 (`state_dict()`) goes into the checkpoint so that resume neither skips nor repeats data. The thread
@@ -17,13 +20,12 @@ that reads the training batches ahead of the step is dataio/prefetch.py's.
 """
 
 import itertools
-import os
 
 import numpy as np
 
 from configurator import InputNotFound, UsageError
 from dataio import bestfit_loader, sft_loader, storage
-from dataio.chat_tokenizer import ChatTokenizer
+from dataio.data_folder import TOKENIZER_FILE, data_dir_for, data_meta
 from dataio.token_files import (
     LLMC_HEADER,
     LLMC_MAGIC,
@@ -34,10 +36,9 @@ from dataio.token_files import (
     stopped,
     token_file,
 )
-from dataio.tokenizer import read_vocab, vocab_file
 
-# the token files' names, here where scripts and tests have always found them (dataio/token_files.py
-# holds them)
+# the token files' names and the data folder's functions, here where scripts and tests have always
+# found them (dataio/token_files.py and dataio/data_folder.py hold them)
 __all__ = [
     "LLMC_HEADER",
     "LLMC_MAGIC",
@@ -51,6 +52,7 @@ __all__ = [
     "make_loader",
     "data_meta",
     "data_dir_for",
+    "TOKENIZER_FILE",
 ]
 
 
@@ -411,49 +413,4 @@ def make_loader(
     )
     raise InputNotFound(
         f"no {split}.bin or {split} shards (*_{split}_*.bin, *{split}*.npy) in {data_dir}: {todo}"
-    )
-
-
-TOKENIZER_FILE = ("tokenizer", "tokenizer.pkl")  # a nanochat data folder's tokenizer
-
-
-def data_meta(data_dir, tokenizer=""):
-    """(vocab_size, vocab) of the data's characters (nanoGPT's char-level datasets write a meta.pkl;
-    a meta.json is read first), read by tokenizer.read_vocab, which runs nothing: vocab_size and the
-    characters, which each checkpoint saves as what decodes its tokens; nanochat's tokenizer's size
-    and 'nanochat' for `tokenizer` (its directory) or a folder with a tokenizer/; (0, 'gpt2') where
-    there is none of them: GPT-2's BPE. data_dir may be a URL."""
-    path = vocab_file(data_dir)
-    if path and not tokenizer:
-        return read_vocab(path)
-    if tokenizer or storage.exists(storage.join(data_dir, *TOKENIZER_FILE)):
-        found = ChatTokenizer.from_directory(tokenizer or storage.join(data_dir, TOKENIZER_FILE[0]))
-        return found.n_vocab, "nanochat"
-    return 0, "gpt2"
-
-
-def data_dir_for(dataset):
-    """A dataset's folder: a URL as it is (its bucket reachable); else data/<dataset> here, else the
-    path `dataset`, else data/<dataset> of the project (a run started from another directory). None
-    of them: one line naming where it looked and the datasets the project prepares."""
-    # as it is: credentials, the bucket and access checked, each a line naming it
-    if storage.is_url(dataset):
-        storage.check_reachable(dataset, "dataset")
-        return dataset
-    # this file is in dataio/, one below the project
-    project_data = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
-    candidates = (os.path.join("data", dataset), dataset, os.path.join(project_data, dataset))
-    for candidate in candidates:
-        if os.path.isdir(candidate):
-            return candidate
-    looked = ", ".join(dict.fromkeys(os.path.abspath(c) for c in candidates))
-    prepared = sorted(
-        n
-        for n in os.listdir(project_data)
-        if os.path.isfile(os.path.join(project_data, n, "prepare.py"))
-    )
-    raise InputNotFound(
-        f"no dataset {dataset!r}: no such folder ({looked}): give --dataset a folder of train.bin "
-        f"and val.bin (or token shards), or one the project prepares ({', '.join(prepared)}: "
-        "python data/NAME/prepare.py; edu_fineweb10B: python fineweb.py)"
     )
