@@ -29,8 +29,8 @@ test: $(VENV)/.test
 	$(BIN)/ruff format --check . && $(BIN)/ruff check . && $(BIN)/python -m pytest -q -n auto; \
 	status=$$?; echo "make test: $$(($$(date +%s) - start)) s"; exit $$status
 
-# the tests marked slow, which make test leaves out to stay within 5 minutes on 2 cores: golden runs, and the larger
-# repeats of claims make test checks (more devices, processes, TPU generations). CI runs them after make test.
+# the tests marked slow, which make test leaves out to stay short (docs/tests.md: how long each takes): golden runs,
+# the larger repeats of claims make test checks (more devices, processes, TPU generations). CI runs them after it.
 test-slow: $(VENV)/.test
 	$(BIN)/python -m pytest -q -n auto -m slow
 
