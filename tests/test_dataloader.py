@@ -251,7 +251,7 @@ def test_a_run_from_another_directory_finds_the_projects_data(tmp_path, monkeypa
         f"no dataset 'nowhere': no such folder ({', '.join(looked)}): give --dataset"
     )
     assert (
-        "(fineweb10B, nanochat, openwebtext, shakespeare, shakespeare_char: "
+        "(chat, fineweb10B, nanochat, openwebtext, shakespeare, shakespeare_char: "
         "python data/NAME/prepare.py;" in str(e.value)
     )
     (tmp_path / "data" / "shakespeare_char").mkdir(parents=True)

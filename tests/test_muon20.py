@@ -366,7 +366,7 @@ BAD = [
     (dict(muon_learning_rate=0.0), r"needs --muon_learning_rate > 0 \(record 20: 0.05\)"),
     (dict(weight_decay=0.1), "no weight decay: set --weight_decay=0"),
     (dict(optimizer="muon21"), r"optimizer must be 'adamw' or 'muon' \(record 5\), 'muon20'"),
-    (dict(lr_schedule="linear"), r"'cooldown' \(record 20\) or 'warmdown' \(nanochat\)"),
+    (dict(lr_schedule="linear"), r"'cooldown' \(record 20\), 'warmdown' \(nanochat\) or 'sft'"),
 ]
 
 
