@@ -22,22 +22,23 @@ twice, on 2 threads and on 1, for the spread float32 leaves (check_nanochat_run.
 Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input.
 """
 
-import argparse
 import json
 import os
 import shutil
 import sys
 import tempfile
 
-from configurator import UsageError, exit_on_bad_input, require_extras
+from configurator import exit_on_bad_input, require_extras
 from dataio import toy_tasks
 from parity.check_nanochat_run import (
     ROOT,
     TEXT,
     THREADS,
     logged_losses_and_export,
+    parse_with_checkout,
     print_comparison,
     run,
+    run_check_parser,
     within_tolerances,
 )
 from parity.common import verdict
@@ -124,19 +125,7 @@ class Work:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--own", metavar="CHECKOUT", required=True, help="a nanochat checkout")
-    parser.add_argument("--work", help="keep the runs in this folder (default: a temporary one)")
-    parser.add_argument(
-        "--slip",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a setting given to train.py's side only: a planted slip the check must catch",
-    )
-    args = parser.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.own, "scripts", "chat_sft.py")):
-        raise UsageError(f"--own {args.own}: no scripts/chat_sft.py there (a nanochat checkout?)")
+    args = parse_with_checkout(run_check_parser(__doc__, "chat_sft.py"), argv)
     require_extras("parity")
     with tempfile.TemporaryDirectory() as temporary:
         folder = args.work or temporary

@@ -209,12 +209,11 @@ def tolerance(spread):
     return max(TENSOR_ATOL, SPREAD_FACTOR * spread)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_check_parser(doc, script):
+    """The run checks' options: --own (a checkout holding scripts/`script`), --work, --slip; the
+    checkout checked once parsed (parse_with_checkout)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--own", metavar="CHECKOUT", required=True, help="a nanochat checkout")
-    parser.add_argument("--steps", type=int, default=8, help="max_iters (>= 4)")
-    parser.add_argument("--window_pattern", default="L", help="both sides' (config's: L)")
-    parser.add_argument("--own_start", action="store_true", help="nanochat's init as it is")
     parser.add_argument("--work", help="keep the runs in this folder (default: a temporary one)")
     parser.add_argument(
         "--slip",
@@ -223,9 +222,23 @@ def main(argv=None):
         metavar="KEY=VALUE",
         help="a setting given to train.py's side only: a planted slip the check must catch",
     )
+    parser.set_defaults(script=script)
+    return parser
+
+
+def parse_with_checkout(parser, argv):
     args = parser.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.own, "scripts", "base_train.py")):
-        raise UsageError(f"--own {args.own}: no scripts/base_train.py there (a nanochat checkout?)")
+    if not os.path.isfile(os.path.join(args.own, "scripts", args.script)):
+        raise UsageError(f"--own {args.own}: no scripts/{args.script} there (a nanochat checkout?)")
+    return args
+
+
+def main(argv=None):
+    parser = run_check_parser(__doc__, "base_train.py")
+    parser.add_argument("--steps", type=int, default=8, help="max_iters (>= 4)")
+    parser.add_argument("--window_pattern", default="L", help="both sides' (config's: L)")
+    parser.add_argument("--own_start", action="store_true", help="nanochat's init as it is")
+    args = parse_with_checkout(parser, argv)
     if args.steps < 4:
         raise UsageError("--steps must be >= 4: the warmup (2) and the warmdown both within it")
     require_extras("parity")
