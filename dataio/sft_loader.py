@@ -32,16 +32,18 @@ class ConversationLoader:
     `conversations`: a sequence (len, [i]) of conversations; `render(conversation)`: its (ids,
     mask), as render_conversation gives them."""
 
-    def __init__(self, conversations, render, bos, block_size, rows, rank=0, world=1, **how):
-        """how: num_iterations (chat_sft's, counted in micro-batches; 0: one epoch), vocab_size
-        (the model's, which no id may reach), token_bytes (each id's bytes: bits per byte)."""
+    def __init__(
+        self, conversations, render, bos, block_size, rows, rank=0, world=1, *,
+        num_iterations=0, vocab_size=None, token_bytes=None,
+    ):  # fmt: skip
+        """num_iterations: chat_sft's, counted in micro-batches (0: one epoch); vocab_size: the
+        model's, which no id may reach; token_bytes: each id's bytes (bits per byte)."""
         if not len(conversations):
             raise UsageError("the finetuning mixture holds no conversations: give it a task")
         self.conversations, self.render, self.bos = conversations, render, bos
         self.block_size, self.rows, self.world = block_size, rows, world
-        self.how = how
-        self.num_iterations = how.get("num_iterations", 0)
-        self.vocab_size, self.token_bytes = how.get("vocab_size"), how.get("token_bytes")
+        self.num_iterations = num_iterations
+        self.vocab_size, self.token_bytes = vocab_size, token_bytes
         self._arguments = (conversations, render, bos, block_size, rows, rank, world)
         self.cursor, self.consumed, self.epoch, self.fetched = rank, rank, 1, 0
         self.buffer = []  # [(index, ids, mask)] in nanochat's order
@@ -132,9 +134,15 @@ class ConversationLoader:
         self._state = self._snapshot()
         self.ahead = self._micro_batch()
 
-    def fresh(self, **how):
-        """A loader of the same conversations from their start (`how` changed)."""
-        return ConversationLoader(*self._arguments, **(self.how | how))
+    def fresh(self, num_iterations=None):
+        """A loader of the same conversations from their start (num_iterations: another's)."""
+        iterations = self.num_iterations if num_iterations is None else num_iterations
+        return ConversationLoader(
+            *self._arguments,
+            num_iterations=iterations,
+            vocab_size=self.vocab_size,
+            token_bytes=self.token_bytes,
+        )
 
     def eval_batches(self, n, tag=None):
         """n batches of (rows, T) from the mixture's start, the same every time (chat_sft builds a

@@ -65,9 +65,8 @@ def start(args):
         for name, p in model.named_parameters():
             if name.endswith("c_proj.weight"):  # its init's zeros
                 torch.nn.init.normal_(p, std=PROJECTION_STD)
-    state = {k: v for k, v in model.state_dict().items()}
     meta = {"step": 0, "model_config": config, "val_bpb": None}
-    checkpoint_manager.save_checkpoint(args.out, 0, state, None, meta)
+    checkpoint_manager.save_checkpoint(args.out, 0, model.state_dict(), None, meta)
 
 
 def start_weights_loader(gpt, path):
