@@ -19,8 +19,10 @@ A character-level run's vocabulary goes beside the weights twice: meta.json, whi
 saved step (default: the latest). --to: a directory for hf; for nanogpt a directory (ckpt.pt goes in
 it, nanoGPT's out_dir layout) or a file ending in .pt; for modded a file ending in .pt (its state
 dict's keys carry torch.compile's _orig_mod. prefix, as the record's files do); for nanochat a
-directory: model_NNNNNN.pt and meta_NNNNNN.json of the step, as its base_train saves them, and the
-run's tokenizer as DIR/tokenizer/ (set NANOCHAT_BASE_DIR=DIR for nanochat's scripts to find it). A
+directory: model_NNNNNN.pt and meta_NNNNNN.json of the step, as its base_train saves them, the
+optimizer state as optim_NNNNNN_rank0.pt where the run's optimizer is nanochat's (muonadamw: its
+chat_sft warm-starts from it), and the run's tokenizer as DIR/tokenizer/ (set
+NANOCHAT_BASE_DIR=DIR for nanochat's scripts to find it). A
 speedrun model (arch='speedrun' or 'speedrun20') exports to modded only, a nanochat one to nanochat
 only, a GPT-2 one to hf and nanogpt only. Bad
 input (no checkpoint, an unwritable target, a model the format cannot hold, a target holding an
@@ -39,7 +41,7 @@ from dataio import storage
 from dataio.tokenizer import VOCAB_FILES, CharCodec, ChatCodec, codec_for, save_vocab
 from run.runlog import LOG_FILE, nearest_existing
 
-NANOCHAT_FILES = (("model", "pt"), ("meta", "json"))  # of each step
+NANOCHAT_FILES = (("model", "pt"), ("meta", "json"), ("optim", "pt"))  # of each step
 CHAT_TOKENIZER_FILES = ("tokenizer.pkl", "token_bytes.pt")
 FORMATS = ("hf", "nanogpt", "modded", "nanochat")
 DIRECTORY_FORMATS = ("hf", "nanochat")  # --to is a folder
@@ -162,12 +164,48 @@ def base_train_meta(out_dir, meta):
     }
 
 
+def nanochat_optimizer_state(out_dir, meta, model):
+    """The run's MuonAdamW state at the step as nanochat's state_dict holds it
+    (dataio/nanochat_optimizer_state.py), else None (another optimizer: nanochat's has no state
+    of it). Its groups' settings: each group's rate as lr and initial_lr, Muon's momentum
+    setup_optimizer's (every nanochat loop sets both before each step) and its weight decay as
+    the run's last step left it (base_train's cosine at the step before, or a finetuning run's
+    constant), which chat_sft's load keeps."""
+    from archs import nanochat_optim, nanochat_optim_state
+    from dataio import nanochat_optimizer_state as files
+    from run import checkpoint
+
+    c, step = meta["config"], meta["iter_num"]
+    if c.get("optimizer") != "muonadamw":
+        return None
+    tx = nanochat_optim.for_run(c, lambda it: 1.0)  # its state's layout: the rates do not enter
+    _, opt_state = checkpoint.restore_state(out_dir, step, meta, model.config, tx=tx)
+    rows = model.weight_rows()
+    weight_decay = c["weight_decay"]
+    if c["lr_schedule"] != "sft":
+        last = max(step - 1, 0)
+        weight_decay = float(nanochat_optim.muon_weight_decay(last, weight_decay, c["max_iters"]))
+    rates = nanochat_optim.group_rates(
+        c["n_embd"],
+        *(c[k] for k in ("learning_rate", "embed_learning_rate", "muon_learning_rate")),
+        c["scalar_learning_rate"],
+    )
+    shapes = {n: a.shape for n, a in model.nanochat_state().items()}
+    groups = [
+        (label, names, nanochat_optim_state.group_settings(label, rates, weight_decay))
+        for label, names in files.torch_order(shapes)
+    ]
+    named = nanochat_optim_state.nanochat_named(opt_state, rows)
+    return files.NanochatOptimizerState(groups, named)
+
+
 def main(argv=None):
     cfg = configure(defaults, sys.argv[1:] if argv is None else argv)
     path, earlier = target(cfg)
     # here, once the settings are checked: jax, flax and orbax take seconds to import
     from compute import sharding
     from dataio import nanochat_checkpoint, pretrained, weights
+    from dataio.nanochat_optimizer_state import save_optimizer_state
     from run import checkpoint
 
     sharding.start_backend()
@@ -203,6 +241,9 @@ def main(argv=None):
             elif cfg["format"] == "nanochat":
                 run = base_train_meta(cfg["out_dir"], meta)
                 nanochat_checkpoint.save_nanochat(model, local, meta["iter_num"], run)
+                state = nanochat_optimizer_state(cfg["out_dir"], meta, model)
+                if state is not None:
+                    save_optimizer_state(local, meta["iter_num"], state)
                 codec.save(os.path.join(local, "tokenizer"))  # where its get_tokenizer looks
             else:
                 pretrained.save_nanogpt(

@@ -164,21 +164,25 @@ class AdamWState(NamedTuple):
     schedule: optax.ScaleByScheduleState  # the updates so far (train_step.schedule_count's)
     exp_avg: optax.Updates
     exp_avg_sq: optax.Updates
+    # the moments' updates before this run (a warm start's: nanochat's 'step', which the bias
+    # correction counts on from, as its load_state_dict keeps it); 0 for a fresh optimizer
+    steps_before: jax.Array
 
 
 def nanochat_adamw(learning_rate, betas, eps, weight_decay):
     """adamw_step_fused: p *= 1 - lr wd (decoupled, first), both moments as lerps, then p -= lr /
-    (1 - beta1^t) * m / (sqrt(v / (1 - beta2^t)) + eps), t the update's 1-based number.
+    (1 - beta1^t) * m / (sqrt(v / (1 - beta2^t)) + eps), t the moments' 1-based update number
+    (steps_before + the run's).
     learning_rate(count): the rate at the update's 0-based iteration."""
     b1, b2 = (jnp.float32(b) for b in betas)
 
     def init_fn(params):
-        zeros = optax.tree.zeros_like(params)
-        return AdamWState(optax.ScaleByScheduleState(jnp.zeros([], jnp.int32)), zeros, zeros)
+        zeros, count = optax.tree.zeros_like(params), jnp.zeros([], jnp.int32)
+        return AdamWState(optax.ScaleByScheduleState(count), zeros, zeros, count)
 
     def update_fn(updates, state, params):
         count = state.schedule.count
-        t = (count + 1).astype(jnp.float32)
+        t = (state.steps_before + count + 1).astype(jnp.float32)
         lr = jnp.asarray(learning_rate(count), jnp.float32)
         bias1, bias2 = 1 - b1**t, 1 - b2**t
 
@@ -190,7 +194,7 @@ def nanochat_adamw(learning_rate, betas, eps, weight_decay):
         out = jax.tree.map(one, updates, params, state.exp_avg, state.exp_avg_sq)
         pick = lambda i: jax.tree.map(lambda _, o: o[i], updates, out)  # noqa: E731
         schedule = optax.ScaleByScheduleState(optax.safe_increment(count))
-        return pick(0), AdamWState(schedule, pick(1), pick(2))
+        return pick(0), AdamWState(schedule, pick(1), pick(2), state.steps_before)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -363,9 +367,9 @@ def for_run(c, lr_multiplier):
     as the depth dial left them): the head at learning_rate, the embeddings at
     embed_learning_rate, the scalars at scalar_learning_rate, the blocks' matrices at
     muon_learning_rate (group_rates), each times lr_multiplier(count); Muon's momentum and weight
-    decay on base_train's schedules over max_iters (lr_schedule='sft': chat_sft's momentum and no
-    weight decay). Polar Express in the compute dtype, as
-    nanochat runs it in its COMPUTE_DTYPE."""
+    decay on base_train's schedules over max_iters (lr_schedule='sft': chat_sft's momentum, and
+    weight_decay constant: its 0, or what a warm start's file holds, which its load keeps). Polar
+    Express in the compute dtype, as nanochat runs it in its COMPUTE_DTYPE."""
     rates = group_rates(
         c["n_embd"],
         c["learning_rate"],
@@ -373,8 +377,8 @@ def for_run(c, lr_multiplier):
         c["muon_learning_rate"],
         c["scalar_learning_rate"],
     )
-    if c["lr_schedule"] == "sft":  # chat_sft's: its momentum warmup, Muon's weight decay 0
-        momentum, weight_decay = nanochat_sft.muon_momentum, lambda it: 0.0
+    if c["lr_schedule"] == "sft":  # chat_sft's: its momentum warmup, Muon's weight decay fixed
+        momentum, weight_decay = nanochat_sft.muon_momentum, lambda it: c["weight_decay"]
     else:
         _, momentum, weight_decay = schedules(
             c["max_iters"], c["weight_decay"], c["warmup_iters"], c["cooldown_frac"]

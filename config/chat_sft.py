@@ -31,6 +31,9 @@ muon_learning_rate = 0.02
 weight_decay = 0.0
 grad_clip = 0.0
 init_lr_frac = 0.8
+# its --load-optimizer=1: the base's optim_*.pt (its base_train's, or our export's) warm-starts the
+# optimizer: its moments and buffers, AdamW's step counts, Muon's weight decay; the rates above
+load_optimizer = True
 warmup_frac = 0.0
 cooldown_frac = 0.5
 final_lr_frac = 0.0

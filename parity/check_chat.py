@@ -10,13 +10,17 @@ train (with its calculator calls as python parts), here tiny rows made from temp
 dataset's hub schema (dataio/toy_tasks.py), written where nanochat's tasks read them
 ($NANOCHAT_BASE_DIR/task_data, its cache, which our --dataset=$NANOCHAT_BASE_DIR reads as it
 is). The base: nanochat's own init_weights at depth 2 with its zero output projections drawn
-N(0, 0.02) (parity/nanochat_own_run.py), saved by its own save_checkpoint with a meta that both
-sides take the row length, batch and rates from.
-Both sides start their optimizer fresh (chat_sft's --load-optimizer=0: the warm start from the
-pretraining state is not here yet) and train one epoch (its --num-iterations=-1). nanochat runs
-twice, on 2 threads and on 1, for the spread float32 leaves (check_nanochat_run.py); eager.
+N(0, 0.02), then PRETRAIN_STEPS steps of its own MuonAdamW on random tokens
+(parity/nanochat_own_run.py), saved by its own save_checkpoint with its optimizer state and a
+meta that both sides take the row length, batch and rates from.
+Both sides warm-start their optimizer from that state (chat_sft's default --load-optimizer=1,
+our load_optimizer: its moments and buffers, AdamW's step counts going on, Muon's weight decay
+the file's, the rates the finetuning's own), or with --load_optimizer=0 start it fresh (its
+--load-optimizer=0), and train one epoch (its --num-iterations=-1). nanochat runs twice, on 2
+threads and on 1, for the spread float32 leaves (check_nanochat_run.py); eager.
 
     python -m parity.check_chat --own ../nanochat
+    python -m parity.check_chat --own ../nanochat --load_optimizer=0        # both fresh
     python -m parity.check_chat --own ../nanochat --slip=init_lr_frac=0.7   # exits 1
 
 Exit code: 0 parity holds, 1 a tolerance is exceeded, 2 bad input.
@@ -44,6 +48,7 @@ from parity.check_nanochat_run import (
 from parity.common import verdict
 
 VOCAB, DEPTH, SEQ, ROWS, TOTAL = 2048, 2, 256, 4, 2048
+PRETRAIN_STEPS = 3  # the base's own optimizer steps: its state, what finetuning warm-starts from
 TRAIN_ROWS = {"smoltalk": 60, "mmlu": 40, "gsm8k": 40}
 
 
@@ -51,8 +56,9 @@ class Work:
     """nanochat's base directory (tokenizer, task data, the base checkpoint, its chatsft runs) and
     ours, in one folder."""
 
-    def __init__(self, folder, checkout, slip=()):
+    def __init__(self, folder, checkout, slip=(), load_optimizer=True):
         self.folder, self.checkout, self.slip = folder, os.path.abspath(checkout), list(slip)
+        self.load_optimizer = load_optimizer
         self.base = os.path.join(folder, "base")
         self.start = os.path.join(self.base, "base_checkpoints", f"d{DEPTH}")
 
@@ -64,7 +70,8 @@ class Work:
 
     def prepare(self):
         """The tokenizer (the shipped Shakespeare's, 2048 ids), the task data, and the base: its
-        init with the projections drawn, its meta holding base_train's batch and rates."""
+        init with the projections drawn, PRETRAIN_STEPS steps of its optimizer, its meta holding
+        base_train's batch and rates."""
         run(
             [sys.executable, os.path.join(ROOT, "data", "nanochat", "prepare.py"), f"--text={TEXT}"]
             + [
@@ -77,8 +84,8 @@ class Work:
         )
         toy_tasks.write_task_cache(self.base, TRAIN_ROWS)
         shape = ["--depth", str(DEPTH), "--seq", str(SEQ), "--vocab", str(VOCAB)]
-        self.own("start", "--out", self.start, *shape)
-        path = os.path.join(self.start, "meta_000000.json")
+        self.own("start", "--out", self.start, *shape, "--optimizer_steps", str(PRETRAIN_STEPS))
+        path = os.path.join(self.start, f"meta_{PRETRAIN_STEPS:06d}.json")
         with open(path) as f:
             meta = json.load(f)
         meta |= {"max_seq_len": SEQ, "device_batch_size": ROWS, "total_batch_size": TOTAL}
@@ -92,7 +99,8 @@ class Work:
         self.own(
             "train",
             *("--script", "scripts.chat_sft", "--losses", losses, "--threads", str(threads)),
-            *("--", "--device-type=cpu", f"--model-tag=d{DEPTH}", "--load-optimizer=0"),
+            *("--", "--device-type=cpu", f"--model-tag=d{DEPTH}"),
+            f"--load-optimizer={int(self.load_optimizer)}",
             *("--eval-every=-1", f"--eval-tokens={ROWS * SEQ}", "--chatcore-every=-1"),
             *("--mmlu-epochs=1", "--gsm8k-epochs=1"),
             threads=threads,
@@ -112,6 +120,7 @@ class Work:
             + [f"--dataset={self.base}", "--dtype=float32"]
             + ["--mmlu_epochs=1", "--gsm8k_epochs=1", "--log_interval=1", f"--out_dir={out_dir}"]
             + [f"--val_tokens={ROWS * SEQ}", "--eval_iters=1"]
+            + [f"--load_optimizer={self.load_optimizer}"]
             + [f"--{setting}" for setting in self.slip],
             "train.py",
         )
@@ -125,12 +134,20 @@ class Work:
 
 
 def main(argv=None):
-    args = parse_with_checkout(run_check_parser(__doc__, "chat_sft.py"), argv)
+    parser = run_check_parser(__doc__, "chat_sft.py")
+    parser.add_argument(
+        "--load_optimizer",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="both sides' optimizer warm-started from the base's state (1) or fresh (0)",
+    )
+    args = parse_with_checkout(parser, argv)
     require_extras("parity")
     with tempfile.TemporaryDirectory() as temporary:
         folder = args.work or temporary
         os.makedirs(folder, exist_ok=True)
-        work = Work(folder, args.own, args.slip)
+        work = Work(folder, args.own, args.slip, bool(args.load_optimizer))
         work.prepare()
         (theirs, theirs_dir), (spread, spread_dir) = (work.nanochat_run(t) for t in THREADS)
         ours, export = work.our_run()
@@ -138,7 +155,12 @@ def main(argv=None):
     print(
         f"nanochat's finetuning: train.py config/chat_sft.py vs chat_sft (its own, {THREADS[0]} "
         f"threads), depth {DEPTH}, {ROWS} x {SEQ} tokens a micro-batch, {TOTAL} a step, one epoch "
-        "of SmolTalk, MMLU and GSM8K rows, float32, both optimizers fresh"
+        "of SmolTalk, MMLU and GSM8K rows, float32, both optimizers "
+        + (
+            f"warm-started from the base's state ({PRETRAIN_STEPS} steps of its own)"
+            if args.load_optimizer
+            else "fresh"
+        )
     )
     print_comparison(ours, theirs, spread, tensors)
     ok = within_tolerances(ours, theirs, tensors)

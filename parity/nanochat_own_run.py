@@ -4,7 +4,10 @@ checkout's code (its modules fix their dtype and base directory at import, from 
 NANOCHAT_BASE_DIR, which the caller sets):
 
 - start: its GPT at the run's shape, its own init_weights, the zero output projections then drawn
-  N(0, PROJECTION_STD) (unless --own_start), saved by its own save_checkpoint as step 0;
+  N(0, PROJECTION_STD) (unless --own_start), saved by its own save_checkpoint as step 0; with
+  --optimizer_steps N, then N steps of its own MuonAdamW (setup_optimizer at base_train's rates,
+  base_train's cosine weight decay over the N) on random tokens, saved as step N with its
+  optimizer state (optim_N_rank0.pt, what chat_sft warm-starts from);
 - train: its scripts/base_train.py (or --script: chat_sft) run as its command, with two things
   added and none changed: GPT.init_weights ends by loading that step-0 file (base_train has no
   init-from; its resume would also want an optimizer state; chat_sft loads its base checkpoint
@@ -22,6 +25,7 @@ NANOCHAT_BASE_DIR, which the caller sets):
 
 import argparse
 import json
+import math
 import os
 import runpy
 import sys
@@ -65,8 +69,32 @@ def start(args):
         for name, p in model.named_parameters():
             if name.endswith("c_proj.weight"):  # its init's zeros
                 torch.nn.init.normal_(p, std=PROJECTION_STD)
-    meta = {"step": 0, "model_config": config, "val_bpb": None}
-    checkpoint_manager.save_checkpoint(args.out, 0, model.state_dict(), None, meta)
+    optimizer = pretrained(model, config, args.optimizer_steps) if args.optimizer_steps else None
+    step = args.optimizer_steps
+    meta = {"step": step, "model_config": config, "val_bpb": None}
+    state = None if optimizer is None else optimizer.state_dict()
+    checkpoint_manager.save_checkpoint(args.out, step, model.state_dict(), state, meta)
+
+
+BASE_TRAIN_RATES = dict(unembedding_lr=0.008, embedding_lr=0.3, matrix_lr=0.02, weight_decay=0.28)
+
+
+def pretrained(model, config, steps, rows=2):
+    """`steps` of its MuonAdamW on random tokens (seeded), the loop setting Muon's weight decay as
+    base_train's get_weight_decay does over a run of `steps`: the optimizer, its state that of a
+    pretraining's end."""
+    optimizer = model.setup_optimizer(**BASE_TRAIN_RATES)
+    model.train()
+    for it in range(steps):
+        tokens = torch.randint(0, config["vocab_size"], (rows, config["sequence_len"] + 1))
+        for group in optimizer.param_groups:
+            if group["kind"] == "muon":
+                decay = 0.5 * (1 + math.cos(math.pi * it / steps))
+                group["weight_decay"] = BASE_TRAIN_RATES["weight_decay"] * decay
+        model.zero_grad(set_to_none=True)
+        model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()).backward()
+        optimizer.step()
+    return optimizer
 
 
 def start_weights_loader(gpt, path):
@@ -168,6 +196,7 @@ def main():
     p.add_argument("--vocab", type=int)
     p.add_argument("--window", default="L")
     p.add_argument("--own_start", action="store_true")
+    p.add_argument("--optimizer_steps", type=int, default=0, help="start: MuonAdamW steps saved")
     p.add_argument("--seed", type=int, default=0)
     argv = sys.argv[1:]
     ours, script_argv = (

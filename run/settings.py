@@ -149,9 +149,9 @@ DEFAULTS = dict(
     # constant, linearly to final_lr_frac over the last cooldown_frac; max_iters=0: one epoch
     init_lr_frac=1.0,
     warmup_frac=0.0,
-    # ... and its mixture (dataio/task_folder.py): MMLU's and GSM8K's epochs; the identity
-    # conversations' epochs and the spelling tasks' sizes, which its history mixed in (2, 200000,
-    # 80000) and its checkout does not
+    load_optimizer=True,  # its optimizer warm-started from the base's optim_*.pt (--load-optimizer)
+    # ... and its mixture (dataio/task_folder.py): MMLU's and GSM8K's epochs; the identity epochs
+    # and the spelling tasks' sizes, which its history mixed in (2, 200000, 80000), its checkout not
     mmlu_epochs=3,
     gsm8k_epochs=4,
     identity_epochs=0,

@@ -12,12 +12,13 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
+from flax import nnx
 from jax.experimental import multihost_utils
 
-from archs import models, nanochat_sft
+from archs import models, nanochat_optim_state, nanochat_sft
 from compute import sharding
 from configurator import InputNotFound, RunStopped, UsageError, exit_on_interrupt
-from dataio import hellaswag_data, nanochat_checkpoint, storage
+from dataio import hellaswag_data, nanochat_checkpoint, nanochat_optimizer_state, storage
 from dataio.dataloader import TOKENIZER_FILE, make_loader
 from dataio.pretrained import read_pretrained
 from dataio.tokenizer import nanochat_base_dirs, vocab_file
@@ -55,11 +56,12 @@ def take_from_start(c, data_dir, typed=()):
     runs is what the dial prints; its tokenizer (beside it or up to two folders up, as nanochat
     keeps it) where neither --tokenizer nor the dataset's folder gives one; and for finetuning
     what chat_sft inherits from it (inherit_pretraining). A finetuning run resumed: what it
-    inherited then, from its own checkpoint's settings."""
+    inherited then (and the Muon weight decay of its warm start), from its own checkpoint's
+    settings."""
     if c["init_from"] == "resume":
         if c["lr_schedule"] == "sft":  # no checkpoint there: the line start_for would give
             saved = checkpoint.restore(c["out_dir"])["meta"]["config"]
-            for key in [ours for ours, _, _ in INHERITED] + ["tokenizer"]:
+            for key in [ours for ours, _, _ in INHERITED] + ["tokenizer", "weight_decay"]:
                 if key not in typed:
                     c[key] = saved[key]
         return
@@ -149,11 +151,51 @@ def start_for(c, runtime, data_vocab_size, data_dir, master, typed=()):
         # AdamW rates scale by 1/sqrt(n_embd / 768))
         c.update({k: config_args[k] for k in shape})
         start = Start(replace(GPTConfig(**config_args), **runtime), weights=weights)
+        if c["lr_schedule"] == "sft" and c["load_optimizer"]:
+            start.weights = warm_start(c, start.model_config, weights, master, typed)
     if c["block_size"] > start.model_config.block_size:
         raise UsageError(
             f"block_size={c['block_size']} exceeds the model's {start.model_config.block_size}"
         )
     return start
+
+
+def warm_start(c, config, weights, master, typed=()):
+    """Finetuning from a nanochat checkpoint (load_optimizer, chat_sft's --load-optimizer=1): its
+    weights with the optimizer state saved beside them (init_state puts it in our optimizer), and
+    into `c` the weight decay its Muon groups hold, which chat_sft's load keeps (unless typed).
+    Without that file, nanochat's warning and a fresh optimizer, as chat_sft starts."""
+    found = nanochat_checkpoint.nanochat_checkpoint(c["init_from"])
+    if not found:
+        return weights
+    model = nnx.eval_shape(lambda: models.build(config, nnx.Rngs(0)))
+    ours = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    shapes = {  # torch's: an nn.Linear's weight (out, in), our kernel (in, out)
+        name: ours[path].shape[::-1] if linear else ours[path].shape
+        for name, path, linear in model.weight_rows()
+    }
+    state = nanochat_optimizer_state.read_optimizer_state(*found, shapes)
+    path = os.path.join(found[0], nanochat_optimizer_state.optim_file(found[1]))
+    if state is None:
+        if master:
+            print(
+                f"WARNING: optimizer checkpoint not found ({path}), starting with fresh "
+                "optimizer (slightly worse)"
+            )
+        return weights
+    try:
+        nanochat_optim_state.check_group_settings(state.groups)
+        if "weight_decay" not in typed:
+            c["weight_decay"] = state.muon_weight_decay()
+    except (UsageError, ValueError) as e:
+        raise UsageError(f"{path}: {e}; {nanochat_optimizer_state.FIX}") from None
+    if master:
+        steps = sorted({s["step"] for s in state.state.values() if "step" in s})
+        print(
+            f"loaded optimizer state from {path} (AdamW at step {', '.join(map(str, steps))}, "
+            f"Muon's weight decay {c['weight_decay']:.6g}; learning rates the run's own)"
+        )
+    return nanochat_optimizer_state.WithOptimizerState(weights, state)
 
 
 def make_loaders(c, data_dir, batch_sharding, accum, rows, vocab_size, data_vocab_size):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from archs import nanochat_optim, nanochat_sft
+from archs import nanochat_optim, nanochat_optim_state, nanochat_sft
 from archs.models import build, model_from
 from archs.muon import muon, muon20
 from compute import sharding
@@ -358,7 +358,9 @@ def init_state(config, mesh, tx, *, seed=0, weights=None, block_size=None, resto
     read straight into its shards (sharding.PARAM_SPECS): no device holds a full replica on the way.
     From scratch (init drawn from `seed`); from `weights` ({HF name: array}, config being theirs),
     cropped to `block_size` when shorter; or restored from a checkpoint: `restore` = (out_dir, its
-    meta, the run's checkpoint manager), whose optimizer state comes back too."""
+    meta, the run's checkpoint manager), whose optimizer state comes back too. Weights holding an
+    optimizer_state (a nanochat checkpoint's, train_setup.warm_start): the optimizer starts from
+    it, as chat_sft's load_state_dict starts its."""
     if restore is not None:
         out_dir, meta, mngr = restore
         params, opt_state = checkpoint.restore_state(
@@ -371,8 +373,14 @@ def init_state(config, mesh, tx, *, seed=0, weights=None, block_size=None, resto
         model = model_from(config, weights, mesh)
         if block_size is not None and block_size < config.block_size:
             model.crop_block_size(block_size)
+        rows = model.weight_rows()
         graphdef, params = nnx.split(model)
         # a no-op where in place
         params = jax.device_put(params, sharding.shardings_for(params, mesh))
     opt_shardings = sharding.shardings_for(jax.eval_shape(tx.init, params), mesh)
-    return graphdef, params, jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    warm = getattr(weights, "optimizer_state", None)
+    if warm is not None:
+        opt_state = nanochat_optim_state.warm_started(opt_state, warm.state, rows)
+        opt_state = jax.device_put(opt_state, opt_shardings)
+    return graphdef, params, opt_state

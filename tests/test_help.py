@@ -57,6 +57,10 @@ CONFIGURED = {
         ("chat_cli.py", "defaults"),
         ["--prompt='' one answer to this message, then exit", "--temperature=0.6 0: greedy"],
     ),
+    "chat_web.py": (
+        ("chat_web.py", "defaults"),
+        ["--host=127.0.0.1 the address to serve on", "--port=8000"],
+    ),
     "chat_eval.py": (
         ("chat_eval.py", "defaults"),
         ["--tasks_dir=data/chat", "--batch_size=8 problems a forward (the categorical tasks)"],

@@ -45,6 +45,7 @@ ROOT = TESTS.parent
 # the user's files at the root (nanoGPT's, and the other scripts a user types), at most 12
 SCRIPTS = {
     "train", "sample", "eval", "export", "hellaswag", "fineweb", "plot", "chat_eval", "chat_cli",
+    "chat_web",
 }  # fmt: skip
 # from the ground up: a module may import its own room and the rooms below it, never one above
 FLOORS = [

@@ -113,7 +113,12 @@ def greedy(capsys, *args):
 
 def test_an_export_is_nanochats_layout_and_reads_back(run_dir, exported, capsys):
     files = sorted(os.listdir(exported))
-    assert files == [f"meta_{STEP:06d}.json", f"model_{STEP:06d}.pt", "tokenizer"]
+    assert files == [
+        f"meta_{STEP:06d}.json",
+        f"model_{STEP:06d}.pt",
+        f"optim_{STEP:06d}_rank0.pt",
+        "tokenizer",
+    ]
     assert sorted(os.listdir(exported / "tokenizer")) == ["token_bytes.pt", "tokenizer.pkl"]
     with open(exported / f"meta_{STEP:06d}.json") as f:
         meta = json.load(f)
@@ -146,6 +151,7 @@ def test_an_export_is_nanochats_layout_and_reads_back(run_dir, exported, capsys)
     assert text == greedy(capsys, "--init_from=resume", f"--out_dir={run_dir}")
 
 
+@pytest.mark.slow
 def test_train_continues_from_an_export(run_dir, exported, tmp_path):
     """train.py --init_from=DIR: the model nanochat's meta describes, holding its weights: the
     first eval of the new run is the last of the run exported (the same val tokens)."""
