@@ -301,6 +301,7 @@ np.savez(sys.argv[2], **out)
 """  # noqa: E501
 
 
+@pytest.mark.slow
 def test_splash_under_a_mesh(tmp_path):
     """data 2 x fsdp 2 x tensor 2: each device runs the kernel on 1 row and 2 heads (shard_map);
     fsdp 8 does not divide the 4 rows, so every device runs all of them. Both as splash and xla on

@@ -95,6 +95,7 @@ def fitting(mesh, remat="auto", loss_chunk="auto"):
     )
 
 
+@pytest.mark.slow
 def test_the_first_candidate_that_fits_with_the_margin_is_compiled(monkeypatch):
     """Each candidate's peak compiled alone; with a limit that the first's peak (plus the 25%
     margin) exceeds, the chosen one is the first in CANDIDATES' order that fits, and those before it

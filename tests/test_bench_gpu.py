@@ -132,6 +132,7 @@ def stand_in_checkout(tmp_path, record_file, text):
     return checkout, data
 
 
+@pytest.mark.slow
 def test_record_5_runs_as_it_is_on_the_shards(tmp_path):
     """A copy of the record's file, its Hyperparameters pointed at the shards and the steps asked
     for, run by torchrun in a folder of its own; its own step_avg is the figure."""
@@ -146,6 +147,7 @@ def test_record_5_runs_as_it_is_on_the_shards(tmp_path):
         bench_gpu.speedrun_record(str(checkout), str(data), steps=13)
 
 
+@pytest.mark.slow
 def test_record_20_runs_as_it_is_until_its_last_step(tmp_path):
     """Record 20's code (its log before the '====' line), pointed at the shards through a data/
     link in its folder, its FP8 fake made to state the kernel's layout, stopped after its last

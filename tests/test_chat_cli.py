@@ -65,6 +65,7 @@ def completion(tokenizer, *messages):
     return render_for_completion(tokenizer, {"messages": messages + [last]})
 
 
+@pytest.mark.slow
 def test_prompt_prints_the_engines_greedy_answer(base, capsys):
     _, tokenizer, _ = base
     argv = [f"--init_from={checkpoint(base)}", f"--prompt={QUESTION}", "--temperature=0"]

@@ -167,6 +167,7 @@ def test_max_tokens_and_a_full_context(engines):
     assert len(list(engine.generate(full, ROWS, max_tokens=5, temperature=0))) == 1
 
 
+@pytest.mark.slow
 def test_sampling_repeats_with_its_seed_and_top_k_one_is_greedy(engines, greedy):
     engine = engines[0]
     engine.tokenizer = Tokens()
@@ -177,6 +178,7 @@ def test_sampling_repeats_with_its_seed_and_top_k_one_is_greedy(engines, greedy)
     assert rows == [PROMPT + greedy[:12]] * ROWS
 
 
+@pytest.mark.slow
 def test_any_model_it_decodes_gpt2_as_generate_does():
     """GPT-2's cache is laid out (B * heads, S, hs): the prompt's copies follow its rows too."""
     config = GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=16)

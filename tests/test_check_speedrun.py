@@ -75,6 +75,7 @@ def test_8_fake_devices_sharded(capfd):
     assert code == 0 and "fp32 training parity" in out and ": OK" in out, out[-3000:]
 
 
+@pytest.mark.slow
 def test_qkv_orthogonalised_whole_fails(tiny, monkeypatch, capsys):
     """A public JAX port's kind of slip: the fused (C, 3C) QKV update orthogonalised as one matrix,
     not as the record's three (C, C) ones. NOT OK, by far more than a tolerance's noise."""

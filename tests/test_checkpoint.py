@@ -52,6 +52,7 @@ def array_files(out_dir, step, item):
     )
 
 
+@pytest.mark.slow
 def test_a_flipped_bit_in_any_array_file_never_loads(dataset, tmp_path):
     """Bits flipped at random in params and opt_state files, one at a time: each restore either
     fails in one line (orbax cannot read it, or the checksum of an array differs) or returns exactly
@@ -344,6 +345,7 @@ def test_a_step_is_restored_by_its_number_and_a_missing_one_names_those_there(da
         checkpoint.restore(tmp_path, step=3)
 
 
+@pytest.mark.slow
 def test_a_train_runs_checkpoint_files_get_the_umasks_mode(dataset, tmp_path):
     """Every file and folder of the checkpoints train.py saves (orbax's arrays, our meta and
     metrics), and its log: 0666 & ~umask and 0777 & ~umask, as any program's, under a umask that is
@@ -414,6 +416,7 @@ def test_the_best_checkpoint_outlives_blown_up_ones(dataset, tmp_path, monkeypat
     assert "tracked_metric" not in caplog.text  # orbax's warning of a save without a val loss
 
 
+@pytest.mark.slow
 def test_bf16_tables_resume_in_either_embed_dtype(tmp_path):
     """embed_dtype is the run's choice (model.RUNTIME_FIELDS): a checkpoint of record 20's bf16
     tables and their Adam moments restores into float32 ones, value for value, and into bf16 bit

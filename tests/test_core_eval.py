@@ -180,6 +180,7 @@ def test_a_continuation_the_model_predicts_is_correct(models):
     assert all_greedy.tolist() == [True, False, True, False]
 
 
+@pytest.mark.slow
 def test_core_metric_is_the_mean_of_the_centred_accuracies(models, bundle, ours):
     report = core_eval.evaluate_core(
         core_eval.Scorer(models[0], batch_size=4), core_eval.GPT2Tokens(), bundle, out=sys.stderr
@@ -315,6 +316,7 @@ def theirs_crop(tokens, starts, ends):
 # the command
 
 
+@pytest.mark.slow
 def test_eval_py_core_on_a_checkpoint(models, bundle, ours, tmp_path, capsys):
     out = str(tmp_path / "run")
     save_ours(out, models[0])

@@ -242,6 +242,7 @@ def test_a_broken_shard_stops_the_run_when_the_loader_reaches_it(shards):
         assert str(stop.value) == f"{shard} {what}: {FIX}"
 
 
+@pytest.mark.slow
 def test_train_py_stops_in_one_line_when_train_bin_is_truncated_mid_run(tmp_path):
     """Resumed from a checkpoint, the run loses train.bin's tail while it runs: one line, exit 1 (it
     was SIGBUS, exit -7, no word), and the checkpoint it resumed from as it was."""

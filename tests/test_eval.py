@@ -88,6 +88,7 @@ def test_a_request_one_token_too_long_is_cut_by_one_from_the_left(tiny_hf, capsy
     )
 
 
+@pytest.mark.slow
 def test_scoring_shows_a_progress_bar_of_its_requests_unless_off(tiny_hf, capsys):
     """loglikelihood and loglikelihood_rolling (which scores a document's windows as requests) count
     what they score on a bar, unless progress is off or lm-eval disables it."""
@@ -122,6 +123,7 @@ def test_parity_with_lm_eval_hf_model_on_each_output_type(tiny_hf, capsys):
     assert re.search(r"4/4 texts equal, [1-4] non-empty", out), out
 
 
+@pytest.mark.slow
 def test_eval_on_a_train_py_checkpoint_and_its_exports(bpe_run, tmp_path, capsys):
     out = tmp_path / "results.json"
     assert (

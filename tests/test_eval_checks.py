@@ -84,6 +84,7 @@ for argv in (sys.argv[1:2], sys.argv[2:]):
 """
 
 
+@pytest.mark.slow
 def test_offline_and_character_level_refusals_come_before_lm_eval_is_imported(char_level, tmp_path):
     """The issue's `eval.py --init_from=gpt2` offline: 24 s (lm-eval's import and its task index)
     before its one line; now that line comes first."""

@@ -68,6 +68,7 @@ def test_padded_lengths_are_few_and_pad_least():
         assert sum(got) == best
 
 
+@pytest.mark.slow
 def test_continuation_scores_in_chunks_equal_the_logits_at_once():
     """Past SCORE_CHUNK positions the log-probabilities are summed chunk by chunk: equal to those of
     all the logits at once, padding (-1) left out; greedy where every target is the argmax (row 1's
@@ -93,6 +94,7 @@ def test_continuation_scores_in_chunks_equal_the_logits_at_once():
     assert greedy.tolist() == [False, True]
 
 
+@pytest.mark.slow
 def test_long_continuations_are_scored_in_chunks_as_the_whole_logits_score_them():
     """A continuation longer than SCORE_CHUNK, through JaxLM: its log-probability equals numpy's
     from the logits of the whole input, and it is greedy where every token is the argmax."""
@@ -128,6 +130,7 @@ def one_token_model(token=EOT):
     return model
 
 
+@pytest.mark.slow
 def test_generate_until_stops_at_endoftext_and_refuses_what_cannot_fit():
     """A text ends at <|endoftext|> (here the model's every token); one request is a batch of its
     own (the filler rows repeat it); a task asking for block_size new tokens or more is one line."""
@@ -148,6 +151,7 @@ def test_generate_until_stops_at_endoftext_and_refuses_what_cannot_fit():
         lm.generate_until([request(64)], True)
 
 
+@pytest.mark.slow
 def test_generate_until_ends_each_text_at_its_tasks_strings_and_cuts_long_contexts_from_the_left(
     capsys,
 ):

@@ -58,6 +58,7 @@ def test_nanogpt_ckpt_in_gives_its_logits(tmp_path, bias, flash, compiled):
     assert rel_diff(model(tokens)[0], nanogpt_logits(ref, tokens)) < FP32_LOGITS_TOL
 
 
+@pytest.mark.slow
 def test_export_nanogpt_loads_in_nanogpt_with_the_same_logits(tmp_path):
     model = GPT(tiny_config(gelu="exact", bias=False, vocab_size=65), nnx.Rngs(3))
     save_ours(tmp_path / "run", model, {"dataset": "shakespeare_char"})
@@ -278,6 +279,7 @@ def test_the_exported_config_is_the_model_as_transformers_reads_it(tmp_path, voc
         assert hf.dtype in (torch.float32, "float32")
 
 
+@pytest.mark.slow
 def test_an_export_to_gs_is_the_local_exports_files(tmp_path, gcs_dir):
     """--to on gs://: written in a staging folder, then uploaded, the files a local export writes
     (hf: its folder; nanogpt: the folder of its ckpt.pt); a bucket that does not exist is one line

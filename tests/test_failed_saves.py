@@ -24,6 +24,7 @@ from dataio import storage
 from run import checkpoint
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_is_one_line_on_stderr(dataset, tmp_path):
     """A disk that fills while tensorstore writes the array files: each write still in flight fails
     after orbax has closed its event loop, which was dozens of tracebacks before the one line. A
@@ -72,6 +73,7 @@ FILE_SIZE_LIMIT = r"""if True:
 """  # noqa: E501
 
 
+@pytest.mark.slow
 def test_writes_failing_during_a_save_are_one_line_on_stderr(dataset, tmp_path):
     """The same without root: the files of a checkpoint may not grow past 4 kB."""
     r = subprocess.run(

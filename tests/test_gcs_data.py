@@ -319,6 +319,7 @@ def test_a_file_changed_on_gs_under_the_run_stops_it_in_one_line(gcs_dir, tmp_pa
     )
 
 
+@pytest.mark.slow
 def test_train_py_on_gs_logs_the_losses_of_the_local_run(dataset, gcs_dir, tmp_path):
     storage.upload(dataset, gcs_dir)
     run(dataset, tmp_path / "local")

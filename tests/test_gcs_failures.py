@@ -145,6 +145,7 @@ def test_no_network_at_start_is_one_line(dataset, gcs):
     assert "cannot reach gs://nanogpt-test" in err
 
 
+@pytest.mark.slow
 def test_hosts_that_share_no_disk_are_told_so(dataset, tmp_path):
     """Two processes, each with a tmpfs of its own mounted at the same out_dir (its own mount
     namespace): each host's own disk. Both stop, in one line naming out_dir and the way out."""

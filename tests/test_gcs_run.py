@@ -197,6 +197,7 @@ def test_start_over_on_gs_moves_the_previous_run_aside(gcs_dir, capsys):
     assert storage.read_bytes(f"{out}/keep.txt") == b"keep.txt"
 
 
+@pytest.mark.slow
 def test_on_gs_rotation_keeps_the_best_and_arrays_not_saved_with_a_step_never_restore(gcs_dir):
     """Local disk's guarantees on gs://: rotation keeps the latest and the best (keep 1), across a
     reopening; a step whose array objects are another step's (same shapes, other values) is refused

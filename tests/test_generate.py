@@ -100,6 +100,7 @@ def test_sampling_with_and_without_cache_gives_identical_tokens(tmp_path):
     assert not np.array_equal(a, model.generate(idx, 40, key=jax.random.key(1), **kw)[0])
 
 
+@pytest.mark.slow
 def test_bf16_cache_is_as_accurate_as_the_bf16_full_forward(tmp_path):
     load_pair(tmp_path, 5, n_positions=64, **TINY)
     # every step cached

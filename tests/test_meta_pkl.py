@@ -222,6 +222,7 @@ def test_sample_eval_and_hellaswag_refuse_a_nanogpt_runs_meta_pkl_that_runs_code
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_nanogpts_prepare_output_trains_and_samples_and_the_export_reads_without_pickle(
     tmp_path, capsys
 ):

@@ -286,6 +286,7 @@ print("REPORT " + json.dumps(report))
 """  # noqa: E501
 
 
+@pytest.mark.slow
 def test_a_mesh_steps_as_one_device():
     """fsdp 4 x tensor 2 and data 2 x fsdp 2 x tensor 2: every param as one device computes it, the
     momentum split like its param. In the record's bfloat16, where XLA's own split of

@@ -219,6 +219,7 @@ def adam_figures(c, start):
     }
 
 
+@pytest.mark.slow
 def test_adams_three_groups_step_at_their_rates_as_torchs_adam(start):
     figures = adam_figures(SETTINGS, start)
     assert [len(figures[g]) for g in GROUPS] == [1, 4, 16]  # lm_head; wte, ve 0-2; the scalars
@@ -268,6 +269,7 @@ def bf16_agreement(tables):
     return equal, ulps
 
 
+@pytest.mark.slow
 def test_bf16_tables_step_as_the_records_fused_adam(start, monkeypatch):
     """The record's fused Adam computes in float32 and rounds each state and param to bf16 once a
     step (muon.in_float32): ours equal bit for bit but where a float32 sum in another order rounds
@@ -283,6 +285,7 @@ def test_bf16_tables_step_as_the_records_fused_adam(start, monkeypatch):
     assert equal < 0.9, equal
 
 
+@pytest.mark.slow
 def test_two_groups_rates_swapped_are_caught(start):
     """The head's and the scalars' rates swapped: both groups off torch's by more than check_train's
     bar, the embeddings' still on it."""
@@ -328,6 +331,7 @@ def test_cooldown_and_momentum_warmup_are_the_records():
     assert float(muon.muon_momentum_at(0, dict(mine, muon_momentum_warmup=0))) == np.float32(0.9)
 
 
+@pytest.mark.slow
 def test_three_steps_equal_make_optimizers_in_the_records_step_order(start):
     """Both optimizers, the record's loop body: Muon's momentum set for the step, every group's lr
     initial_lr * get_lr(step), opt.step(); a cooldown and a momentum warmup inside the 3 steps."""

@@ -172,6 +172,7 @@ def mesh_runs(nanochat_data, tmp_path_factory):
     return tmp, run_8_devices(runs), one
 
 
+@pytest.mark.slow
 def test_every_mesh_trains_as_one_device(mesh_runs):
     """Losses and grad norms within rtol 1e-5 and the final params within 1e-5 of their norm, as
     tests/test_sharding.py holds GPT-2's: a sum split over devices (fsdp's reduce-scatter of the

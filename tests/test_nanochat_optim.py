@@ -231,6 +231,7 @@ def test_second_moment_takes_torch_orientation():
     }
 
 
+@pytest.mark.slow
 def test_stacked_blocks_step_as_each_layer_alone():
     """scan_layers' stacked kernels (n_layer, in, out): each layer's update as its own leaf's;
     AdamW keeps a bfloat16 table (nanochat's embeddings on a bf16 GPU) and its state bfloat16."""

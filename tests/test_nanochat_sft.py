@@ -102,6 +102,7 @@ def test_chat_sfts_own_loop_takes_the_steps_of_the_table(max_iters):
     assert nanochat_sft.progress_table(ours, accum) == (len(theirs), theirs)
 
 
+@pytest.mark.slow
 def test_bits_per_byte_leaves_the_ignored_targets_out():
     """Finetuning's val batches hold targets of -1 (not learned): they carry no nats and no bytes
     (nanochat's evaluate_bpb: never index token_bytes with them), and the loss is the mean over

@@ -69,6 +69,7 @@ def test_the_check_catches_a_step_without_caution(run, monkeypatch):
     assert not check.within_tolerance(steps), table(steps)
 
 
+@pytest.mark.slow
 def test_the_check_catches_another_weight_decay(run):
     """The torch side at 1.5x the dial's weight decay (ours at the dial's: the step compiled
     above, no second compile), two steps: outside."""

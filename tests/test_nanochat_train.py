@@ -96,9 +96,8 @@ def test_it_trains_reports_bits_per_byte_and_samples_in_its_tokenizer(
 
 
 # make test-slow (CI runs it): the same claim as GPT-2's resume (test_train_loop.py) with other
-# state. make test holds nanochat's loader resuming exactly (test_bestfit_loader.py) and its
-# MuonAdamW state restored (test_nanochat_mesh.py resumes a 1-device checkpoint on a mesh and ends
-# at the straight run's params)
+# state. make test holds nanochat's loader resuming exactly (test_bestfit_loader.py) and GPT-2's
+# run, optimizer state included, resuming bit for bit
 @pytest.mark.slow
 def test_resume_is_bit_for_bit(nanochat_data, tmp_path, monkeypatch):
     """The loader's buffer read again, Muon's and Adam's state and the schedules' count restored:

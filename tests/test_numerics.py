@@ -227,6 +227,7 @@ def test_training_takes_the_logits_in_bf16_and_the_heads_gradient_runs_in_bf16(s
     ]
 
 
+@pytest.mark.slow
 def test_the_cross_entropys_own_gradient_is_autodiffs():
     """layers.token_nll's gradient (softmax - onehot, written once in the logits' dtype) against
     autodiff of the same forward, with ignored targets, under vmap (hellaswag.py's scorer) and jit:

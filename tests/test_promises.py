@@ -80,6 +80,7 @@ def test_finetune_from_a_nanogpt_ckpt_starts_from_its_weights(dataset, tmp_path)
     assert abs(loss - reference) <= LOSS_TOL * reference, (loss, reference)
 
 
+@pytest.mark.slow
 def test_a_step_larger_than_the_device_is_refused_before_step_0(dataset, tmp_path, monkeypatch):
     """train.py compiles its step before step 0 and compares XLA's peak for it with the device's
     memory (accelerators.usable_bytes: a GPU's or TPU's bytes_limit, a CPU device's share of the

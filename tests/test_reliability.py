@@ -127,6 +127,7 @@ def test_an_unexpected_error_in_the_loop_keeps_its_traceback(dataset, tmp_path):
         assert e.value.code == code
 
 
+@pytest.mark.slow
 def test_a_diverged_run_never_saves_and_keeps_the_good_checkpoints(dataset, tmp_path):
     out = tmp_path / "out"
     run(dataset, out, "--max_iters=6", "--eval_interval=2", "--always_save_checkpoint=True")
@@ -171,6 +172,7 @@ def test_a_diverged_run_never_saves_and_keeps_the_good_checkpoints(dataset, tmp_
         checkpoint.load_model("resume", out)
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_in_one_line_and_the_previous_checkpoint_loads(
     dataset, tmp_path, monkeypatch
 ):
@@ -202,6 +204,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_previous_checkpoint_loads
     assert restored["meta"]["iter_num"] == 2
 
 
+@pytest.mark.slow
 def test_last_step_is_evaluated_and_saved_and_a_crashed_log_resumes_clean(dataset, tmp_path):
     run(dataset, tmp_path, "--max_iters=7", "--eval_interval=5", "--always_save_checkpoint=False")
     assert [i for i, _ in read_log(tmp_path, "val_loss")] == [0, 5, 7]
@@ -293,6 +296,7 @@ def test_a_locked_out_dir_is_refused_before_the_model_is_built(dataset, tmp_path
     held.close()
 
 
+@pytest.mark.slow
 def test_resume_lists_every_ignored_setting_and_saves_a_config_that_agrees(
     dataset, tmp_path, capsys
 ):
@@ -304,6 +308,7 @@ def test_resume_lists_every_ignored_setting_and_saves_a_config_that_agrees(
     assert meta["config"]["n_embd"] == meta["model_args"]["n_embd"] == 32
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_start_or_at_a_log_line_is_one_line_naming_the_path(
     dataset, tmp_path, monkeypatch
 ):

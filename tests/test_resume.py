@@ -78,6 +78,7 @@ def test_a_longer_block_size_typed_is_refused_before_anything_is_written(dataset
     assert snapshot(run_dir) == before
 
 
+@pytest.mark.slow
 def test_a_shorter_block_size_typed_trains_on_shorter_windows(dataset, run_dir):
     t = trainer([CONFIG, *RESUME, *where(dataset, run_dir), "--block_size=16"])
     assert t.c["block_size"] == 16 and t.tokens_per_iter == 4 * 16

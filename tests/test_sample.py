@@ -92,6 +92,7 @@ def test_stream_prints_the_sample_as_it_comes(hf_dir, capsys, monkeypatch):
     assert streamed.startswith("Once upon a time") and len(streamed) > len("Once upon a time") + 24
 
 
+@pytest.mark.slow
 def test_generate_gets_the_command_lines_settings(tmp_path, capsys, monkeypatch):
     """sys.argv's settings reach generate (top_p as well), a vocabulary padded past GPT-2's
     (50257 -> 50304) is sampled below 50257, and the time said is the generation's."""

@@ -74,6 +74,7 @@ def test_one_scanned_layer_computes_what_one_looped_layer_computes():
     assert_close(scan(idx)[0], loop(idx)[0], rtol=1e-6, atol=1e-6, what="logits")
 
 
+@pytest.mark.slow
 def test_dropout_draws_a_key_per_layer_as_the_loop():
     """The same dropout with the blocks under one scan, and in the loop with each block recomputed
     (remat)."""
@@ -87,6 +88,7 @@ def test_dropout_draws_a_key_per_layer_as_the_loop():
         assert abs(float(model.loss(idx, idx, key=key)) / want - 1) < 1e-6
 
 
+@pytest.mark.slow
 def test_generation_with_a_scanned_model_equals_the_loop_token_for_token():
     loop = GPT(tiny_config(block_size=48), nnx.Rngs(1))
     scan = GPT(tiny_config(block_size=48, scan_layers=True), nnx.Rngs(1))
@@ -98,6 +100,7 @@ def test_generation_with_a_scanned_model_equals_the_loop_token_for_token():
         )
 
 
+@pytest.mark.slow
 def test_hf_in_scanned_model_export_out_gives_back_the_same_tensors(tmp_path):
     """HF directory -> a scanned model -> a checkpoint -> export.py to HF and to nanoGPT: every
     tensor as it was."""

@@ -200,6 +200,7 @@ def assert_resumed_as_the_whole_run(tmp, resumed):
     )
 
 
+@pytest.mark.slow
 def test_sample_and_hellaswag_load_a_checkpoint_of_any_mesh(mesh_runs, dataset):
     """sample.py's and hellaswag.py's loader (checkpoint.load_model) reads the checkpoint saved
     under fsdp 4 x tensor 2 on 1 device: the weights train.py's resume restores from it."""

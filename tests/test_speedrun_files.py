@@ -65,6 +65,7 @@ def save_record_file(
     )
 
 
+@pytest.mark.slow
 def test_a_record_file_loads_for_the_scripts_with_the_records_logits(tmp_path, capsys):
     ref = random_record(seed=14)
     save_record_file(ref.state_dict(), tmp_path / "state_step000007.pt")
@@ -109,6 +110,7 @@ def test_a_record_file_loads_for_the_scripts_with_the_records_logits(tmp_path, c
     )
 
 
+@pytest.mark.slow
 def test_train_py_trains_on_from_a_record_file(tmp_path, dataset):
     """train.py --init_from=state_step*.pt with the recipe's settings: the record's weights are the
     run's first params, and its Muon steps train them on."""

@@ -14,6 +14,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import pytest
 from helpers import run, settings
 
 from run import runlog, step_clock
@@ -104,6 +105,7 @@ def test_mfu_is_the_flops_over_the_devices_summed_peak():
     assert step_clock.mfu(1e12, 1.0, [h100, Device("cpu")]) is None  # no made-up number
 
 
+@pytest.mark.slow
 def test_each_log_line_ends_with_the_eta(dataset, tmp_path, capsys):
     run(dataset, tmp_path, "--max_iters=3", "--log_interval=1")
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("iter ")]
@@ -120,6 +122,7 @@ def test_a_long_first_eval_is_said_at_its_second_batch_once():
     assert step_clock.StepClock(100, 50).first_eval_estimate(2, 40, 1.0) is None  # 20 s
 
 
+@pytest.mark.slow
 def test_the_first_eval_of_a_run_says_its_time_when_long(dataset, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(step_clock, "LONG_EVAL_S", 0)  # every eval is long
     run(dataset, tmp_path, "--max_iters=2", "--eval_interval=1", "--eval_iters=3")

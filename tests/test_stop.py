@@ -13,6 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import settings
 
 import train
@@ -66,6 +67,7 @@ def test_sigterm_stops_within_the_steps_dispatched_ahead(dataset, tmp_path, caps
     assert stopped - signalled["at"] < (train.STEPS_AHEAD + 1) * NAP + 5
 
 
+@pytest.mark.slow
 def test_sigterm_during_a_long_eval_ends_it(dataset, tmp_path, capsys):
     """The first eval (before step 0) of 40 slow batches, signalled at its third: the loop leaves
     the eval within a batch or two, takes one step and saves it."""

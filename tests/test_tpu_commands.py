@@ -240,6 +240,7 @@ def test_splash_in_bf16_on_v2_and_v3_is_one_line(topology, monkeypatch):
     )
 
 
+@pytest.mark.slow
 def test_libtpu_banner_stays_off_the_terminal(tmp_path):
     """With libtpu installed and no TPU, starting JAX's backends (no JAX_PLATFORMS) makes libtpu
     print its start-up lines, every one of which LIBTPU_BANNER knows; sharding.start_backend and

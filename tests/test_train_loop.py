@@ -53,6 +53,7 @@ def test_loss_goes_down_and_log_is_written(dataset, tmp_path):
     assert [v for _, v in read_log(tmp_path, "state_bytes_per_device")] == [state]
 
 
+@pytest.mark.slow
 def test_loop_reads_the_device_only_at_log_steps(dataset, tmp_path, monkeypatch):
     """The device never waits for the host: between log lines (and evals, saves) the loop reads no
     device value. The loop runs under JAX's device-to-host transfer guard, which fires on GPU/TPU;
@@ -99,6 +100,7 @@ def test_loop_reads_the_device_only_at_log_steps(dataset, tmp_path, monkeypatch)
     assert [i for i, _ in read_log(tmp_path, "loss")] == [2, 5, 7]
 
 
+@pytest.mark.slow
 def test_logged_learning_rate_is_the_steps(dataset, tmp_path):
     """The step returns its learning rate (the loop computes none on the host): get_lr of its
     iteration."""
@@ -221,6 +223,7 @@ def test_gradient_accumulation_equivalence(dataset, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_eval_only_does_not_train(dataset, tmp_path):
     t = run(dataset, tmp_path, "--eval_only=True")
     assert (
@@ -230,6 +233,7 @@ def test_eval_only_does_not_train(dataset, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_eval_only_evaluates_a_run_resumed_at_any_step(dataset, tmp_path):
     """A checkpoint at step 3, eval_interval 1000: eval_only evaluates it all the same (it exited 0
     without a word), and writes no checkpoint over the one it reads."""

@@ -44,6 +44,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_HF = dict(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=64)
 
 
+@pytest.mark.slow
 def test_hf_directories_load_without_torch_bit_identical_to_transformers(tmp_path):
     """A tanh-GELU and an exact-GELU directory, loaded in one process where torch and transformers
     cannot be imported; the params equal what transformers reads, bit for bit."""

@@ -141,6 +141,7 @@ def test_each_setting_gets_its_kernel():
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_run_that_cannot_take_its_setting_stops_in_one_line():
     """The check train.py and bench/train.py make before anything is written (models.check_run:
     record 20's window_attention.check_run, the other archs' attention.check_run), on a TPU's kind:

@@ -125,7 +125,8 @@ def pytest(copy, tests):
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": os.path.join(REPO, ".pytest_cache", "jax")}
     start = time.time()
     r = subprocess.run(
-        [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        # slow ones too: a bug's catcher may be a heavier test that make test leaves out
+        [PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu_compile", *tests],
         cwd=copy,
         env=env,
         capture_output=True,
