@@ -206,7 +206,8 @@ def help_text(defaults):
     main = sys.modules.get("__main__")
     module, name = defining_module(defaults)
     doc = getattr(main, "__doc__", None) or getattr(module, "__doc__", None) or ""
-    script = os.path.basename(sys.argv[0])
+    spec = getattr(main, "__spec__", None)  # set when run as python -m MODULE
+    script = f"-m {spec.name}" if spec is not None else os.path.basename(sys.argv[0])
     lines = [f"usage: python {script} [CONFIG_FILE.py ...] [--key=value ...]", ""]
     if doc.strip():
         lines += [doc.strip().split("\n\n")[0], ""]
