@@ -184,26 +184,29 @@ def test_batch_loss_in_halves_is_the_models_loss(loss_chunk):
     x, y = (rng.integers(0, 32, (4, 16)).astype(np.int32) for _ in range(2))
     y[:2, :12] = -1  # the first half keeps 8 targets, the second 32
     loss_fn = jax.jit(lambda x, y: train_step.batch_loss(model, x, y))
+    model_loss = jax.jit(lambda x, y: model(x, y)[1])  # jitted: op by op it compiles ~180 times
 
     def dots(f, *args):
         return f.lower(*args).compile().as_text().count(" dot(")
 
     # the model twice: halves
     assert dots(loss_fn, x, y) >= 2 * dots(jax.jit(lambda x: model(x)[0]), x)
-    assert_close(loss_fn(x, y), model(x, y)[1], rtol=1e-6, what="loss in halves")
+    assert_close(loss_fn(x, y), model_loss(x, y), rtol=1e-6, what="loss in halves")
     assert_close(
-        loss_fn(x[:3], y[:3]), model(x[:3], y[:3])[1], rtol=1e-6, what="an odd batch: whole"
+        loss_fn(x[:3], y[:3]), model_loss(x[:3], y[:3]), rtol=1e-6, what="an odd batch: whole"
     )
     # with dropout, the whole batch's loss draws from the step's key
     model = GPT(dataclasses.replace(model.config, dropout=0.5), nnx.Rngs(0))
     key = jax.random.key(1)
+    loss_with = jax.jit(lambda x, y, key: model.loss(x, y, key=key))
+    loss_without = jax.jit(lambda x, y: model.loss(x, y))
     odd = jax.jit(lambda x, y, key: train_step.batch_loss(model, x, y, key))(x[:3], y[:3], key)
-    assert_close(odd, model.loss(x[:3], y[:3], key=key), rtol=1e-6, what="an odd batch's dropout")
-    assert abs(float(odd) - float(model.loss(x[:3], y[:3]))) > 1e-3
+    assert_close(odd, loss_with(x[:3], y[:3], key), rtol=1e-6, what="an odd batch's dropout")
+    assert abs(float(odd) - float(loss_without(x[:3], y[:3]))) > 1e-3
     # and the halves each draw theirs from it: dropout on, and another key another draw (the
     # untrained model's loss moves by ~1e-3 with the draw, float32's rounding by ~1e-6)
     even = jax.jit(lambda x, y, key: train_step.batch_loss(model, x, y, key))
-    assert abs(float(even(x, y, key)) - float(model.loss(x, y))) > 1e-4
+    assert abs(float(even(x, y, key)) - float(loss_without(x, y))) > 1e-4
     assert abs(float(even(x, y, key)) - float(even(x, y, jax.random.key(2)))) > 1e-4
 
 
@@ -227,7 +230,10 @@ def test_the_step_draws_each_micro_batchs_dropout_from_its_key():
     key = jax.random.key(7)
     _, _, metrics = step(params, tx.init(params), x, x, key)
     keys = jax.random.split(key, 2)
-    losses = [train_step.batch_loss(model, x[i], x[i], keys[i]) for i in range(2)]
+    # jitted, as the step is: op by op each compiles ~40 times
+    batch_loss = jax.jit(lambda x, y, key: train_step.batch_loss(model, x, y, key))
+    model_loss = jax.jit(lambda x, y: model.loss(x, y))
+    losses = [batch_loss(x[i], x[i], keys[i]) for i in range(2)]
     assert_close(
         metrics["loss"],
         np.mean(losses),
@@ -235,7 +241,7 @@ def test_the_step_draws_each_micro_batchs_dropout_from_its_key():
         what="the step's loss, with its micro-batches' keys",
     )
     assert (
-        abs(float(metrics["loss"]) - float(np.mean([model.loss(x[i], x[i]) for i in range(2)])))
+        abs(float(metrics["loss"]) - float(np.mean([model_loss(x[i], x[i]) for i in range(2)])))
         > 1e-3
     )
 
