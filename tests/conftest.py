@@ -50,6 +50,7 @@ SLOW_CASES = {
     "test_compute_settings.py::test_each_setting_computes_the_same_logits_loss_and_gradients"
     "[gpt2-explicit attention]",
     "test_export.py::test_each_export_and_checkpoint_file_gets_the_umasks_mode[18]",
+    "test_hellaswag.py::test_cli_and_parity_cli[resume]",
     "test_help.py::test_help_says_what_the_script_does_and_takes_and_writes_nothing"
     "[-m parity.check_nanochat_train---help]",
     "test_nanochat_model.py::test_logits_and_loss_equal_the_references[even-depth]",

@@ -169,6 +169,7 @@ def test_a_refusal_is_recorded_and_not_compiled_again(tmp_path, monkeypatch):
         assert compiled == ([True, False] if start == 1 else [False]), start
 
 
+@pytest.mark.slow
 def test_train_says_what_each_auto_became(dataset, tmp_path, capsys):
     """train.py's start-up line, on the CPU: what every 'auto' setting became and why; an explicit
     setting is kept and not named. The log's start record holds the same line."""

@@ -146,6 +146,7 @@ def test_chatcore_is_the_mean_centered_accuracy_over_all_five_tasks():
     assert chatcore(accuracies) is None
 
 
+@pytest.mark.slow
 def test_the_script_prints_each_accuracy_and_chatcore(chat, capsys):
     argv = [
         f"--init_from={chat.checkpoint}",

@@ -174,6 +174,7 @@ def reference_digest(x):
     return f"{int(((bits * (2 * i + 1)) & m).sum()) % 2**32:08x}{int(h.sum()) % 2**32:08x}"
 
 
+@pytest.mark.slow
 def test_an_arrays_checksum_is_the_same_on_any_mesh_and_is_its_definition(tmp_path):
     params = {
         jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value"): np.asarray(x)
@@ -322,6 +323,7 @@ def test_a_bad_meta_is_one_line_in_train_sample_and_export(dataset, tmp_path, ca
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow
 def test_a_step_is_restored_by_its_number_and_a_missing_one_names_those_there(dataset, tmp_path):
     """export.py's --step: an earlier checkpoint than the latest, its own arrays; a step not saved
     is one line."""

@@ -113,6 +113,7 @@ def without(modules, script, args, env=None, **kw):
     )
 
 
+@pytest.mark.slow
 def test_the_core_job_needs_no_optional_group(dataset, tmp_path):
     """make shakespeare's job, train then sample, with torch, transformers, lm_eval, datasets,
     matplotlib and gcsfs gone."""

@@ -101,6 +101,7 @@ def test_token_ids_beyond_the_vocabulary_are_one_error_naming_the_data(dataset, 
         checkpoint.all_steps(out)[-1]
 
 
+@pytest.mark.slow
 def test_an_unexpected_error_in_the_loop_keeps_its_traceback(dataset, tmp_path):
     script = f"""if True:
         import train

@@ -46,6 +46,7 @@ def trainer(argv):
 RESUME = ["--init_from=resume", "--batch_size=4", "--eval_iters=2", "--max_iters=6"]
 
 
+@pytest.mark.slow
 def test_resume_with_the_config_file_takes_the_checkpoints_shape(dataset, run_dir, capsys):
     capsys.readouterr()
     t = trainer([CONFIG, *RESUME, *where(dataset, run_dir)])
@@ -58,6 +59,7 @@ def test_resume_with_the_config_file_takes_the_checkpoints_shape(dataset, run_di
     assert not [x for x in capsys.readouterr().out.splitlines() if x.startswith("resume")]
 
 
+@pytest.mark.slow
 def test_resume_names_only_what_was_typed(dataset, run_dir, capsys):
     """Through train.main: --n_layer=6 differs from the checkpoint's 2 and is named; --n_embd=32
     agrees with it; the config file's n_head=6 and block_size=256 pass without a word."""
@@ -67,6 +69,7 @@ def test_resume_names_only_what_was_typed(dataset, run_dir, capsys):
     assert lines == ["resume: the checkpoint fixes n_layer=2; ignored --n_layer=6"]
 
 
+@pytest.mark.slow
 def test_a_longer_block_size_typed_is_refused_before_anything_is_written(dataset, run_dir):
     before = snapshot(run_dir)
     with pytest.raises(UsageError) as e:

@@ -193,6 +193,7 @@ def checkpoint_templates(config, tx):
     return params, jax.eval_shape(tx.init, params)
 
 
+@pytest.mark.slow
 def test_training_scanned_takes_the_loops_steps(dataset, tmp_path):
     """train.py's steps with scan_layers: the same losses and grad norms as the loop's (each stacked
     param in the optimizer's groups as its per-layer self: biases and LayerNorms undecayed)."""

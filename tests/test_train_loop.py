@@ -111,6 +111,7 @@ def test_logged_learning_rate_is_the_steps(dataset, tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_profile_writes_a_trace_of_the_steps_asked_for(dataset, tmp_path, capsys):
     run(dataset, tmp_path, "--max_iters=5", "--profile=2:4")
     assert "profile of iterations 2..3 written to" in capsys.readouterr().out
@@ -177,6 +178,7 @@ def test_exact_resume_bit_for_bit(recipe, dataset, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_best_val_loss_is_never_overwritten_by_a_worse_value(dataset, tmp_path, monkeypatch):
     vals = iter([3.0, 2.0, 2.5, 2.7])
     monkeypatch.setattr(
