@@ -51,8 +51,12 @@ SLOW_CASES = {
     "[gpt2-explicit attention]",
     "test_export.py::test_each_export_and_checkpoint_file_gets_the_umasks_mode[18]",
     "test_hellaswag.py::test_cli_and_parity_cli[resume]",
-    "test_help.py::test_help_says_what_the_script_does_and_takes_and_writes_nothing"
-    "[-m parity.check_nanochat_train---help]",
+    "test_muon20.py::test_one_muon_update_in_the_momentum_warmup_equals_the_records[400]",
+    "test_hellaswag.py::test_parity_cli_catches_a_bug_in_our_loader[nanogpt]",
+    "test_compute_settings.py::test_each_setting_computes_the_same_logits_loss_and_gradients"
+    "[gpt2-remat block]",
+    "test_reliability.py::test_a_stop_during_the_first_compilation_is_one_line_and_exit_128_plus_the_signal"
+    "[ctrl-c]",
     "test_nanochat_model.py::test_logits_and_loss_equal_the_references[even-depth]",
     "test_nanochat_optim.py::test_the_check_catches_a_broken_muon[no-caution]",
     "test_scan_layers.py::test_a_checkpoint_restores_into_the_other_layout_bit_for_bit[True]",

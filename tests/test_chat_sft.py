@@ -215,6 +215,7 @@ def test_one_epoch_at_chat_sfts_rates_with_the_base_runs_batch(base, tmp_path, c
     assert "WARNING: optimizer checkpoint not found" in out  # chat_sft's, and a fresh start
 
 
+@pytest.mark.slow
 def test_typed_settings_win_over_the_base_runs(base, tmp_path):
     argv = sft_argv(base, tmp_path, "--batch_size=4", "--learning_rate=0.001")
     t = train.Trainer(configure(DEFAULTS, argv), typed=command_line_keys(argv))

@@ -64,6 +64,7 @@ def test_tiny_fp32_matches_pytorch(tiny, capsys):
     assert f["ref_losses"][-1] < f["ref_losses"][0] - 1.0
 
 
+@pytest.mark.slow
 def test_a_slightly_wrong_step_exits_1(monkeypatch, capsys):
     """The check is tight, and main() says so in its exit code: our learning rate 1e-5 too large
     (10x LR_TOL; the losses of 10 steps do not show it) is NOT OK, exit 1."""

@@ -88,6 +88,7 @@ def test_the_checks_catch_a_cache_that_is_slightly_off(tmp_path, monkeypatch):
     assert f["cache_rel"] > 10 * CACHE_LOGITS_TOL, f
 
 
+@pytest.mark.slow
 def test_sampling_with_and_without_cache_gives_identical_tokens(tmp_path):
     _, model = load_pair(tmp_path, 7, n_positions=32, **TINY)
     idx = make_prompt(2, 8, TINY["vocab_size"], seed=7)

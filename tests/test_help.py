@@ -109,8 +109,12 @@ def files(folder):
 
 
 # a process per script, with one of the two flags: the configured scripts -h (train.py took it for
-# a config file), the others --help; both reach the same code (configure's test below, argparse's)
-FLAGS = [*((s, "-h") for s in CONFIGURED), *((s, "--help") for s in ARGPARSE)]
+# a config file), the others --help; both reach the same code (configure's test below, argparse's).
+# make test runs train.py's and sample.py's, make test-slow (CI runs it) every other script's
+FLAGS = [
+    pytest.param(s, f, marks=() if s in ("train.py", "sample.py") else pytest.mark.slow)
+    for s, f in [*((s, "-h") for s in CONFIGURED), *((s, "--help") for s in ARGPARSE)]
+]
 
 
 @pytest.mark.parametrize("script, flag", FLAGS)

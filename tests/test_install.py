@@ -128,21 +128,25 @@ def test_the_core_job_needs_no_optional_group(dataset, tmp_path):
     assert r.returncode == 0 and "---------------" in r.stdout, r.stderr[-3000:]
 
 
+# make test-slow (CI runs it): the scripts whose refusal comes after seconds of imports
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     "script, args, modules, group",
     [
-        ("parity.check_logits", [], ["torch"], "parity"),
+        pytest.param("parity.check_logits", [], ["torch"], "parity", marks=SLOW),
         ("parity.check_train", [], ["transformers"], "parity"),
-        ("parity.check_generate", [], ["torch"], "parity"),
-        ("parity.check_hellaswag", [], ["torch"], "parity"),
-        ("parity.check_speedrun", [], ["torch"], "parity"),
+        pytest.param("parity.check_generate", [], ["torch"], "parity", marks=SLOW),
+        pytest.param("parity.check_hellaswag", [], ["torch"], "parity", marks=SLOW),
+        pytest.param("parity.check_speedrun", [], ["torch"], "parity", marks=SLOW),
         ("parity.check_eval", [], ["lm_eval"], "eval"),
-        ("eval.py", ["--tasks=hellaswag"], ["lm_eval"], "eval"),
+        pytest.param("eval.py", ["--tasks=hellaswag"], ["lm_eval"], "eval", marks=SLOW),
         ("fineweb.py", [], ["datasets"], "data"),
-        ("plot.py", ["out"], ["matplotlib"], "plot"),
+        pytest.param("plot.py", ["out"], ["matplotlib"], "plot", marks=SLOW),
         ("train.py", ["--out_dir=gs://bucket/run"], ["gcsfs"], "gcs"),
         # a nanoGPT ckpt.pt: torch reads it
-        ("sample.py", ["--init_from={tmp}/ckpt.pt"], ["torch"], "parity"),
+        pytest.param("sample.py", ["--init_from={tmp}/ckpt.pt"], ["torch"], "parity", marks=SLOW),
     ],
 )
 def test_a_script_without_its_group_says_which_to_install(script, args, modules, group, tmp_path):

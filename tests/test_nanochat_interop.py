@@ -29,6 +29,10 @@ from model import GPT
 from run import checkpoint
 from run.settings import DEFAULTS
 
+# make test-slow (CI runs it): nanochat's checkpoints both ways (make test: the chat stages read a
+# nanochat checkpoint, test_chat_sft.py and test_chat_cli.py)
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 
 VOCAB = 320  # a multiple of 64: nanochat pads its tables to one

@@ -26,6 +26,8 @@ from configurator import UsageError, command_line_keys, configure
 from model import GPTConfig
 from run.settings import DEFAULTS
 
+# make test-slow (CI runs it): nanochat's GPT on a mesh (make test: GPT-2's, test_sharding.py)
+pytestmark = pytest.mark.slow
 VOCAB = 320
 T = 160  # the short window, a quarter of T rounded up to 128 tokens, masks past 128
 ROWS = 8  # global micro-batch: each mesh splits it over its batch shards

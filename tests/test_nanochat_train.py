@@ -66,6 +66,7 @@ def test_the_dial_sets_what_base_train_sets(nanochat_data, tmp_path):
     t.lock.close()
 
 
+@pytest.mark.slow
 def test_it_trains_reports_bits_per_byte_and_samples_in_its_tokenizer(
     nanochat_data, tmp_path, capsys
 ):

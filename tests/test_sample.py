@@ -67,6 +67,7 @@ def test_samples_from_an_hf_directory(hf_dir, capsys):
     assert samples(run(capsys, *argv[:-1], "--seed=6")) != out
 
 
+@pytest.mark.slow
 def test_stream_prints_the_sample_as_it_comes(hf_dir, capsys, monkeypatch):
     generated = []
     generate = GPT.generate

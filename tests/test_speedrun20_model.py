@@ -94,6 +94,7 @@ def test_kv_cache_generation_is_the_full_forward(window_size):
     assert logits.shape[-1] == 128  # the head's padded rows
 
 
+@pytest.mark.slow
 def test_a_window_changes_the_logits_only_past_it():
     """Positions in the first block see the same keys at any window; later ones do not."""
     model = randomized(build(GPTConfig(**TINY20), nnx.Rngs(0)))

@@ -133,6 +133,7 @@ def test_logits_loss_and_gradients_are_the_records(pair, window):
         assert rel_diff(our_grads[name], g) < 1e-4, name
 
 
+@pytest.mark.slow
 def test_a_state_step_file_both_ways(pair, tmp_path):
     """Our model saved as the record saves its state_step*.pt loads strictly into the record's GPT
     (its keys under _orig_mod.), which computes our logits; read back, it is our model again, its
