@@ -87,9 +87,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-# Modules whose tests share a module-scoped fixture that takes long to make: pytest-xdist runs each
-# on one worker.
+# Modules whose tests share a module-scoped fixture that takes long to make, or (the browser's)
+# go on from the page the test before left: pytest-xdist runs each on one worker.
 ONE_WORKER = {
+    "test_chat_web_browser.py",
     "test_sharding.py",
     "test_check_train.py",
     "test_compute_settings.py",
