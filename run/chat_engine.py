@@ -60,11 +60,13 @@ class Engine:
         # compiled for this model's structure (its GPTConfig is no hashable static argument); its
         # params go in at each call, so weights that change between calls (RL) are the ones used
         graphdef = nnx.graphdef(model)
+        # static: the rows, the prefill chunk, and (greedy, top_k); the temperature is an input, so
+        # a page's requests at any temperature share one program
         self.first_tokens = jax.jit(
-            functools.partial(first_tokens, graphdef), static_argnums=(4, 5, 6)
+            functools.partial(first_tokens, graphdef), static_argnums=(4, 5, 7)
         )
         self.next_tokens = jax.jit(
-            functools.partial(next_tokens, graphdef), static_argnums=(6,), donate_argnums=(1,)
+            functools.partial(next_tokens, graphdef), static_argnums=(7,), donate_argnums=(1,)
         )
 
     def generate(
@@ -85,7 +87,8 @@ class Engine:
         P, bs = len(prompt), self.model.config.block_size
         steps = bs - P + 1  # the last token sampled sees the whole context; none is fed after it
         steps = steps if max_tokens is None else min(max_tokens, steps)
-        sampling = (float(temperature), top_k or None)
+        sampling = (temperature == 0, top_k or None)
+        temperature = jnp.float32(temperature or 1.0)  # unused when greedy
         state = nnx.state(self.model)
         chunk = min(PREFILL_CHUNK, bs)
         length = -(-bs // chunk) * chunk  # whole chunks: no prefill write is clipped
@@ -93,7 +96,7 @@ class Engine:
         buf[0, :P] = prompt
         key = jax.random.key(seed)
         sampled, cache = self.first_tokens(
-            state, jnp.asarray(buf), jnp.int32(P), key, num_samples, chunk, sampling
+            state, jnp.asarray(buf), jnp.int32(P), key, num_samples, chunk, temperature, sampling
         )
         rows = [Row(list(prompt)) for _ in range(num_samples)]
         column = []  # the tokens the rows took last step
@@ -102,7 +105,9 @@ class Engine:
                 return
             if n:  # feed the last column at position P + n - 1, sample position P + n
                 fed = jnp.asarray(column, jnp.int32)
-                sampled, cache = self.next_tokens(state, cache, fed, P + n - 1, key, n, sampling)
+                sampled, cache = self.next_tokens(
+                    state, cache, fed, P + n - 1, key, n, temperature, sampling
+                )
             column, masks = self.advance(rows, np.asarray(sampled).tolist(), ends, markers)
             yield column, masks
 
@@ -190,12 +195,12 @@ class Engine:
         return prompt
 
 
-def sample(logits, key, sampling):
-    """(B, V) logits -> (B,) int32 tokens: argmax at temperature 0, else drawn from
+def sample(logits, key, temperature, sampling):
+    """(B, V) logits -> (B,) int32 tokens: argmax when greedy (temperature 0), else drawn from
     softmax(logits / temperature) over the top_k (nanochat's sample_next_token's distribution;
-    filter_logits keeps ties with the k-th, where torch.topk keeps k)."""
-    temperature, top_k = sampling
-    if temperature == 0:
+    filter_logits keeps ties with the k-th, where torch.topk keeps k). sampling: (greedy, top_k)."""
+    greedy, top_k = sampling
+    if greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, filter_logits(logits, temperature, top_k)).astype(jnp.int32)
 
@@ -210,7 +215,7 @@ def copied_rows(model, cache, rows, length):
     )
 
 
-def first_tokens(graphdef, state, buf, prompt_len, key, rows, chunk, sampling):
+def first_tokens(graphdef, state, buf, prompt_len, key, rows, chunk, temperature, sampling):
     """buf (1, S): the prompt in buf[:, :prompt_len] -> (the first token of each of `rows` rows,
     sampled from the prompt's last logits, and the cache holding the prompt in every row)."""
     model = nnx.merge(graphdef, state)
@@ -227,16 +232,16 @@ def first_tokens(graphdef, state, buf, prompt_len, key, rows, chunk, sampling):
     x, cache = model.decode(last, cache, prompt_len - 1)
     V = model.config.vocab_size  # a padded head's extra ids are no tokens
     logits = jnp.broadcast_to(model.logits(x[:, 0])[:, :V], (rows, V))
-    tokens = sample(logits, jax.random.fold_in(key, 0), sampling)
+    tokens = sample(logits, jax.random.fold_in(key, 0), temperature, sampling)
     return tokens, copied_rows(model, cache, rows, S)
 
 
-def next_tokens(graphdef, state, cache, column, pos, key, step, sampling):
+def next_tokens(graphdef, state, cache, column, pos, key, step, temperature, sampling):
     """column (B,): each row's last token, fed at `pos` -> (each row's next token, the cache)."""
     model = nnx.merge(graphdef, state)
     x, cache = model.decode(column[:, None], cache, pos)
     logits = model.logits(x[:, 0])[:, : model.config.vocab_size]
-    return sample(logits, jax.random.fold_in(key, step), sampling), cache
+    return sample(logits, jax.random.fold_in(key, step), temperature, sampling), cache
 
 
 def load_chat_model(init_from, out_dir, tokenizer_dir, dtype):
