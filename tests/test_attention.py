@@ -345,6 +345,7 @@ def test_splash_under_a_mesh(tmp_path):
             assert_close(out[what], a, atol=1e-6 * np.abs(a).max(), what=what)
 
 
+@pytest.mark.slow
 def test_splash_compiles_for_tpu():
     """Forward and backward for a v5e 2x2 slice as fsdp 2 x tensor 2, from abstract inputs: the
     Mosaic kernels (tpu_custom_call, not interpret mode), each on its device's 2 rows and 2

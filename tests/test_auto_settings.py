@@ -126,6 +126,7 @@ def test_the_first_candidate_that_fits_with_the_margin_is_compiled(monkeypatch):
     assert [pair[:2] for pair in fit.tried] == [("block", 0)]
 
 
+@pytest.mark.slow
 def test_a_refusal_is_recorded_and_not_compiled_again(tmp_path, monkeypatch):
     """The TPU compiler refuses a step that does not fit, and JAX caches no failed compile: the
     refusal goes into a record, and a second start skips that candidate without compiling it (here

@@ -277,6 +277,7 @@ BAD_META = {  # (what is changed, the one line's reason)
 }
 
 
+@pytest.mark.slow
 def test_a_bad_meta_is_one_line_in_train_sample_and_export(dataset, tmp_path, capsys):
     out = tmp_path / "out"
     run(dataset, out, "--max_iters=4", "--eval_interval=2")

@@ -96,6 +96,7 @@ def test_writes_failing_during_a_save_are_one_line_on_stderr(dataset, tmp_path):
     assert "saving a checkpoint to" in err and "No checkpoint is left there" in err, err
 
 
+@pytest.mark.slow
 def test_a_read_only_checkpoint_folder_stops_the_run_in_one_line_and_it_exits(dataset, tmp_path):
     """OUT/ckpt read-only under a resumed run (a read-only bind mount, in a private mount namespace:
     root): the failed save is one line with the advice for a permission error, and the process

@@ -83,6 +83,7 @@ def test_padding_never_changes_a_loss(model, examples):
     assert (clean[: 4 * len(idx)] > 0).all() and (clean[4 * len(idx) :] == 0).all()
 
 
+@pytest.mark.slow
 def test_scorer_matches_numpy_from_full_logits(model, examples, reference_rows, jax_score):
     """Full logits (B, T, vocab) from the model's plain forward, then build-nanogpt's masked
     cross-entropy in float64 numpy over each row's real tokens."""

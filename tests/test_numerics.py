@@ -286,6 +286,7 @@ def one_thread():
         yield
 
 
+@pytest.mark.slow
 def test_bf16_training_is_within_2x_of_torch_autocast(tmp_path, one_thread, capsys):
     """docs/parity.md's bf16 training row, on the tiny random GPT-2 for 10 steps: ours in bf16 and
     torch autocast-bf16, each against torch fp32 from the same weights on the same batches; our mean

@@ -166,6 +166,7 @@ def char_run(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_resume_a_char_level_checkpoint(char_run, monkeypatch, capsys):
     monkeypatch.chdir(char_run)
     out = samples(

@@ -166,6 +166,7 @@ def test_a_run_that_cannot_take_its_setting_stops_in_one_line():
         check_run(GPTConfig(attention="flash", dtype="bfloat16"), h100)
 
 
+@pytest.mark.slow
 def test_window_splash_compiles_for_tpu():
     """Forward and backward for a v5e 2x2 slice as fsdp 2 x tensor 2, the window an argument: the
     Mosaic kernels (forward, dq, dkv), each device on its row and 2 heads."""
